@@ -1,0 +1,102 @@
+"""Variable-length, non-causal attention over cu_seqlens, with a host-int max length.
+
+Every backend takes q, k, v as [tokens, heads, head_dim], `cu_seqlens` as int32 offsets on the
+device, and `max_seqlen` as a host int (baked into a graph at capture), and returns [tokens, heads,
+head_dim]. None of them syncs with the host, so all of them can be captured.
+"""
+
+import importlib.util
+from collections.abc import Callable
+
+import torch
+
+VarlenAttention = Callable[..., torch.Tensor]
+
+_EXTRAS = {"flash_attn": "flash-attn", "flashinfer": "flashinfer"}
+
+
+def sdpa_varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Reference and CPU backend: one dense attention with a block-diagonal mask.
+
+    Rows that no segment covers form one extra block, so they stay finite.
+    """
+    positions = torch.arange(q.shape[0], device=q.device)
+    segment = torch.searchsorted(cu_seqlens[1:].to(positions.dtype), positions, right=True)
+    mask = segment[:, None] == segment[None, :]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale
+    )
+    return out.transpose(0, 1)
+
+
+def torch_varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """PyTorch's bundled FA2 (`torch.nn.attention.varlen`): no extra wheel, CUDA fp16/bf16 only."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale=scale)
+
+
+def flash_attn_varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    scale: float | None = None,
+) -> torch.Tensor:
+    from flash_attn import flash_attn_varlen_func
+
+    return flash_attn_varlen_func(
+        q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale=scale
+    )
+
+
+def flashinfer_varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    scale: float | None = None,
+) -> torch.Tensor:
+    from encoder_graphs.flashinfer_attention import cudnn_varlen_attention
+
+    return cudnn_varlen_attention(q, k, v, cu_seqlens, max_seqlen, scale)
+
+
+BACKENDS: dict[str, VarlenAttention] = {
+    "torch": torch_varlen_attention,
+    "flash_attn": flash_attn_varlen_attention,
+    "flashinfer": flashinfer_varlen_attention,
+    "sdpa": sdpa_varlen_attention,
+}
+
+
+def get_attention_backend(name: str) -> VarlenAttention:
+    """The backend called `name`; a clear error when it is unknown or its package is missing."""
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose one of {sorted(BACKENDS)}")
+    if name in _EXTRAS and importlib.util.find_spec(name) is None:
+        raise ImportError(
+            f"attention backend {name!r} needs the {name} package: "
+            f"pip install 'encoder-graphs[{_EXTRAS[name]}]'"
+        )
+    return BACKENDS[name]
+
+
+def default_attention_backend(device: torch.device) -> str:
+    return "torch" if device.type == "cuda" else "sdpa"

@@ -1,0 +1,340 @@
+"""Captures a model's encoder as CUDA graphs at several token budgets and replays them.
+
+The manager knows no model: everything model-specific comes through SupportsEncoderCudaGraph.
+"""
+
+import logging
+import time
+import warnings
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from encoder_graphs.packing import SubBatch, generate_budgets, greedy_pack
+from encoder_graphs.protocols import (
+    CaptureInputs,
+    EncoderItemSpec,
+    SupportsEncoderCudaGraph,
+    check_supports_encoder_cuda_graph,
+)
+from encoder_graphs.stats import LatencyRecorder, PathStats, format_stats
+
+logger = logging.getLogger(__name__)
+
+# Sizes of the blocks that `poison_pool_bytes` fills with NaN: one large block for the large
+# pool and 1 MiB blocks for the caching allocator's small-block pool.
+_SMALL_BLOCK = 1 << 20
+
+
+@dataclass
+class BudgetGraph:
+    """One captured graph and prefix views of the shared buffers it reads and writes."""
+
+    budget: int
+    graph: torch.cuda.CUDAGraph
+    inputs: dict[str, torch.Tensor]
+    outputs: dict[str, torch.Tensor]
+
+
+class EncoderCudaGraphManager:
+    def __init__(
+        self,
+        model: SupportsEncoderCudaGraph,
+        *,
+        budgets: Sequence[int] | Mapping[str, Sequence[int]] | None = None,
+        max_items: int | None = None,
+        max_frames: int | None = None,
+        enabled: bool = True,
+        log_interval_s: float = 60.0,
+        poison_pool_bytes: int = 0,
+    ) -> None:
+        check_supports_encoder_cuda_graph(model)
+        self.model = model
+        self.config = model.get_encoder_cudagraph_config()
+        self.paths = self.config.path_names
+        self.budgets = self._resolve_budgets(budgets)
+        smallest = min(b[0] for b in self.budgets.values())
+        largest = max(b[-1] for b in self.budgets.values())
+        self.max_items = max_items or max(1, largest // smallest)
+        self.max_frames = max_frames or self.max_items * self.config.max_frames_per_item
+        if self.max_items < 1 or self.max_frames < 1:
+            raise ValueError(f"max_items and max_frames must be >= 1: {max_items}, {max_frames}")
+        self.log_interval_s = log_interval_s
+        self.poison_pool_bytes = poison_pool_bytes
+
+        if not enabled:
+            self.disabled_reason: str | None = "disabled (enabled=False)"
+        elif not torch.cuda.is_available() or self.config.device.type != "cuda":
+            self.disabled_reason = "no CUDA device"
+        else:
+            self.disabled_reason = None
+
+        self.graphs: dict[str, dict[int, BudgetGraph]] = {path: {} for path in self.paths}
+        self.failed_budgets: dict[str, dict[int, str]] = {path: {} for path in self.paths}
+        self._input_pools: dict[str, dict[str, torch.Tensor]] = {}
+        self._output_pools: dict[str, dict[str, torch.Tensor]] = {}
+        self._pool = None
+        self.captured = False
+        self.capture_seconds = 0.0
+        self.graph_memory_bytes = 0
+        self._reset_counters()
+
+    def _resolve_budgets(self, budgets) -> dict[str, list[int]]:
+        if budgets is None:
+            ranges = self.model.get_budget_range()
+            resolved = {}
+            for path in self.config.paths:
+                low, high = ranges[path.name]
+                multiple = path.budget_multiple
+                resolved[path.name] = sorted(
+                    {-(-b // multiple) * multiple for b in generate_budgets(low, high)}
+                )
+        elif isinstance(budgets, Mapping):
+            unknown = set(budgets) - set(self.paths)
+            if unknown:
+                raise ValueError(f"budgets name unknown paths {sorted(unknown)}; paths: {self.paths}")
+            resolved = {path: sorted(set(budgets[path])) for path in self.paths}
+        else:
+            resolved = {path: sorted(set(budgets)) for path in self.paths}
+        for path, values in resolved.items():
+            if not values or values[0] <= 0:
+                raise ValueError(f"path {path!r} needs positive budgets, got {values}")
+        return resolved
+
+    def _reset_counters(self) -> None:
+        self.path_stats = {path: PathStats() for path in self.paths}
+        self.calls = 0
+        self.items = 0
+        self.graph_items = 0
+        self.latency = LatencyRecorder()
+        self._last_log = time.monotonic()
+
+    # ----- capture -------------------------------------------------------------------------
+    def capture(self) -> None:
+        """Capture every budget of every path, largest first, into one shared memory pool."""
+        if self.disabled_reason is not None or self.captured:
+            self.captured = True
+            return
+        device = self.config.device
+        torch.cuda.synchronize(device)
+        reserved_before = torch.cuda.memory_reserved(device)
+        started = time.perf_counter()
+        self._pool = torch.cuda.graph_pool_handle()
+        poison = self._poison_pool() if self.poison_pool_bytes else None
+        for path in self.paths:
+            for budget in sorted(self.budgets[path], reverse=True):
+                try:
+                    self._capture_budget(path, budget)
+                except (torch.cuda.OutOfMemoryError, RuntimeError) as error:
+                    self.failed_budgets[path][budget] = f"{type(error).__name__}: {error}"[:200]
+                    warnings.warn(
+                        f"encoder graph capture failed for path {path!r} budget {budget}; "
+                        f"that budget runs eagerly: {error}",
+                        stacklevel=2,
+                    )
+                    torch.cuda.synchronize(device)
+                    torch.cuda.empty_cache()
+            poison = None
+        del poison
+        torch.cuda.synchronize(device)
+        self.capture_seconds = time.perf_counter() - started
+        self.graph_memory_bytes = torch.cuda.memory_reserved(device) - reserved_before
+        self.captured = True
+        logger.info(
+            "captured encoder graphs %s in %.2f s, %.1f MiB",
+            {path: sorted(graphs) for path, graphs in self.graphs.items()},
+            self.capture_seconds,
+            self.graph_memory_bytes / 2**20,
+        )
+
+    def _poison_pool(self) -> torch.cuda.CUDAGraph:
+        """Fill blocks of the graph pool with NaN bits and free them, so that graphs captured
+        next reuse NaN memory: a test of rule 1 (no uninitialised rows reach real tokens)."""
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            blocks = [torch.empty(self.poison_pool_bytes, dtype=torch.uint8, device="cuda")]
+            blocks += [torch.empty(_SMALL_BLOCK, dtype=torch.uint8, device="cuda") for _ in range(64)]
+            for block in blocks:
+                block.fill_(0xFF)
+        graph.replay()
+        torch.cuda.synchronize()
+        del blocks
+        return graph  # kept alive until the first real graph holds the pool
+
+    def _capture_budget(self, path: str, budget: int) -> None:
+        capture = self.model.prepare_capture_inputs(budget, self.max_items, self.max_frames, path)
+        inputs = self._input_views(path, capture)
+        buffers = {**inputs, **capture.static}
+        # Warm up off the capture stream: lazy inits, autotuning and workspace allocation
+        # must not land inside the graph.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side), torch.inference_mode():
+            self.model.graph_forward(buffers, path)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.inference_mode(), torch.cuda.graph(graph, pool=self._pool):
+            produced = self.model.graph_forward(buffers, path)
+            outputs = self._output_views(path, produced)
+            for key, view in outputs.items():
+                view.copy_(produced[key])
+        del produced  # the graph writes these pool blocks; later graphs may reuse them
+        self.graphs[path][budget] = BudgetGraph(budget, graph, inputs, outputs)
+
+    def _input_views(self, path: str, capture: CaptureInputs) -> dict[str, torch.Tensor]:
+        pool = self._input_pools.setdefault(path, {})
+        views = {}
+        for key, value in capture.values.items():
+            if key not in pool:  # the largest budget comes first and sizes the pool
+                pool[key] = value.contiguous().clone()
+            base = pool[key]
+            if value.shape[1:] != base.shape[1:] or value.shape[0] > base.shape[0]:
+                raise ValueError(
+                    f"capture input {key!r} of path {path!r} has shape {tuple(value.shape)}, "
+                    f"not a prefix of the largest budget's {tuple(base.shape)}"
+                )
+            views[key] = base[: value.shape[0]]
+            views[key].copy_(value)
+        return views
+
+    def _output_views(self, path: str, produced: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        pool = self._output_pools.setdefault(path, {})
+        views = {}
+        for key, value in produced.items():
+            if key not in pool:
+                pool[key] = torch.empty_like(value, memory_format=torch.contiguous_format)
+            views[key] = pool[key][: value.shape[0]]
+        return views
+
+    # ----- execute -------------------------------------------------------------------------
+    def execute(self, inputs: Any) -> list[torch.Tensor]:
+        """Encode every item of `inputs`; one tensor per item, in input order."""
+        started = self.latency.start(self.config.device.type == "cuda")
+        specs = self.model.get_item_specs(inputs)
+        budgets = {path: sorted(graphs) for path, graphs in self.graphs.items()}
+        results: list[torch.Tensor | None] = [None] * len(specs)
+        with torch.inference_mode():
+            for batch in greedy_pack(specs, budgets, self.max_items, self.max_frames):
+                subset = self.model.select_items(inputs, batch.indices)
+                outputs = {path: self._run_path(batch, path, subset) for path in self.paths}
+                batch_specs = [specs[i] for i in batch.indices]
+                for index, output in zip(batch.indices, self.model.postprocess(outputs, batch_specs)):
+                    results[index] = output
+                self._count(batch, specs)
+        self.latency.stop(started)
+        self.calls += 1
+        self._maybe_log()
+        return results
+
+    def _run_path(self, batch: SubBatch, path: str, subset: Any) -> dict[str, torch.Tensor] | None:
+        budget = batch.budget[path]
+        if budget == 0:
+            return None
+        if budget is None:
+            return self.model.eager_forward(subset, path)
+        graph = self.graphs[path][budget]
+        replay = self.model.prepare_replay_buffers(
+            subset, self.max_items, self.max_frames, path, budget=budget
+        )
+        extra = set(replay.values) - set(graph.inputs)
+        if extra:
+            raise KeyError(f"replay buffers of path {path!r} name keys the graph lacks: {sorted(extra)}")
+        for key, buffer in graph.inputs.items():
+            if key not in replay.values:
+                raise KeyError(f"replay buffers of path {path!r} lack key {key!r}")
+            value = replay.values[key]
+            rows = value.shape[0]
+            if rows > buffer.shape[0] or value.shape[1:] != buffer.shape[1:]:
+                raise ValueError(
+                    f"replay value {key!r} of path {path!r} has shape {tuple(value.shape)}; "
+                    f"budget {budget} holds {tuple(buffer.shape)}"
+                )
+            buffer[:rows].copy_(value, non_blocking=True)
+            buffer[rows:].zero_()
+        graph.graph.replay()
+        rows = batch.tokens[path]
+        return {key: out[:rows].clone() for key, out in graph.outputs.items()}
+
+    def _count(self, batch: SubBatch, specs: list[EncoderItemSpec]) -> None:
+        eager_paths = [path for path in self.paths if batch.budget[path] is None]
+        self.items += len(batch.indices)
+        if not eager_paths:
+            self.graph_items += len(batch.indices)
+        for path in self.paths:
+            stats = self.path_stats[path]
+            budget = batch.budget[path]
+            users = sum(1 for i in batch.indices if specs[i].path_tokens.get(path, 0) > 0)
+            if budget == 0:
+                continue
+            if budget is None:
+                stats.misses += users
+                stats.miss_reasons[self._miss_reason(batch, path)] += users
+            else:
+                stats.hits += users
+                stats.replays[budget] += 1
+                stats.real_tokens += batch.tokens[path]
+                stats.padded_tokens += budget
+
+    def _miss_reason(self, batch: SubBatch, path: str) -> str:
+        if self.disabled_reason is not None:
+            return self.disabled_reason
+        if not self.captured:
+            return "capture() not called"
+        if not self.graphs[path]:
+            return "every budget failed to capture"
+        return batch.eager_reasons.get(path, "no graph fits")
+
+    # ----- statistics ----------------------------------------------------------------------
+    def stats(self) -> dict:
+        eager_items = self.items - self.graph_items
+        return {
+            "enabled": self.disabled_reason is None,
+            "disabled_reason": self.disabled_reason,
+            "calls": self.calls,
+            "items": self.items,
+            "graph_items": self.graph_items,
+            "eager_items": eager_items,
+            "hit_rate_pct": 100.0 * self.graph_items / self.items if self.items else 0.0,
+            "paths": {path: stats.as_dict() for path, stats in self.path_stats.items()},
+            "budgets": {path: list(values) for path, values in self.budgets.items()},
+            "captured_budgets": {path: sorted(graphs) for path, graphs in self.graphs.items()},
+            "failed_budgets": {path: dict(f) for path, f in self.failed_budgets.items() if f},
+            "max_items": self.max_items,
+            "max_frames": self.max_frames,
+            "capture_seconds": self.capture_seconds,
+            "graph_memory_bytes": self.graph_memory_bytes,
+            "latency_ms": self.latency.summary(),
+        }
+
+    def format_stats(self) -> str:
+        return format_stats(self.stats())
+
+    def reset_stats(self) -> None:
+        self._reset_counters()
+
+    def _maybe_log(self) -> None:
+        now = time.monotonic()
+        if now - self._last_log >= self.log_interval_s:
+            self._last_log = now
+            self._log_summary()
+
+    def _log_summary(self) -> None:
+        if self.calls:
+            logger.info(
+                "encoder graphs: %d calls, %d items, hit rate %.1f%%, misses %s",
+                self.calls,
+                self.items,
+                100.0 * self.graph_items / self.items if self.items else 0.0,
+                dict(sum((Counter(s.miss_reasons) for s in self.path_stats.values()), Counter())),
+            )
+
+    def close(self) -> None:
+        """Log a last summary and free the graphs and their pool."""
+        self._log_summary()
+        self.graphs = {path: {} for path in self.paths}
+        self._input_pools.clear()
+        self._output_pools.clear()
+        self._pool = None

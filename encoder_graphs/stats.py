@@ -1,0 +1,114 @@
+"""Counters for graph hits, eager misses, padding waste and latency."""
+
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from statistics import fmean
+
+import torch
+
+LATENCY_WINDOW = 10_000
+
+
+@dataclass
+class PathStats:
+    hits: int = 0
+    misses: int = 0
+    miss_reasons: Counter = field(default_factory=Counter)
+    replays: Counter = field(default_factory=Counter)
+    real_tokens: int = 0
+    padded_tokens: int = 0
+
+    def as_dict(self) -> dict:
+        waste = self.padded_tokens - self.real_tokens
+        return {
+            "hits": self.hits,
+            "misses": self.misses,
+            "miss_reasons": dict(self.miss_reasons),
+            "replays_per_budget": dict(sorted(self.replays.items())),
+            "real_tokens": self.real_tokens,
+            "padded_tokens": self.padded_tokens,
+            "waste_pct": 100.0 * waste / self.padded_tokens if self.padded_tokens else 0.0,
+        }
+
+
+class LatencyRecorder:
+    """Per-call latency. On CUDA it records events and resolves them only when read, so the
+    hot path never waits for the device."""
+
+    def __init__(self) -> None:
+        self._done_ms: deque[float] = deque(maxlen=LATENCY_WINDOW)
+        self._pending: deque[tuple[torch.cuda.Event, torch.cuda.Event]] = deque()
+
+    def start(self, on_cuda: bool) -> torch.cuda.Event | float:
+        if on_cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        import time
+
+        return time.perf_counter()
+
+    def stop(self, started: torch.cuda.Event | float) -> None:
+        if isinstance(started, float):
+            import time
+
+            self._done_ms.append(1000.0 * (time.perf_counter() - started))
+            return
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        self._pending.append((started, end))
+        if len(self._pending) > LATENCY_WINDOW:
+            self._resolve()
+
+    def _resolve(self) -> None:
+        while self._pending:
+            start, end = self._pending.popleft()
+            end.synchronize()
+            self._done_ms.append(start.elapsed_time(end))
+
+    def summary(self) -> dict:
+        self._resolve()
+        values = sorted(self._done_ms)
+        if not values:
+            return {"calls": 0, "mean": 0.0, "p50": 0.0, "p99": 0.0}
+        return {
+            "calls": len(values),
+            "mean": fmean(values),
+            "p50": _percentile(values, 50),
+            "p99": _percentile(values, 99),
+        }
+
+
+def _percentile(sorted_values: list[float], pct: float) -> float:
+    rank = pct / 100 * (len(sorted_values) - 1)
+    low = int(rank)
+    high = min(low + 1, len(sorted_values) - 1)
+    return sorted_values[low] + (sorted_values[high] - sorted_values[low]) * (rank - low)
+
+
+def format_stats(stats: dict) -> str:
+    """A readable table of `EncoderCudaGraphManager.stats()`."""
+    items = stats["items"]
+    lines = [
+        f"encoder graphs: {'on' if stats['enabled'] else 'off (' + stats['disabled_reason'] + ')'}",
+        f"  calls {stats['calls']}, items {items}, graph items {stats['graph_items']}, "
+        f"eager items {stats['eager_items']}, hit rate {stats['hit_rate_pct']:.1f}%",
+        f"  capture {stats['capture_seconds']:.2f} s, graph memory "
+        f"{stats['graph_memory_bytes'] / 2**20:.1f} MiB",
+    ]
+    latency = stats["latency_ms"]
+    lines.append(
+        f"  latency ms: mean {latency['mean']:.2f}  p50 {latency['p50']:.2f}  p99 {latency['p99']:.2f}"
+    )
+    header = f"  {'path':<10}{'hits':>8}{'misses':>8}{'waste %':>9}  budgets (replays)"
+    lines.append(header)
+    for name, path in stats["paths"].items():
+        replays = ", ".join(f"{b} ({n})" for b, n in path["replays_per_budget"].items()) or "-"
+        lines.append(
+            f"  {name:<10}{path['hits']:>8}{path['misses']:>8}{path['waste_pct']:>9.1f}  {replays}"
+        )
+        for reason, count in path["miss_reasons"].items():
+            lines.append(f"  {'':<10}miss: {reason} x{count}")
+        for budget, reason in stats["failed_budgets"].get(name, {}).items():
+            lines.append(f"  {'':<10}capture of {budget} failed: {reason}")
+    return "\n".join(lines)

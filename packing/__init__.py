@@ -1,0 +1,14 @@
+"""Token budgets and greedy bin-packing of encoder items. Pure Python: no torch here."""
+
+from encoder_graphs.packing.budgets import generate_budgets, smallest_fitting_budget
+from encoder_graphs.packing.balance import load_balance
+from encoder_graphs.packing.greedy import PackItem, SubBatch, greedy_pack
+
+__all__ = [
+    "PackItem",
+    "SubBatch",
+    "generate_budgets",
+    "greedy_pack",
+    "load_balance",
+    "smallest_fitting_budget",
+]

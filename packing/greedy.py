@@ -1,0 +1,108 @@
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from encoder_graphs.packing.budgets import smallest_fitting_budget
+
+
+class PackItem(Protocol):
+    """What the packer reads from an item (`EncoderItemSpec` has these)."""
+
+    frames: int
+    path_tokens: Mapping[str, int]
+
+
+@dataclass
+class SubBatch:
+    """Items that run together. `budget[path]`: the graph to replay, None = eager, 0 = path absent."""
+
+    indices: list[int]
+    tokens: dict[str, int]
+    budget: dict[str, int | None]
+    frames: int = 0
+    eager_reasons: dict[str, str] = field(default_factory=dict)
+
+    def padded_tokens(self, path: str) -> int:
+        return self.budget[path] or self.tokens[path]
+
+
+def greedy_pack(
+    specs: Sequence[PackItem],
+    budgets: Mapping[str, Sequence[int]],
+    max_items: int,
+    max_frames: int | None = None,
+) -> list[SubBatch]:
+    """Pack items, smallest first, into sub-batches that each fit one budget per path.
+
+    A sub-batch closes when the next item would overflow the largest budget of some path, the
+    item cap or the frame cap. Items that fit no sub-batch on their own (larger than the largest
+    budget of a path, or more frames than `max_frames`) are grouped, up to `max_items`, into
+    sub-batches that run eagerly on the paths where they do not fit.
+    A path with no budgets never constrains packing and always runs eagerly.
+    """
+    if max_items <= 0:
+        raise ValueError(f"max_items must be positive, got {max_items}")
+    paths = list(budgets)
+    budgets = {path: sorted(budgets[path]) for path in paths}
+    limits = {path: budgets[path][-1] for path in paths if budgets[path]}
+    frame_limit = max_frames if max_frames is not None else float("inf")
+
+    def tokens_of(index: int, path: str) -> int:
+        return specs[index].path_tokens.get(path, 0)
+
+    def fits_alone(index: int) -> bool:
+        spec = specs[index]
+        return spec.frames <= frame_limit and all(
+            tokens_of(index, path) <= limit for path, limit in limits.items()
+        )
+
+    order = sorted(range(len(specs)), key=lambda i: (sum(specs[i].path_tokens.values()), i))
+    groups: list[list[int]] = []
+    current: list[int] = []
+    totals = dict.fromkeys(limits, 0)
+    frames = 0
+    oversize = []
+    for index in order:
+        if not fits_alone(index):
+            oversize.append(index)
+            continue
+        overflows = (
+            len(current) == max_items
+            or frames + specs[index].frames > frame_limit
+            or any(totals[p] + tokens_of(index, p) > limit for p, limit in limits.items())
+        )
+        if overflows:
+            groups.append(current)
+            current, totals, frames = [], dict.fromkeys(limits, 0), 0
+        current.append(index)
+        frames += specs[index].frames
+        for path in limits:
+            totals[path] += tokens_of(index, path)
+    if current:
+        groups.append(current)
+    groups += [oversize[i : i + max_items] for i in range(0, len(oversize), max_items)]
+    return [_sub_batch(group, specs, budgets, frame_limit) for group in groups]
+
+
+def _sub_batch(
+    indices: list[int],
+    specs: Sequence[PackItem],
+    budgets: Mapping[str, Sequence[int]],
+    frame_limit: float,
+) -> SubBatch:
+    frames = sum(specs[i].frames for i in indices)
+    tokens = {path: sum(specs[i].path_tokens.get(path, 0) for i in indices) for path in budgets}
+    chosen: dict[str, int | None] = {}
+    reasons: dict[str, str] = {}
+    for path, path_budgets in budgets.items():
+        if tokens[path] == 0:
+            chosen[path] = 0
+        elif not path_budgets:
+            chosen[path], reasons[path] = None, "no graph captured"
+        elif frames > frame_limit:
+            chosen[path], reasons[path] = None, "frames over max_frames"
+        else:
+            chosen[path] = smallest_fitting_budget(path_budgets, tokens[path])
+            if chosen[path] is None:
+                reasons[path] = "tokens over largest budget"
+    return SubBatch(indices, tokens, chosen, frames, reasons)
