@@ -17,6 +17,7 @@ from encoder_graphs.packing import SubBatch, generate_budgets, greedy_pack
 from encoder_graphs.protocols import (
     CaptureInputs,
     EncoderItemSpec,
+    ReplayBuffers,
     SupportsEncoderCudaGraph,
     check_supports_encoder_cuda_graph,
 )
@@ -37,6 +38,25 @@ class BudgetGraph:
     graph: torch.cuda.CUDAGraph
     inputs: dict[str, torch.Tensor]
     outputs: dict[str, torch.Tensor]
+
+
+def fill_buffers(buffers: dict[str, torch.Tensor], replay: ReplayBuffers, where: str) -> None:
+    """Refill every captured input buffer: copy the replay value into its head, zero its tail."""
+    extra = set(replay.values) - set(buffers)
+    if extra:
+        raise KeyError(f"replay buffers for {where} name keys the graph lacks: {sorted(extra)}")
+    for key, buffer in buffers.items():
+        if key not in replay.values:
+            raise KeyError(f"replay buffers for {where} lack key {key!r}")
+        value = replay.values[key]
+        rows = value.shape[0]
+        if rows > buffer.shape[0] or value.shape[1:] != buffer.shape[1:]:
+            raise ValueError(
+                f"replay value {key!r} for {where} has shape {tuple(value.shape)}; "
+                f"the captured buffer holds {tuple(buffer.shape)}"
+            )
+        buffer[:rows].copy_(value, non_blocking=True)
+        buffer[rows:].zero_()
 
 
 class EncoderCudaGraphManager:
@@ -239,21 +259,7 @@ class EncoderCudaGraphManager:
         replay = self.model.prepare_replay_buffers(
             subset, self.max_items, self.max_frames, path, budget=budget
         )
-        extra = set(replay.values) - set(graph.inputs)
-        if extra:
-            raise KeyError(f"replay buffers of path {path!r} name keys the graph lacks: {sorted(extra)}")
-        for key, buffer in graph.inputs.items():
-            if key not in replay.values:
-                raise KeyError(f"replay buffers of path {path!r} lack key {key!r}")
-            value = replay.values[key]
-            rows = value.shape[0]
-            if rows > buffer.shape[0] or value.shape[1:] != buffer.shape[1:]:
-                raise ValueError(
-                    f"replay value {key!r} of path {path!r} has shape {tuple(value.shape)}; "
-                    f"budget {budget} holds {tuple(buffer.shape)}"
-                )
-            buffer[:rows].copy_(value, non_blocking=True)
-            buffer[rows:].zero_()
+        fill_buffers(graph.inputs, replay, where=f"path {path!r} budget {budget}")
         graph.graph.replay()
         rows = batch.tokens[path]
         return {key: out[:rows].clone() for key, out in graph.outputs.items()}

@@ -1,0 +1,47 @@
+"""Next-token selection on the device, with no host sync: greedy, temperature, top-p.
+
+Temperature and top-p follow transformers' TemperatureLogitsWarper and TopPLogitsWarper, so that
+greedy picks the same token as `generate(do_sample=False)` and top-p keeps the same set.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.do_sample and not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0 when sampling, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+def select_next_tokens(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """Token ids [batch] from float logits [batch, vocab]."""
+    if not params.do_sample:
+        return logits.argmax(dim=-1)
+    scores = logits / params.temperature
+    if params.top_p < 1.0:
+        scores = _top_p_filter(scores, params.top_p)
+    probs = scores.softmax(dim=-1)
+    # Exponential race (argmax of p / E, E ~ Exp(1)) draws from `probs` like multinomial,
+    # but never synchronises with the host.
+    race = torch.empty_like(probs).exponential_(1.0, generator=generator)
+    return probs.div_(race).argmax(dim=-1)
+
+
+def _top_p_filter(scores: torch.Tensor, top_p: float) -> torch.Tensor:
+    sorted_scores, sorted_indices = torch.sort(scores, descending=False)
+    cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
+    remove_sorted = cumulative <= (1 - top_p)
+    remove_sorted[..., -1:] = False  # always keep the most likely token
+    remove = remove_sorted.scatter(1, sorted_indices, remove_sorted)
+    return scores.masked_fill(remove, float("-inf"))

@@ -1,0 +1,249 @@
+"""What the Qwen-VL vision towers share: inputs, padded metadata, and the adapter over the stock tower.
+
+The tower is the transformers module itself (its weights, its forward). Every data-dependent
+tensor its forward would derive from `grid_thw` (rotary position ids, cu_seqlens, window index,
+position-embedding interpolation) is computed here, on the host, by `metadata`, and passed to that
+forward as the precomputed kwargs transformers accepts. `metadata` serves eager calls (exact
+sizes), capture and replay (padded to a budget's layout), so all three see the same values.
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+from transformers.vision_utils import get_vision_cu_seqlens, get_vision_position_ids
+
+from encoder_graphs.attention import default_attention_backend
+from encoder_graphs.models.hf_attention import attention_implementation, register_varlen_attention
+from encoder_graphs.protocols import (
+    CaptureInputs,
+    EncoderCudaGraphConfig,
+    EncoderItemSpec,
+    EncoderPathConfig,
+    ReplayBuffers,
+)
+
+PATH = "default"
+Grid = tuple[int, int, int]
+
+
+@dataclass(eq=False)
+class VisionBatch:
+    """Images then videos, as a Qwen-VL processor returns them: patch rows and (t, h, w) per item."""
+
+    pixel_values: torch.Tensor | None = None
+    image_grid_thw: torch.Tensor | None = None
+    pixel_values_videos: torch.Tensor | None = None
+    video_grid_thw: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        for pixels, grid in (
+            (self.pixel_values, self.image_grid_thw),
+            (self.pixel_values_videos, self.video_grid_thw),
+        ):
+            if (pixels is None) != (grid is None):
+                raise ValueError("pixel values and their grid_thw come together")
+
+    @cached_property
+    def grids(self) -> list[Grid]:
+        """(t, h, w) of every item in patches: one host read per batch."""
+        grids = []
+        for grid in (self.image_grid_thw, self.video_grid_thw):
+            if grid is not None:
+                grids += [tuple(int(x) for x in row) for row in grid.tolist()]
+        return grids
+
+    def item_pixels(self) -> list[torch.Tensor]:
+        """One [t*h*w, patch_dim] view per item."""
+        sizes = [t * h * w for t, h, w in self.grids]
+        pixels = [p for p in (self.pixel_values, self.pixel_values_videos) if p is not None]
+        rows = torch.cat(pixels) if len(pixels) > 1 else pixels[0]
+        if rows.shape[0] != sum(sizes):
+            raise ValueError(f"pixel rows {rows.shape[0]} do not match grid_thw ({sum(sizes)} patches)")
+        return list(torch.split(rows, sizes))
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Sizes of a budget's padded buffers. `rows`: patch rows; `segments`, `windows`: attention
+    segments that cu_seqlens / cu_window_seqlens can describe (the padded tail included)."""
+
+    rows: int
+    segments: int
+    windows: int
+
+
+def pad_offsets(offsets: torch.Tensor, length: int, capacity: int, chunk: int) -> torch.Tensor:
+    """Cumulative offsets of the real segments, then the padded tail [real, capacity) cut into
+    self-attending segments of at most `chunk` rows, then `capacity` repeated up to `length`
+    entries: monotonic, and every row of the buffer belongs to a segment."""
+    real = int(offsets[-1])
+    tail = torch.arange(real + chunk, capacity, chunk, dtype=offsets.dtype)
+    offsets = torch.cat([offsets, tail, torch.tensor([capacity], dtype=offsets.dtype)])
+    offsets = torch.unique_consecutive(offsets)
+    if offsets.numel() > length:
+        raise ValueError(f"{offsets.numel() - 1} attention segments do not fit in {length - 1}")
+    return torch.cat([offsets, offsets.new_full((length - offsets.numel(),), capacity)])
+
+
+def pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    if tensor.shape[0] > rows:
+        raise ValueError(f"{tensor.shape[0]} rows do not fit in {rows}")
+    return torch.cat([tensor, tensor.new_zeros((rows - tensor.shape[0], *tensor.shape[1:]))])
+
+
+class QwenVisionAdapter:
+    """SupportsEncoderCudaGraph over a stock Qwen2-VL vision tower (base of the other families).
+
+    Budgets count output rows (merged tokens); a budget of B holds B * merge**2 patch rows.
+    Each frame of an item is its own attention segment, as in transformers.
+    """
+
+    # Keys of the tower forward's precomputed kwargs that `metadata` returns as tensors.
+    tensor_keys: tuple[str, ...] = ("position_ids", "cu_seqlens")
+
+    def __init__(
+        self,
+        vision_tower: torch.nn.Module,
+        *,
+        attn_backend: str | None = None,
+        max_frames_per_item: int = 16,
+        budget_range: tuple[int, int] = (64, 16384),
+    ) -> None:
+        self.visual = vision_tower
+        config = vision_tower.config
+        self.merge = config.spatial_merge_size
+        self.unit = self.merge**2
+        weight = next(vision_tower.parameters())
+        self.dtype, self.device = weight.dtype, weight.device
+        if attn_backend is None:
+            # PyTorch's FA2 needs half precision; fp32 on CUDA falls back to the masked reference.
+            half = self.dtype in (torch.float16, torch.bfloat16)
+            attn_backend = default_attention_backend(self.device) if half else "sdpa"
+        self.attn_backend = attn_backend
+        self.attn_implementation = register_varlen_attention(attn_backend)
+        self.max_frames_per_item = max_frames_per_item
+        self.budget_range = budget_range
+
+    # ----- metadata (the one function eager, capture and replay share) ----------------------
+    def layout(self, budget: int, max_frames: int) -> Layout:
+        # A frame or a window holds at least one merged token, so a budget bounds their number.
+        rows = budget * self.unit
+        return Layout(rows=rows, segments=min(max_frames, budget) + 1, windows=budget + 1)
+
+    def metadata(
+        self, grids: Sequence[Grid], layout: Layout | None
+    ) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+        """Tensors for the tower's forward and its host ints. `layout=None`: exact sizes (eager);
+        otherwise padded to `layout` (the host ints are then the capture's worst case)."""
+        grid_thw = torch.tensor(list(grids), dtype=torch.long).reshape(-1, 3)
+        if grids:
+            position_ids = get_vision_position_ids(grid_thw, self.merge)
+        else:
+            position_ids = torch.zeros(0, 2, dtype=torch.long)
+        cu_seqlens = get_vision_cu_seqlens(grid_thw)
+        if layout is None:
+            tensors = {"position_ids": position_ids, "cu_seqlens": cu_seqlens}
+            static = {"max_seqlen": max(h * w for _, h, w in grids)}
+        else:
+            tensors = {
+                "position_ids": pad_rows(position_ids, layout.rows),
+                "cu_seqlens": pad_offsets(cu_seqlens, layout.segments + 1, layout.rows, layout.rows),
+            }
+            static = {"max_seqlen": layout.rows}
+        self._add_metadata(grid_thw, layout, tensors, static)
+        return tensors, static
+
+    def _add_metadata(
+        self,
+        grid_thw: torch.Tensor,
+        layout: Layout | None,
+        tensors: dict[str, torch.Tensor],
+        static: dict[str, int],
+    ) -> None:
+        """A family's own metadata, added in place (none for Qwen2-VL)."""
+
+    # ----- the tower ----------------------------------------------------------------------
+    def _run_tower(self, pixels: torch.Tensor, kwargs: dict) -> torch.Tensor:
+        with attention_implementation(self.visual, self.attn_implementation):
+            output = self.visual(pixels, grid_thw=None, return_dict=True, **kwargs)
+        return self._embeds(output)
+
+    def _embeds(self, output) -> torch.Tensor:
+        return output.pooler_output
+
+    def _to_device(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {key: value.to(self.device) for key, value in tensors.items()}
+
+    # ----- SupportsEncoderCudaGraph -------------------------------------------------------
+    def get_encoder_cudagraph_config(self) -> EncoderCudaGraphConfig:
+        return EncoderCudaGraphConfig(
+            paths=(EncoderPathConfig(PATH),),
+            max_frames_per_item=self.max_frames_per_item,
+            dtype=self.dtype,
+            device=self.device,
+        )
+
+    def get_budget_range(self) -> dict[str, tuple[int, int]]:
+        return {PATH: self.budget_range}
+
+    def get_item_specs(self, inputs: VisionBatch) -> list[EncoderItemSpec]:
+        specs = []
+        for t, h, w in inputs.grids:
+            tokens = t * h * w // self.unit
+            specs.append(EncoderItemSpec(t * h * w, tokens, frames=t, path_tokens={PATH: tokens}))
+        return specs
+
+    def select_items(self, inputs: VisionBatch, indices: Sequence[int]) -> VisionBatch:
+        """The chosen items in the order asked. The tower treats images and videos alike, so
+        the selection holds them all in the image fields."""
+        pixels = inputs.item_pixels()
+        grids = inputs.grids
+        chosen = VisionBatch(
+            pixel_values=torch.cat([pixels[i] for i in indices]),
+            image_grid_thw=torch.tensor([grids[i] for i in indices], dtype=torch.long),
+        )
+        chosen.grids = [grids[i] for i in indices]  # seeds the cached property: no device read
+        return chosen
+
+    def prepare_capture_inputs(
+        self, budget: int, max_items: int, max_frames: int, path: str
+    ) -> CaptureInputs:
+        layout = self.layout(budget, max_frames)
+        tensors, static = self.metadata([], layout)
+        pixels = torch.zeros(layout.rows, self._patch_dim, dtype=self.dtype, device=self.device)
+        return CaptureInputs({"pixel_values": pixels, **self._to_device(tensors)}, static)
+
+    def prepare_replay_buffers(
+        self, inputs: VisionBatch, max_items: int, max_frames: int, path: str, *, budget: int
+    ) -> ReplayBuffers:
+        tensors, _ = self.metadata(inputs.grids, self.layout(budget, max_frames))
+        pixels = torch.cat(inputs.item_pixels()).to(self.device, self.dtype)
+        return ReplayBuffers({"pixel_values": pixels, **self._to_device(tensors)})
+
+    def graph_forward(self, buffers: dict, path: str) -> dict[str, torch.Tensor]:
+        kwargs = {key: buffers[key] for key in (*self.tensor_keys, *self._static_keys)}
+        return {"embeds": self._run_tower(buffers["pixel_values"], kwargs)}
+
+    def eager_forward(self, inputs: VisionBatch, path: str) -> dict[str, torch.Tensor]:
+        tensors, static = self.metadata(inputs.grids, None)
+        pixels = torch.cat(inputs.item_pixels()).to(self.device, self.dtype)
+        return {"embeds": self._run_tower(pixels, {**self._to_device(tensors), **static})}
+
+    def postprocess(
+        self,
+        outputs_by_path: dict[str, dict[str, torch.Tensor] | None],
+        specs: Sequence[EncoderItemSpec],
+    ) -> list[torch.Tensor]:
+        embeds = outputs_by_path[PATH]["embeds"]
+        return list(torch.split(embeds, [spec.output_tokens for spec in specs]))
+
+    @property
+    def _static_keys(self) -> tuple[str, ...]:
+        return ("max_seqlen",)
+
+    @property
+    def _patch_dim(self) -> int:
+        config = self.visual.config
+        return config.in_channels * config.temporal_patch_size * config.patch_size**2

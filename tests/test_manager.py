@@ -1,0 +1,131 @@
+import logging
+import random
+
+import pytest
+import torch
+from toy_items import random_call
+
+from encoder_graphs import EncoderCudaGraphManager
+from encoder_graphs.manager import fill_buffers
+from encoder_graphs.models.toy_vit import GLOBAL, LOCAL, ToyItem, ToyViT, ToyViTConfig
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return ToyViT(ToyViTConfig(depth=1)).eval()
+
+
+def eager_per_item(model, items):
+    """Each item alone through the model's own eager forward: the reference."""
+    outputs = []
+    for item in items:
+        parts = [model.eager_forward([item], GLOBAL)["hidden"]]
+        if item.tiles is not None:
+            parts.append(model.eager_forward([item], LOCAL)["hidden"])
+        outputs.append(torch.cat(parts))
+    return outputs
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_eager_path_matches_per_item_eager(model, enabled):
+    manager = EncoderCudaGraphManager(model, enabled=enabled, max_items=4)
+    manager.capture()
+    rng = random.Random(1)
+    with torch.inference_mode():
+        for _ in range(5):
+            items = random_call(rng, model.config.in_dim)
+            outputs = manager.execute(items)
+            expected = eager_per_item(model, items)
+            assert len(outputs) == len(items)
+            for out, ref in zip(outputs, expected):
+                torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_stats_say_why_everything_ran_eagerly(model):
+    manager = EncoderCudaGraphManager(model, enabled=False)
+    items = [
+        ToyItem(torch.randn(10, 48)),
+        ToyItem(torch.randn(20, 48), tiles=torch.randn(32, 48)),
+        ToyItem(torch.randn(4000, 48), frames=2),
+    ]
+    manager.execute(items)
+    manager.execute(items[:1])
+    stats = manager.stats()
+    assert stats["enabled"] is False
+    assert stats["disabled_reason"] == "disabled (enabled=False)"
+    assert (stats["calls"], stats["items"], stats["graph_items"], stats["eager_items"]) == (2, 4, 0, 4)
+    assert stats["paths"][GLOBAL]["misses"] == 4
+    assert stats["paths"][GLOBAL]["miss_reasons"] == {"disabled (enabled=False)": 4}
+    assert stats["paths"][LOCAL]["misses"] == 1  # only one item has tiles
+    assert stats["latency_ms"]["calls"] == 2 and stats["latency_ms"]["p99"] > 0
+    table = manager.format_stats()
+    assert "off (disabled (enabled=False))" in table and "miss: disabled" in table
+    manager.reset_stats()
+    assert manager.stats()["items"] == 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA reason")
+def test_no_cuda_is_a_reason(model):
+    manager = EncoderCudaGraphManager(model)
+    manager.capture()
+    manager.execute([ToyItem(torch.randn(8, 48))])
+    assert manager.stats()["paths"][GLOBAL]["miss_reasons"] == {"no CUDA device": 1}
+
+
+def test_budgets_and_caps(model):
+    manager = EncoderCudaGraphManager(model, enabled=False)
+    assert manager.budgets == {GLOBAL: [64, 128, 256, 512, 1024], LOCAL: [64, 128, 256, 512, 1024]}
+    assert manager.max_items == 1024 // 64
+    assert manager.max_frames == manager.max_items * model.config.max_frames_per_item
+    manager = EncoderCudaGraphManager(model, budgets=[300, 100], max_items=3, enabled=False)
+    assert manager.budgets[GLOBAL] == [100, 300] and manager.max_frames == 24
+    manager = EncoderCudaGraphManager(model, budgets={GLOBAL: [128], LOCAL: [16]}, enabled=False)
+    assert manager.budgets == {GLOBAL: [128], LOCAL: [16]}
+    with pytest.raises(ValueError, match="unknown paths"):
+        EncoderCudaGraphManager(model, budgets={"nope": [1]}, enabled=False)
+    with pytest.raises(ValueError, match="positive budgets"):
+        EncoderCudaGraphManager(model, budgets=[0, 5], enabled=False)
+
+
+def test_padded_buffers_are_nan_safe_and_exact(model):
+    """The replay path run eagerly: NaN-poisoned buffers refilled as the manager does give the
+    same rows as the unpadded eager forward."""
+    items = [ToyItem(torch.randn(30, 48), frames=2), ToyItem(torch.randn(7, 48))]
+    budget = 64
+    for path in (GLOBAL,):
+        capture = model.prepare_capture_inputs(budget, 4, 8, path)
+        buffers = {key: value.clone() for key, value in capture.values.items()}
+        buffers["patches"].fill_(float("nan"))
+        buffers["cu_seqlens"].fill_(-7)
+        replay = model.prepare_replay_buffers(items, 4, 8, path, budget=budget)
+        fill_buffers(buffers, replay, where="test")
+        cu = buffers["cu_seqlens"].tolist()
+        assert cu == sorted(cu) and cu[-1] == budget  # monotonic, padded with capacity
+        with torch.inference_mode():
+            padded = model.graph_forward({**buffers, **capture.static}, path)["hidden"]
+            eager = model.eager_forward(items, path)["hidden"]
+        assert torch.isfinite(padded).all()
+        torch.testing.assert_close(padded[:37], eager, rtol=1e-5, atol=1e-5)
+
+
+def test_fill_buffers_names_bad_keys(model):
+    capture = model.prepare_capture_inputs(64, 2, 2, GLOBAL)
+    replay = model.prepare_replay_buffers([ToyItem(torch.randn(8, 48))], 2, 2, GLOBAL, budget=64)
+    replay.values["extra"] = torch.zeros(1)
+    with pytest.raises(KeyError, match="extra"):
+        fill_buffers(capture.values, replay, where="path 'global' budget 64")
+    del replay.values["extra"], replay.values["cu_seqlens"]
+    with pytest.raises(KeyError, match="cu_seqlens"):
+        fill_buffers(capture.values, replay, where="path 'global' budget 64")
+    replay.values["cu_seqlens"] = torch.zeros(100, dtype=torch.int32)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        fill_buffers(capture.values, replay, where="path 'global' budget 64")
+
+
+def test_summary_is_logged(model, caplog):
+    manager = EncoderCudaGraphManager(model, enabled=False, log_interval_s=0.0)
+    with caplog.at_level(logging.INFO, logger="encoder_graphs.manager"):
+        manager.execute([ToyItem(torch.randn(8, 48))])
+        manager.close()
+    assert sum("hit rate" in record.message for record in caplog.records) == 2

@@ -1,0 +1,126 @@
+"""The toy ViT graphed vs eager on the same items, on a real GPU."""
+
+import random
+import warnings
+
+import pytest
+import torch
+from toy_items import random_call
+
+from encoder_graphs import EncoderCudaGraphManager
+from encoder_graphs.manager import fill_buffers
+from encoder_graphs.models.toy_vit import GLOBAL, LOCAL, ToyItem, ToyViT, ToyViTConfig
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+POISON_BYTES = 256 << 20
+
+
+def build(seed: int = 0, **config) -> ToyViT:
+    torch.manual_seed(seed)
+    return ToyViT(ToyViTConfig(**config)).to("cuda", torch.bfloat16).eval()
+
+
+def poison_inputs(manager: EncoderCudaGraphManager) -> None:
+    for pool in manager._input_pools.values():
+        for tensor in pool.values():
+            tensor.fill_(float("nan") if tensor.is_floating_point() else 2**30)
+
+
+def assert_close_bf16(out: torch.Tensor, ref: torch.Tensor) -> None:
+    assert out.shape == ref.shape
+    assert torch.isfinite(out).all()
+    error = (out.float() - ref.float()).norm() / ref.float().norm()
+    assert error < 2e-2, f"relative error {error:.3e}"
+
+
+def test_500_random_calls_match_eager_with_poisoned_pool():
+    model = build()
+    manager = EncoderCudaGraphManager(model, max_items=4, poison_pool_bytes=POISON_BYTES)
+    manager.capture()
+    poison_inputs(manager)
+    eager = EncoderCudaGraphManager(model, max_items=4, enabled=False)
+    rng = random.Random(0)
+    with torch.inference_mode():
+        for call in range(500):
+            items = random_call(rng, model.config.in_dim)
+            if call % 50 == 0:  # small-large-small
+                items = [ToyItem(torch.randn(9, 48))] + items + [ToyItem(torch.randn(3, 48))]
+            items = [ToyItem(i.patches.cuda(), i.frames, None if i.tiles is None else i.tiles.cuda()) for i in items]
+            outputs = manager.execute(items)
+            expected = eager.execute(items)
+            for out, ref in zip(outputs, expected):
+                assert_close_bf16(out, ref)
+    stats = manager.stats()
+    assert stats["graph_items"] > 0.8 * stats["items"]
+    assert stats["paths"][LOCAL]["hits"] > 0
+    assert stats["capture_seconds"] > 0 and stats["graph_memory_bytes"] > 0
+    print(
+        f"\ntoy ViT: budgets {stats['captured_budgets']}, capture {stats['capture_seconds']:.2f} s, "
+        f"graph memory {stats['graph_memory_bytes'] / 2**20:.1f} MiB, hit rate "
+        f"{stats['hit_rate_pct']:.1f}%, waste {stats['paths'][GLOBAL]['waste_pct']:.1f}%"
+    )
+    print(manager.format_stats())
+
+
+def test_replay_is_bit_identical_to_eager_on_the_same_padded_shapes():
+    model = build(seed=1)
+    manager = EncoderCudaGraphManager(model, budgets=[256], max_items=4, poison_pool_bytes=POISON_BYTES)
+    manager.capture()
+    poison_inputs(manager)
+    items = [ToyItem(torch.randn(40, 48, device="cuda"), frames=2), ToyItem(torch.randn(17, 48, device="cuda"))]
+    with torch.inference_mode():
+        graphed = manager.execute(items)
+        capture = model.prepare_capture_inputs(256, 4, manager.max_frames, GLOBAL)
+        buffers = {key: torch.full_like(value, 3) for key, value in capture.values.items()}
+        fill_buffers(buffers, model.prepare_replay_buffers(items, 4, manager.max_frames, GLOBAL, budget=256), "test")
+        padded = model.graph_forward({**buffers, **capture.static}, GLOBAL)["hidden"]
+    assert torch.equal(torch.cat(graphed), padded[:57])
+
+
+def test_one_path_hits_while_the_other_falls_back():
+    model = build(seed=2)
+    manager = EncoderCudaGraphManager(
+        model, budgets={GLOBAL: [64, 256, 1024], LOCAL: [16]}, max_items=4,
+        poison_pool_bytes=POISON_BYTES,
+    )
+    manager.capture()
+    poison_inputs(manager)
+    eager = EncoderCudaGraphManager(model, enabled=False)
+    items = [ToyItem(torch.randn(50, 48, device="cuda"), tiles=torch.randn(64, 48, device="cuda")),
+             ToyItem(torch.randn(30, 48, device="cuda"))]
+    with torch.inference_mode():
+        for out, ref in zip(manager.execute(items), eager.execute(items)):
+            assert_close_bf16(out, ref)
+    stats = manager.stats()
+    assert stats["paths"][GLOBAL]["hits"] == 2 and stats["paths"][GLOBAL]["misses"] == 0
+    assert stats["paths"][LOCAL]["misses"] == 1
+    assert stats["paths"][LOCAL]["miss_reasons"] == {"tokens over largest budget": 1}
+    assert stats["eager_items"] == 2  # the sub-batch ran its local path eagerly
+
+
+class FailingViT(ToyViT):
+    """Capture of one budget fails, as an out-of-memory capture would."""
+
+    def prepare_capture_inputs(self, budget, max_items, max_frames, path):
+        if budget == 512:
+            raise torch.cuda.OutOfMemoryError("simulated: no memory for budget 512")
+        return super().prepare_capture_inputs(budget, max_items, max_frames, path)
+
+
+def test_failed_capture_drops_that_budget_and_carries_on():
+    torch.manual_seed(3)
+    model = FailingViT(ToyViTConfig(two_paths=False)).to("cuda", torch.bfloat16).eval()
+    manager = EncoderCudaGraphManager(model, budgets=[128, 512, 1024], max_items=4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        manager.capture()
+    assert any("budget 512" in str(w.message) for w in caught)
+    assert manager.stats()["captured_budgets"] == {GLOBAL: [128, 1024]}
+    assert 512 in manager.stats()["failed_budgets"][GLOBAL]
+    items = [ToyItem(torch.randn(300, 48, device="cuda"))]
+    with torch.inference_mode():
+        assert_close_bf16(manager.execute(items)[0], model.eager_forward(items, GLOBAL)["hidden"])
+    assert manager.stats()["paths"][GLOBAL]["replays_per_budget"] == {1024: 1}

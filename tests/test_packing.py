@@ -1,0 +1,121 @@
+from dataclasses import dataclass, field
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from encoder_graphs.packing import (
+    generate_budgets,
+    greedy_pack,
+    load_balance,
+    smallest_fitting_budget,
+)
+
+
+@dataclass
+class Item:
+    frames: int
+    path_tokens: dict[str, int] = field(default_factory=dict)
+
+
+def test_generate_budgets_doubles_and_keeps_max():
+    assert generate_budgets(64, 1000) == [64, 128, 256, 512, 1000]
+    assert generate_budgets(64, 512) == [64, 128, 256, 512]
+    assert generate_budgets(7, 7) == [7]
+    with pytest.raises(ValueError):
+        generate_budgets(0, 10)
+    with pytest.raises(ValueError):
+        generate_budgets(10, 5)
+
+
+def test_smallest_fitting_budget():
+    budgets = [64, 128, 256]
+    assert smallest_fitting_budget(budgets, 1) == 64
+    assert smallest_fitting_budget(budgets, 64) == 64
+    assert smallest_fitting_budget(budgets, 65) == 128
+    assert smallest_fitting_budget(budgets, 257) is None
+
+
+def test_zero_tokens_mean_path_absent_and_oversize_means_eager():
+    items = [Item(1, {"a": 10, "b": 0}), Item(1, {"a": 5000, "b": 0})]
+    batches = greedy_pack(items, {"a": [64, 128], "b": [64]}, max_items=4)
+    assert [b.indices for b in batches] == [[0], [1]]
+    assert batches[0].budget == {"a": 64, "b": 0}
+    assert batches[1].budget == {"a": None, "b": 0}
+    assert batches[1].eager_reasons == {"a": "tokens over largest budget"}
+
+
+def test_path_without_budgets_runs_eager_and_does_not_constrain():
+    items = [Item(1, {"a": 10, "b": 10_000}) for _ in range(3)]
+    (batch,) = greedy_pack(items, {"a": [64], "b": []}, max_items=8)
+    assert batch.budget == {"a": 64, "b": None}
+
+
+def test_frame_cap_closes_sub_batches():
+    items = [Item(4, {"a": 8}) for _ in range(5)]
+    batches = greedy_pack(items, {"a": [1024]}, max_items=10, max_frames=8)
+    assert [len(b.indices) for b in batches] == [2, 2, 1]
+    too_many = greedy_pack([Item(9, {"a": 8})], {"a": [1024]}, max_items=10, max_frames=8)
+    assert too_many[0].budget == {"a": None}
+    assert too_many[0].eager_reasons == {"a": "frames over max_frames"}
+
+
+def test_load_balance_lpt():
+    assert load_balance([5, 1, 4, 2, 3], 2) == [[0, 1, 3], [2, 4]]
+    assert load_balance([], 3) == [[], [], []]
+    with pytest.raises(ValueError):
+        load_balance([1], 0)
+
+
+budget_lists = st.lists(st.integers(1, 2000), min_size=0, max_size=5).map(sorted)
+items_strategy = st.lists(
+    st.builds(
+        Item,
+        frames=st.integers(1, 6),
+        path_tokens=st.fixed_dictionaries({"a": st.integers(0, 2500), "b": st.integers(0, 900)}),
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    items=items_strategy,
+    budgets_a=budget_lists,
+    budgets_b=budget_lists,
+    max_items=st.integers(1, 9),
+    max_frames=st.one_of(st.none(), st.integers(1, 12)),
+)
+def test_greedy_pack_properties(items, budgets_a, budgets_b, max_items, max_frames):
+    budgets = {"a": budgets_a, "b": budgets_b}
+    batches = greedy_pack(items, budgets, max_items, max_frames)
+    seen = [i for batch in batches for i in batch.indices]
+    assert sorted(seen) == list(range(len(items)))  # none lost, none duplicated: order restorable
+    for batch in batches:
+        assert 1 <= len(batch.indices) <= max_items
+        for path, path_budgets in budgets.items():
+            tokens = sum(items[i].path_tokens[path] for i in batch.indices)
+            assert batch.tokens[path] == tokens
+            chosen = batch.budget[path]
+            if tokens == 0:
+                assert chosen == 0
+            elif chosen is None:
+                frames_over = max_frames is not None and batch.frames > max_frames
+                assert frames_over or not any(b >= tokens for b in path_budgets)
+            else:
+                assert chosen == min(b for b in path_budgets if b >= tokens)
+        graphed = any(batch.budget[p] not in (None, 0) for p in budgets)
+        if graphed and max_frames is not None:
+            assert batch.frames <= max_frames
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 1000), max_size=50), st.integers(1, 8))
+def test_load_balance_properties(sizes, ranks):
+    assignment = load_balance(sizes, ranks)
+    assert sorted(i for rank in assignment for i in rank) == list(range(len(sizes)))
+    loads = [sum(sizes[i] for i in rank) for rank in assignment]
+    if sizes:
+        # LPT is within 4/3 of optimal; the optimum is at least max(mean, largest item)
+        lower = max(sum(sizes) / ranks, max(sizes))
+        assert max(loads) <= 4 / 3 * lower + 1e-9
