@@ -1,5 +1,6 @@
 """encoder-graphs: CUDA graphs for the vision encoders and decoders of Hugging Face VLMs."""
 
+from encoder_graphs.enable import enable_cuda_graphs
 from encoder_graphs.manager import EncoderCudaGraphManager
 
-__all__ = ["EncoderCudaGraphManager"]
+__all__ = ["EncoderCudaGraphManager", "enable_cuda_graphs"]

@@ -10,13 +10,13 @@ cuDNN builds one execution graph per (segments, max_seqlen, heads, head_dim, dty
 time it meets that shape; building syncs with the host, so every shape must be met once before
 capture (the manager's warm-up does it). Segments and max_seqlen are rounded up to powers of two
 so that eager calls of varying shape reuse a few graphs: extra segments have length 0, and a
-larger max_seqlen only adds CTAs that exit at once.
+larger max_seqlen only adds CTAs that exit at once (vLLM buckets both for the same reason).
+flashinfer keeps one cuDNN handle for the process: use one device per process.
 """
 
 import math
 
 import torch
-from flashinfer.prefill import cudnn_batch_prefill_with_kv_cache
 
 WORKSPACE_BYTES = 128 * 1024 * 1024  # what vLLM gives cuDNN for ViT attention
 MIN_SEGMENTS = 8
@@ -47,6 +47,25 @@ def _next_power_of_two(n: int, minimum: int) -> int:
     return max(minimum, 1 << (n - 1).bit_length())
 
 
+def ragged_metadata(
+    cu_seqlens: torch.Tensor, max_seqlen: int, row_elements: int
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """cuDNN's view of `cu_seqlens`, computed on its device with host-known shapes only.
+
+    Returns segment lengths [padded, 1, 1, 1], element offsets [padded + 1, 1, 1, 1] (int32) and
+    the max length bound, where the segment count is padded to a power of two with empty
+    segments at the last offset (never at zero) and max_seqlen is rounded up to a power of two.
+    """
+    offsets = cu_seqlens.to(torch.int32)
+    segments = offsets.shape[0] - 1
+    padded = _next_power_of_two(segments, MIN_SEGMENTS)
+    if padded > segments:
+        offsets = torch.cat([offsets, offsets[-1:].expand(padded - segments)])
+    seq_lens = (offsets[1:] - offsets[:-1]).view(-1, 1, 1, 1)
+    element_offsets = (offsets * row_elements).view(-1, 1, 1, 1)
+    return seq_lens, element_offsets, _next_power_of_two(max_seqlen, MIN_SEQLEN)
+
+
 def cudnn_varlen_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -60,6 +79,8 @@ def cudnn_varlen_attention(
     `max_seqlen` must bound every segment. Zero-length segments are allowed; rows that no
     segment covers come back as zeros (cuDNN never writes them, and the output starts zeroed).
     """
+    from flashinfer.prefill import cudnn_batch_prefill_with_kv_cache
+
     if q.dtype not in (torch.float16, torch.bfloat16):
         raise TypeError(f"flashinfer (cuDNN) attention needs fp16 or bf16, got {q.dtype}")
     _, heads, head_dim = q.shape
@@ -69,16 +90,7 @@ def cudnn_varlen_attention(
         # would be replayed with another: keep the graph's scale fixed and fold ours into q.
         q = q * (scale / default_scale)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-
-    segments = cu_seqlens.shape[0] - 1
-    padded = _next_power_of_two(segments, MIN_SEGMENTS)
-    offsets = cu_seqlens.to(torch.int32)
-    if padded > segments:
-        # extra empty segments start and end at the last offset (never at zero)
-        offsets = torch.cat([offsets, offsets[-1:].expand(padded - segments)])
-    seq_lens = (offsets[1:] - offsets[:-1]).view(-1, 1, 1, 1)
-    element_offsets = (offsets * (heads * head_dim)).view(-1, 1, 1, 1)
-    bound = _next_power_of_two(max_seqlen, MIN_SEQLEN)
+    seq_lens, offsets, bound = ragged_metadata(cu_seqlens, max_seqlen, heads * head_dim)
 
     out = torch.zeros_like(q)
     cudnn_batch_prefill_with_kv_cache(
@@ -93,10 +105,10 @@ def cudnn_varlen_attention(
         actual_seq_lens_kv=seq_lens,
         causal=False,
         return_lse=False,
-        batch_offsets_q=element_offsets,
-        batch_offsets_k=element_offsets,
-        batch_offsets_v=element_offsets,
-        batch_offsets_o=element_offsets,
+        batch_offsets_q=offsets,
+        batch_offsets_k=offsets,
+        batch_offsets_v=offsets,
+        batch_offsets_o=offsets,
         out=out,
     )
     return out

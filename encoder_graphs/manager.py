@@ -28,6 +28,7 @@ logger = logging.getLogger(__name__)
 # Sizes of the blocks that `poison_pool_bytes` fills with NaN: one large block for the large
 # pool and 1 MiB blocks for the caching allocator's small-block pool.
 _SMALL_BLOCK = 1 << 20
+DEFAULT_MAX_ITEMS = 32
 
 
 @dataclass
@@ -78,8 +79,10 @@ class EncoderCudaGraphManager:
         self.budgets = self._resolve_budgets(budgets)
         smallest = min(b[0] for b in self.budgets.values())
         largest = max(b[-1] for b in self.budgets.values())
-        self.max_items = max_items or max(1, largest // smallest)
-        self.max_frames = max_frames or self.max_items * self.config.max_frames_per_item
+        # Attention kernels launch (segment slots x max_seqlen blocks) whether or not a slot is
+        # used, so the caps are kept small rather than sized for the worst case of every budget.
+        self.max_items = max_items or min(DEFAULT_MAX_ITEMS, max(1, largest // smallest))
+        self.max_frames = max_frames or max(self.max_items, self.config.max_frames_per_item)
         if self.max_items < 1 or self.max_frames < 1:
             raise ValueError(f"max_items and max_frames must be >= 1: {max_items}, {max_frames}")
         self.log_interval_s = log_interval_s

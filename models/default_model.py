@@ -169,9 +169,7 @@ def _write_json(path: Path, payload: dict) -> None:
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte to printable-character map, which byte-level BPE tokenizers use."""
     printable = (
-        list(range(ord("!"), ord("~") + 1))
-        + list(range(ord("¡"), ord("¬") + 1))
-        + list(range(ord("®"), ord("ÿ") + 1))
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     )
     mapping = {b: chr(b) for b in printable}
     extra = 0

@@ -33,14 +33,21 @@ class Preset:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def config(self) -> PretrainedConfig:
-        return self.config_class(text_config=dict(self.text), vision_config=dict(self.vision), **self.extra)
+        return self.config_class(
+            text_config=dict(self.text), vision_config=dict(self.vision), **self.extra
+        )
 
 
 _QWEN_TOKENS = dict(
-    image_token_id=151655, video_token_id=151656, vision_start_token_id=151652, vision_end_token_id=151653
+    image_token_id=151655,
+    video_token_id=151656,
+    vision_start_token_id=151652,
+    vision_end_token_id=151653,
 )
 # Tiny models keep every special token inside their small vocabulary.
-_TINY_TOKENS = dict(image_token_id=250, video_token_id=251, vision_start_token_id=252, vision_end_token_id=253)
+_TINY_TOKENS = dict(
+    image_token_id=250, video_token_id=251, vision_start_token_id=252, vision_end_token_id=253
+)
 _TINY_TEXT = dict(
     vocab_size=256,
     hidden_size=32,

@@ -54,14 +54,18 @@ class VisionBatch:
                 grids += [tuple(int(x) for x in row) for row in grid.tolist()]
         return grids
 
-    def item_pixels(self) -> list[torch.Tensor]:
-        """One [t*h*w, patch_dim] view per item."""
-        sizes = [t * h * w for t, h, w in self.grids]
+    def rows(self) -> torch.Tensor:
+        """Every item's patch rows, in item order (no copy unless both kinds are present)."""
         pixels = [p for p in (self.pixel_values, self.pixel_values_videos) if p is not None]
         rows = torch.cat(pixels) if len(pixels) > 1 else pixels[0]
-        if rows.shape[0] != sum(sizes):
-            raise ValueError(f"pixel rows {rows.shape[0]} do not match grid_thw ({sum(sizes)} patches)")
-        return list(torch.split(rows, sizes))
+        expected = sum(t * h * w for t, h, w in self.grids)
+        if rows.shape[0] != expected:
+            raise ValueError(f"pixel rows {rows.shape[0]} do not match grid_thw ({expected} patches)")
+        return rows
+
+    def item_pixels(self) -> list[torch.Tensor]:
+        """One [t*h*w, patch_dim] view per item."""
+        return list(torch.split(self.rows(), [t * h * w for t, h, w in self.grids]))
 
 
 @dataclass(frozen=True)
@@ -79,7 +83,7 @@ def pad_offsets(offsets: torch.Tensor, length: int, capacity: int, chunk: int) -
     self-attending segments of at most `chunk` rows, then `capacity` repeated up to `length`
     entries: monotonic, and every row of the buffer belongs to a segment."""
     real = int(offsets[-1])
-    tail = torch.arange(real + chunk, capacity, chunk, dtype=offsets.dtype)
+    tail = torch.arange(real, capacity, chunk, dtype=offsets.dtype)[1:]
     offsets = torch.cat([offsets, tail, torch.tensor([capacity], dtype=offsets.dtype)])
     offsets = torch.unique_consecutive(offsets)
     if offsets.numel() > length:
@@ -102,6 +106,8 @@ class QwenVisionAdapter:
 
     # Keys of the tower forward's precomputed kwargs that `metadata` returns as tensors.
     tensor_keys: tuple[str, ...] = ("position_ids", "cu_seqlens")
+    # Host ints baked into a graph at capture.
+    static_keys: tuple[str, ...] = ("max_seqlen",)
 
     def __init__(
         self,
@@ -219,16 +225,16 @@ class QwenVisionAdapter:
         self, inputs: VisionBatch, max_items: int, max_frames: int, path: str, *, budget: int
     ) -> ReplayBuffers:
         tensors, _ = self.metadata(inputs.grids, self.layout(budget, max_frames))
-        pixels = torch.cat(inputs.item_pixels()).to(self.device, self.dtype)
+        pixels = inputs.rows().to(self.device, self.dtype)
         return ReplayBuffers({"pixel_values": pixels, **self._to_device(tensors)})
 
     def graph_forward(self, buffers: dict, path: str) -> dict[str, torch.Tensor]:
-        kwargs = {key: buffers[key] for key in (*self.tensor_keys, *self._static_keys)}
+        kwargs = {key: buffers[key] for key in (*self.tensor_keys, *self.static_keys)}
         return {"embeds": self._run_tower(buffers["pixel_values"], kwargs)}
 
     def eager_forward(self, inputs: VisionBatch, path: str) -> dict[str, torch.Tensor]:
         tensors, static = self.metadata(inputs.grids, None)
-        pixels = torch.cat(inputs.item_pixels()).to(self.device, self.dtype)
+        pixels = inputs.rows().to(self.device, self.dtype)
         return {"embeds": self._run_tower(pixels, {**self._to_device(tensors), **static})}
 
     def postprocess(
@@ -238,10 +244,6 @@ class QwenVisionAdapter:
     ) -> list[torch.Tensor]:
         embeds = outputs_by_path[PATH]["embeds"]
         return list(torch.split(embeds, [spec.output_tokens for spec in specs]))
-
-    @property
-    def _static_keys(self) -> tuple[str, ...]:
-        return ("max_seqlen",)
 
     @property
     def _patch_dim(self) -> int:

@@ -106,3 +106,18 @@ def test_missing_package_names_the_pip_extra(name, extra):
 def test_builtin_backends_need_no_extra_package():
     assert get_attention_backend("sdpa") is sdpa_varlen_attention
     assert callable(get_attention_backend("torch"))
+
+
+def test_flashinfer_metadata_pads_with_the_last_offset():
+    from encoder_graphs.flashinfer_attention import ragged_metadata
+
+    cu_seqlens = torch.tensor([0, 3, 3, 4, 10], dtype=torch.int32)  # 4 segments -> 8 slots
+    seq_lens, offsets, bound = ragged_metadata(cu_seqlens, 6, row_elements=5)
+
+    assert seq_lens.shape == (8, 1, 1, 1) and offsets.shape == (9, 1, 1, 1)
+    assert seq_lens.dtype == offsets.dtype == torch.int32
+    assert seq_lens.flatten().tolist() == [3, 0, 1, 6, 0, 0, 0, 0]
+    assert offsets.flatten().tolist() == [0, 15, 15, 20, 50, 50, 50, 50, 50]
+    assert bound == 16
+    assert ragged_metadata(cu_seqlens, 300, row_elements=5)[2] == 512
+    assert ragged_metadata(torch.arange(10, dtype=torch.int32), 1, 1)[0].shape[0] == 16

@@ -77,9 +77,11 @@ def test_budgets_and_caps(model):
     manager = EncoderCudaGraphManager(model, enabled=False)
     assert manager.budgets == {GLOBAL: [64, 128, 256, 512, 1024], LOCAL: [64, 128, 256, 512, 1024]}
     assert manager.max_items == 1024 // 64
-    assert manager.max_frames == manager.max_items * model.config.max_frames_per_item
+    assert manager.max_frames == manager.max_items
     manager = EncoderCudaGraphManager(model, budgets=[300, 100], max_items=3, enabled=False)
-    assert manager.budgets[GLOBAL] == [100, 300] and manager.max_frames == 24
+    assert manager.budgets[GLOBAL] == [100, 300]
+    assert manager.max_frames == model.config.max_frames_per_item  # a whole item always fits
+    assert EncoderCudaGraphManager(model, budgets=[1, 1000], enabled=False).max_items == 32
     manager = EncoderCudaGraphManager(model, budgets={GLOBAL: [128], LOCAL: [16]}, enabled=False)
     assert manager.budgets == {GLOBAL: [128], LOCAL: [16]}
     with pytest.raises(ValueError, match="unknown paths"):

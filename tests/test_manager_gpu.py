@@ -98,7 +98,7 @@ def test_one_path_hits_while_the_other_falls_back():
     assert stats["paths"][GLOBAL]["hits"] == 2 and stats["paths"][GLOBAL]["misses"] == 0
     assert stats["paths"][LOCAL]["misses"] == 1
     assert stats["paths"][LOCAL]["miss_reasons"] == {"tokens over largest budget": 1}
-    assert stats["eager_items"] == 2  # the sub-batch ran its local path eagerly
+    assert stats["eager_items"] == 1  # the tiled item, alone in its sub-batch, ran local eagerly
 
 
 class FailingViT(ToyViT):

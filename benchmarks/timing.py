@@ -1,0 +1,62 @@
+"""Shared timing helpers for the benchmarks: per-call CUDA-event latency and the matmul ceiling."""
+
+import json
+import platform
+import statistics
+from collections.abc import Callable
+from datetime import date
+
+import torch
+
+
+def time_calls(fn: Callable[[], object], warmup: int, iters: int) -> dict[str, float]:
+    """Latency of each call in ms (CUDA events around each call, synchronised after each)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    times.sort()
+    return {
+        "mean": statistics.fmean(times),
+        "p50": times[len(times) // 2],
+        "p99": times[min(len(times) - 1, round(0.99 * (len(times) - 1)))],
+    }
+
+
+def matmul_tflops(size: int = 8192) -> float:
+    """Measured dense bf16 matmul rate: the ceiling the FLOP floors use."""
+    a = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+    ms = time_calls(lambda: a @ b, warmup=5, iters=20)["p50"]
+    return 2 * size**3 / (ms / 1000) / 1e12
+
+
+def environment() -> dict[str, str]:
+    import transformers
+
+    return {
+        "device": torch.cuda.get_device_name(),
+        "date": date.today().isoformat(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def write_json(path: str | None, payload: dict) -> None:
+    if path:
+        with open(path, "w") as handle:
+            json.dump(payload, handle, indent=2)
+
+
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)

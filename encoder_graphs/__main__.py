@@ -1,0 +1,5 @@
+import sys
+
+from encoder_graphs.cli import main
+
+sys.exit(main())

@@ -1,0 +1,216 @@
+"""`encoder-graphs caption PATH...`: caption image and video folders into a resumable JSONL file.
+
+Exit status: 0 all files captioned, 1 some files failed, 2 usage error.
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:  # the heavy imports wait until a command needs them: --help and usage errors stay fast
+    from transformers import PretrainedConfig, PreTrainedModel
+
+    from encoder_graphs.media import MediaFile
+    from encoder_graphs.models.qwen_inputs import QwenVLInputs
+    from encoder_graphs.results import ResultsFile
+
+EXIT_OK, EXIT_FAILURES, EXIT_USAGE = 0, 1, 2
+
+
+class UsageError(Exception):
+    pass
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from encoder_graphs.pipeline import DEFAULT_PROMPT
+
+    parser = argparse.ArgumentParser(prog="encoder-graphs", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    caption = commands.add_parser("caption", help="caption images and videos into a JSONL file")
+    caption.add_argument("paths", nargs="*", metavar="PATH", help="image/video files or folders (recursive)")
+    caption.add_argument("--samples", action="store_true", help="also caption the bundled sample images")
+    caption.add_argument(
+        "--model",
+        default=None,
+        help="a local checkpoint directory or a preset name; default: the embedded tiny model "
+        "(random weights: its captions are noise)",
+    )
+    caption.add_argument("--prompt", default=DEFAULT_PROMPT)
+    caption.add_argument("--max-new-tokens", type=_positive_int, default=32)
+    caption.add_argument("--batch-size", type=_positive_int, default=8)
+    caption.add_argument(
+        "--max-batch-tokens", type=_positive_int, default=16384, help="vision tokens in one generate call"
+    )
+    caption.add_argument("--max-frames", type=_even_int, default=16, help="frames sampled per video (even)")
+    caption.add_argument("--out", type=Path, default=Path("captions.jsonl"))
+    caption.add_argument("--budgets", type=_budgets, default=None, help="encoder token budgets, e.g. 1024,4096")
+    caption.add_argument("--attn-backend", default=None, help="varlen attention backend of the encoder graphs")
+    caption.add_argument("--no-graphs", action="store_true", help="run the stock eager model")
+    caption.add_argument("--stats-json", type=Path, default=None, help="also write the statistics as JSON")
+    caption.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    caption.add_argument("--quiet", action="store_true", help="no progress bar")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exit_:  # argparse: 0 for --help, 2 for bad flags
+        return int(exit_.code or 0)
+    try:
+        return caption(args)
+    except UsageError as error:
+        print(f"encoder-graphs: error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+def caption(args: argparse.Namespace) -> int:
+    from encoder_graphs import enable_cuda_graphs
+    from encoder_graphs.media import SAMPLES_DIR, LoadLimits, discover
+    from encoder_graphs.pipeline import CaptionConfig, Captioner, Progress, format_run_stats
+    from encoder_graphs.results import ResultsFile
+
+    paths = args.paths + ([SAMPLES_DIR] if args.samples else [])
+    if not paths:
+        raise UsageError("give at least one PATH (or --samples)")
+    try:
+        files = discover(paths)
+    except FileNotFoundError as error:
+        raise UsageError(str(error)) from error
+    if not files:
+        raise UsageError(f"no images or videos found under {' '.join(map(str, paths))}")
+    try:
+        config = CaptionConfig(
+            prompt=args.prompt,
+            max_new_tokens=args.max_new_tokens,
+            batch_size=args.batch_size,
+            max_batch_tokens=args.max_batch_tokens,
+        )
+    except ValueError as error:
+        raise UsageError(str(error)) from error
+    if args.device == "auto":
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda but CUDA is not available")
+    try:
+        results = ResultsFile(args.out)
+    except OSError as error:
+        raise UsageError(f"cannot use --out {args.out}: {error}") from error
+    if results.repaired_bytes:
+        print(
+            f"encoder-graphs: dropped a half-written last line ({results.repaired_bytes} bytes) of {args.out}",
+            file=sys.stderr,
+        )
+    todo = sum(not results.is_done(f.path) for f in files)
+    if not todo:
+        print(f"nothing to do: all {len(files)} files are already in {args.out}")
+        return _exit_status(results, files)
+    model, inputs = load_model(args.model, device)
+    limits = LoadLimits(
+        max_frames=args.max_frames,
+        min_side=inputs.factor,
+        max_pixels=max(inputs.image_processor.size["longest_edge"], inputs.factor**2),
+        frame_max_pixels=max(inputs.video_max_pixels, inputs.factor**2),
+    )
+    try:
+        handle = enable_cuda_graphs(
+            model, budgets=args.budgets, attn_backend=args.attn_backend, enabled=not args.no_graphs
+        )
+    except ValueError as error:  # an architecture without an adapter, a bad backend or budgets
+        raise UsageError(f"cannot enable graphs on this model: {error}") from error
+    try:
+        progress = None if args.quiet else Progress(todo)
+        run_stats = Captioner(model, inputs, config, limits).run(files, results, progress)
+    finally:
+        graph_stats = handle.stats()
+        graph_table = handle.format_stats()
+        handle.disable()
+    summary = run_stats.as_dict()
+    print(format_run_stats(summary))
+    print(graph_table)
+    if args.stats_json is not None:
+        payload = {"pipeline": summary, **graph_stats, "model": args.model or "default", "device": str(device)}
+        args.stats_json.write_text(json.dumps(payload, indent=2, sort_keys=True, default=str) + "\n")
+    return _exit_status(results, files)
+
+
+def _exit_status(results: "ResultsFile", files: "list[MediaFile]") -> int:
+    # Failures recorded by an earlier, interrupted run of the same files count too.
+    return EXIT_FAILURES if any(results.is_failed(f.path) for f in files) else EXIT_OK
+
+
+def load_model(name: str | None, device: torch.device) -> "tuple[PreTrainedModel, QwenVLInputs]":
+    """(model, inputs) for a checkpoint directory, a preset name, or the embedded default."""
+    from transformers import AutoModelForImageTextToText
+    from transformers.utils import logging as hf_logging
+
+    from encoder_graphs.models.default_model import default_model_dir
+    from encoder_graphs.models.presets import PRESETS, build_model, get_config
+    from encoder_graphs.models.qwen_inputs import QwenVLInputs
+
+    hf_logging.disable_progress_bar()
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name is not None and name in PRESETS and not Path(name).exists():
+        inputs = QwenVLInputs.from_pretrained(default_model_dir())
+        try:
+            inputs.check_model(get_config(name))  # before building: a large preset takes GBs
+        except ValueError as error:
+            fitting = [preset for preset in sorted(PRESETS) if _fits(inputs, get_config(preset))]
+            raise UsageError(
+                f"preset {name} has random weights and no tokenizer, and the embedded tiny tokenizer does "
+                f"not fit it ({error}); use a checkpoint directory or one of {', '.join(fitting)}"
+            ) from error
+        return build_model(name, dtype=dtype, device=device), inputs
+    directory = default_model_dir() if name is None else Path(name)
+    if not (directory / "config.json").is_file():
+        raise UsageError(
+            f"--model {name}: neither a checkpoint directory (no config.json) nor a preset "
+            f"({', '.join(sorted(PRESETS))})"
+        )
+    try:
+        inputs = QwenVLInputs.from_pretrained(directory)
+        model = AutoModelForImageTextToText.from_pretrained(
+            directory, dtype=dtype, use_safetensors=True, trust_remote_code=False
+        )
+        inputs.check_model(model.config)
+    except (OSError, ValueError) as error:
+        raise UsageError(f"cannot load the model from {directory}: {error}") from error
+    return model.to(device).eval(), inputs
+
+
+def _fits(inputs: "QwenVLInputs", config: "PretrainedConfig") -> bool:
+    try:
+        inputs.check_model(config)
+    except ValueError:
+        return False
+    return True
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _even_int(text: str) -> int:
+    value = _positive_int(text)
+    if value % 2:
+        raise argparse.ArgumentTypeError(f"must be even, got {value}")
+    return value
+
+
+def _budgets(text: str) -> list[int]:
+    try:
+        budgets = sorted({int(part) for part in text.split(",") if part.strip()})
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from error
+    if not budgets or budgets[0] < 1:
+        raise argparse.ArgumentTypeError(f"budgets must be positive integers, got {text!r}")
+    return budgets

@@ -1,0 +1,205 @@
+"""Finding images and videos under the given paths, and loading them safely.
+
+Every way a file can be bad ends in a `MediaError` naming the file and a short `kind`, so the
+pipeline can record it and go on.
+"""
+
+import math
+import os
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tiff", ".tif"})
+VIDEO_EXTENSIONS = frozenset({".mp4", ".webm", ".mkv", ".avi"})
+SAMPLES_DIR = Path(__file__).parent / "samples"
+
+
+class MediaError(Exception):
+    """A file that cannot be captioned.
+
+    `kind`: unreadable, empty, corrupt, too_large, no_frames, unsupported (no video decoder).
+    """
+
+    def __init__(self, path: Path | str, kind: str, reason: str) -> None:
+        super().__init__(f"{path}: {reason}")
+        self.path = str(path)
+        self.kind = kind
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class MediaFile:
+    path: Path
+    kind: str  # "image" | "video"
+
+
+@dataclass(frozen=True)
+class LoadLimits:
+    max_pixels: int = 1280 * 28 * 28  # decoded images are shrunk to this before processing
+    min_side: int = 28  # and tiny ones grown to this (the model's patch * merge size)
+    max_decode_pixels: int = 2 * Image.MAX_IMAGE_PIXELS  # refuse to decode larger (bombs)
+    max_frames: int = 16
+    frame_max_pixels: int = 256 * 28 * 28
+
+    def __post_init__(self) -> None:
+        if self.max_frames < 2 or self.max_frames % 2:
+            raise ValueError(f"max_frames must be an even number >= 2, got {self.max_frames}")
+        if self.min_side < 1 or self.min_side**2 > min(self.max_pixels, self.frame_max_pixels):
+            raise ValueError(f"min_side {self.min_side} does not fit the pixel limits")
+        if self.max_pixels > self.max_decode_pixels:
+            raise ValueError("max_pixels must not exceed max_decode_pixels")
+
+
+def media_kind(path: Path) -> str | None:
+    suffix = path.suffix.lower()
+    if suffix in IMAGE_EXTENSIONS:
+        return "image"
+    if suffix in VIDEO_EXTENSIONS:
+        return "video"
+    return None
+
+
+def discover(paths: list[str | Path]) -> list[MediaFile]:
+    """Media files under `paths` (files or folders, walked recursively), sorted, each once.
+
+    Raises FileNotFoundError for a path that does not exist; files of other types are skipped.
+    """
+    found: dict[Path, MediaFile] = {}
+    for root in map(Path, paths):
+        if not root.exists() and not root.is_symlink():
+            raise FileNotFoundError(f"no such file or directory: {root}")
+        candidates = _walk(root) if root.is_dir() else [root]
+        for path in candidates:
+            kind = media_kind(path)
+            if kind is not None:
+                found.setdefault(Path(os.path.abspath(path)), MediaFile(path, kind))
+    return sorted(found.values(), key=lambda f: str(f.path))
+
+
+def _walk(root: Path) -> list[Path]:
+    files = []
+    for folder, subfolders, names in os.walk(root):
+        subfolders.sort()
+        files.extend(Path(folder) / name for name in sorted(names))
+    return files
+
+
+def load(file: MediaFile, limits: LoadLimits) -> Image.Image | list[Image.Image]:
+    """An RGB image, or an even number of equally sized RGB video frames."""
+    if file.kind == "image":
+        return load_image(file.path, limits)
+    return load_video(file.path, limits)
+
+
+def load_image(path: Path, limits: LoadLimits) -> Image.Image:
+    _check_readable(path)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            with Image.open(path) as image:
+                width, height = image.size
+                if width * height > limits.max_decode_pixels:
+                    raise MediaError(path, "too_large", f"{width}x{height} pixels exceeds the decode limit")
+                # JPEG can decode at 1/2, 1/4, 1/8 scale: a huge photo never becomes a huge bitmap.
+                scale = math.sqrt(limits.max_pixels / (width * height))
+                if scale < 1:
+                    image.draft("RGB", (max(1, int(width * scale)), max(1, int(height * scale))))
+                image.load()
+                rgb = _to_rgb(ImageOps.exif_transpose(image))  # phone photos: upright as seen
+    except MediaError:
+        raise
+    except Image.DecompressionBombError as error:
+        raise MediaError(path, "too_large", str(error)) from error
+    except PermissionError as error:
+        raise MediaError(path, "unreadable", f"permission denied ({error.strerror})") from error
+    except UnidentifiedImageError as error:
+        raise MediaError(path, "corrupt", "not a recognised image") from error
+    except (OSError, ValueError, SyntaxError, EOFError) as error:
+        # PIL reports truncated and malformed data as any of these.
+        raise MediaError(path, "corrupt", f"cannot decode image ({error})") from error
+    return fit(rgb, limits.max_pixels, limits.min_side)
+
+
+def load_video(path: Path, limits: LoadLimits) -> list[Image.Image]:
+    """Up to `limits.max_frames` frames, evenly spaced, an even count (the temporal patch is 2).
+
+    The whole stream is decoded once while a bounded set of candidates is kept (every `stride`-th
+    frame, the stride doubling when the set fills), because many containers do not say how many
+    frames they hold.
+    """
+    _check_readable(path)
+    try:
+        import av
+    except ImportError as error:
+        raise MediaError(path, "unsupported", "video needs PyAV: pip install 'encoder-graphs[video]'") from error
+    keep = 4 * limits.max_frames
+    candidates: list[Image.Image] = []
+    stride = 1
+    try:
+        with av.open(str(path)) as container:
+            if not container.streams.video:
+                raise MediaError(path, "no_frames", "no video stream")
+            stream = container.streams.video[0]
+            stream.thread_type = "AUTO"
+            for index, frame in enumerate(container.decode(stream)):
+                if index % stride:
+                    continue
+                candidates.append(fit(frame.to_image().convert("RGB"), limits.frame_max_pixels, limits.min_side))
+                if len(candidates) == keep:
+                    candidates = candidates[::2]
+                    stride *= 2
+    except MediaError:
+        raise
+    except PermissionError as error:
+        raise MediaError(path, "unreadable", f"permission denied ({error.strerror})") from error
+    except (av.FFmpegError, OSError, ValueError) as error:
+        raise MediaError(path, "corrupt", f"cannot decode video ({error})") from error
+    if not candidates:
+        raise MediaError(path, "no_frames", "the video has no decodable frames")
+    count = min(limits.max_frames, len(candidates))
+    count = max(2, count - count % 2)
+    picks = np.linspace(0, len(candidates) - 1, count).round().astype(int)
+    size = candidates[0].size
+    return [candidates[i] if candidates[i].size == size else candidates[i].resize(size) for i in picks]
+
+
+def fit(image: Image.Image, max_pixels: int, min_side: int) -> Image.Image:
+    """Shrink to at most `max_pixels`, then grow so the short side is at least `min_side`."""
+    width, height = image.size
+    scale = min(1.0, math.sqrt(max_pixels / (width * height)))
+    scale = max(scale, min_side / min(width, height))
+    if scale == 1.0:
+        return image
+    size = (max(min_side, round(width * scale)), max(min_side, round(height * scale)))
+    return image.resize(size, Image.Resampling.BICUBIC, reducing_gap=None if scale > 1 else 3.0)
+
+
+def _check_readable(path: Path) -> None:
+    try:
+        size = os.stat(path).st_size
+        with open(path, "rb"):
+            pass
+    except PermissionError as error:
+        raise MediaError(path, "unreadable", f"permission denied ({error.strerror})") from error
+    except OSError as error:
+        raise MediaError(path, "unreadable", error.strerror or str(error)) from error
+    if size == 0:
+        raise MediaError(path, "empty", "zero-byte file")
+
+
+def _to_rgb(image: Image.Image) -> Image.Image:
+    """RGB for any PIL mode: 16-bit and float scaled to 8 bits (not clipped), alpha over white."""
+    if image.mode in ("I;16", "I;16B", "I;16L", "I;16N", "I", "F"):
+        values = np.asarray(image, dtype=np.float64)
+        peak = 65535.0 if image.mode.startswith("I;16") or values.max() > 255 else 255.0
+        gray = np.clip(values * (255.0 / peak), 0, 255).astype(np.uint8)
+        return Image.fromarray(gray, "L").convert("RGB")
+    if image.mode in ("RGBA", "LA", "PA") or (image.mode == "P" and "transparency" in image.info):
+        rgba = image.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(background, rgba).convert("RGB")
+    return image.convert("RGB")

@@ -1,0 +1,285 @@
+"""The Captioner: load files, batch them by count and tokens, generate, record every outcome."""
+
+import sys
+import time
+from collections import Counter, deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from itertools import islice
+from typing import TextIO
+
+import torch
+from transformers import PreTrainedModel
+
+from encoder_graphs.media import LoadLimits, MediaError, MediaFile, load
+from encoder_graphs.models.qwen_inputs import EncodedItem, QwenVLInputs
+from encoder_graphs.results import ResultsFile
+
+DEFAULT_PROMPT = "Describe this in one sentence."
+
+
+@dataclass(frozen=True)
+class CaptionConfig:
+    prompt: str = DEFAULT_PROMPT
+    max_new_tokens: int = 32
+    batch_size: int = 8
+    max_batch_tokens: int = 16384  # vision placeholder tokens in one generate call
+    load_workers: int = 4
+
+    def __post_init__(self) -> None:
+        if not self.prompt.strip():
+            raise ValueError("prompt must not be empty")
+        for name in ("max_new_tokens", "batch_size", "max_batch_tokens", "load_workers"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass
+class Pending:
+    file: MediaFile
+    item: EncodedItem
+    load_ms: float
+
+
+@dataclass
+class RunStats:
+    files: int = 0
+    skipped: int = 0  # already in the results file
+    succeeded: int = 0
+    failed: int = 0
+    by_kind: Counter = field(default_factory=Counter)
+    failures: Counter = field(default_factory=Counter)  # error kind -> count
+    generated_tokens: int = 0
+    batches: int = 0
+    retried_batches: int = 0
+    wall_s: float = 0.0
+    batch_ms: list[float] = field(default_factory=list)
+    item_ms: list[float] = field(default_factory=list)  # load + share of its batch
+
+    def as_dict(self) -> dict:
+        done = self.succeeded + self.failed
+        return {
+            "files": self.files,
+            "skipped": self.skipped,
+            "succeeded": self.succeeded,
+            "failed": self.failed,
+            "by_kind": dict(self.by_kind),
+            "failures": dict(sorted(self.failures.items())),
+            "generated_tokens": self.generated_tokens,
+            "batches": self.batches,
+            "retried_batches": self.retried_batches,
+            "wall_s": self.wall_s,
+            "items_per_s": done / self.wall_s if self.wall_s else 0.0,
+            "tokens_per_s": self.generated_tokens / self.wall_s if self.wall_s else 0.0,
+            "batch_latency_ms": _latency(self.batch_ms),
+            "item_latency_ms": _latency(self.item_ms),
+        }
+
+
+class Progress:
+    """A one-line progress bar on stderr: redrawn in place on a terminal, a line every few
+    seconds otherwise (logs)."""
+
+    def __init__(self, total: int, stream: TextIO = sys.stderr) -> None:
+        self.total = total
+        self.stream = stream
+        self.done = 0
+        self.started = time.perf_counter()
+        self.last_draw = 0.0
+        self.interactive = stream.isatty()
+
+    def advance(self, count: int) -> None:
+        self.done += count
+        now = time.perf_counter()
+        if now - self.last_draw >= (0.2 if self.interactive else 5.0) or self.done == self.total:
+            self.last_draw = now
+            self._draw(now)
+
+    def _draw(self, now: float) -> None:
+        elapsed = now - self.started
+        rate = self.done / elapsed if elapsed else 0.0
+        eta = (self.total - self.done) / rate if rate else 0.0
+        width = 30
+        filled = width * self.done // max(1, self.total)
+        line = f"[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} {rate:.2f} items/s eta {eta:.0f}s"
+        self.stream.write(("\r" + line) if self.interactive else line + "\n")
+        if self.interactive and self.done == self.total:
+            self.stream.write("\n")
+        self.stream.flush()
+
+
+class Captioner:
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        inputs: QwenVLInputs,
+        config: CaptionConfig,
+        limits: LoadLimits,
+    ) -> None:
+        self.model = model
+        self.inputs = inputs
+        self.config = config
+        self.limits = limits
+        self.device = next(model.parameters()).device
+
+    def run(self, files: list[MediaFile], results: ResultsFile, progress: Progress | None = None) -> RunStats:
+        stats = RunStats(files=len(files))
+        todo = [f for f in files if not results.is_done(f.path)]
+        stats.skipped = len(files) - len(todo)
+        started = time.perf_counter()
+        batch: list[Pending] = []
+        failures: list[dict] = []  # written with the next batch, so a kill loses at most one batch
+
+        def write(records: list[dict]) -> None:
+            results.append(records)
+            if progress is not None:
+                progress.advance(len(records))
+
+        # Files load on worker threads a few batches ahead of the model (PIL and PyAV release the GIL).
+        lookahead = self.config.batch_size * 4
+        queue = iter(todo)
+        loading: deque[tuple[MediaFile, Future]] = deque()
+        with ThreadPoolExecutor(self.config.load_workers) as pool:
+            for file in islice(queue, lookahead):
+                loading.append((file, pool.submit(self._prepare, file)))
+            while loading:
+                file, future = loading.popleft()
+                for next_file in islice(queue, 1):
+                    loading.append((next_file, pool.submit(self._prepare, next_file)))
+                outcome = future.result()
+                stats.by_kind[file.kind] += 1
+                if isinstance(outcome, dict):
+                    self._count_failure(outcome, stats)
+                    failures.append(outcome)
+                    if len(failures) >= self.config.batch_size:
+                        write(failures)
+                        failures = []
+                    continue
+                tokens = sum(p.item.vision_tokens for p in batch)
+                if batch and (
+                    len(batch) == self.config.batch_size
+                    or tokens + outcome.item.vision_tokens > self.config.max_batch_tokens
+                ):
+                    write(failures + self._caption(batch, stats))
+                    batch, failures = [], []
+                batch.append(outcome)
+            write(failures + (self._caption(batch, stats) if batch else []))
+        stats.wall_s = time.perf_counter() - started
+        return stats
+
+    def _prepare(self, file: MediaFile) -> Pending | dict:
+        """Load and encode one file; a failure becomes its error record."""
+        started = time.perf_counter()
+        try:
+            media = load(file, self.limits)
+        except MediaError as error:
+            return _error_record(file, error.kind, str(error))
+        try:
+            item = self.inputs.encode_image(media) if file.kind == "image" else self.inputs.encode_video(media)
+        except Exception as error:  # noqa: BLE001 - a processor rejecting one input must not stop the run
+            return _error_record(file, "preprocess", f"{file.path}: {type(error).__name__}: {error}")
+        return Pending(file, item, 1000.0 * (time.perf_counter() - started))
+
+    def _caption(self, batch: list[Pending], stats: RunStats) -> list[dict]:
+        try:
+            return self._generate(batch, stats)
+        except Exception as error:  # noqa: BLE001
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            if len(batch) == 1:
+                record = _error_record(batch[0].file, "model", f"{batch[0].file.path}: {type(error).__name__}: {error}")
+                self._count_failure(record, stats)
+                return [record]
+        # One item can break a whole batch: retry one by one so only that one fails.
+        stats.retried_batches += 1
+        return [record for pending in batch for record in self._caption([pending], stats)]
+
+    def _generate(self, batch: list[Pending], stats: RunStats) -> list[dict]:
+        started = time.perf_counter()
+        model_inputs = self.inputs.batch([p.item for p in batch], self.config.prompt)
+        model_inputs = {name: value.to(self.device) for name, value in model_inputs.items()}
+        for name in ("pixel_values", "pixel_values_videos"):
+            if name in model_inputs:
+                model_inputs[name] = model_inputs[name].to(self.model.dtype)
+        prompt_length = model_inputs["input_ids"].shape[1]
+        with torch.inference_mode():
+            output = self.model.generate(
+                **model_inputs,
+                max_new_tokens=self.config.max_new_tokens,
+                do_sample=False,
+                eos_token_id=self.inputs.eos_token_id,
+                pad_token_id=self.inputs.pad_token_id,
+            )
+        new_tokens = output[:, prompt_length:].tolist()  # the host copy waits for the device
+        batch_ms = 1000.0 * (time.perf_counter() - started)
+        stats.batches += 1
+        stats.batch_ms.append(batch_ms)
+        records = []
+        for pending, tokens in zip(batch, new_tokens, strict=True):
+            if self.inputs.eos_token_id in tokens:
+                tokens = tokens[: tokens.index(self.inputs.eos_token_id)]
+            caption = self.inputs.tokenizer.decode(tokens, skip_special_tokens=True).strip()
+            stats.succeeded += 1
+            stats.generated_tokens += len(tokens)
+            stats.item_ms.append(pending.load_ms + batch_ms / len(batch))
+            records.append(
+                {
+                    "path": str(pending.file.path),
+                    "kind": pending.file.kind,
+                    "caption": caption,
+                    "tokens": len(tokens),
+                    "vision_tokens": pending.item.vision_tokens,
+                    "timings": {
+                        "load_ms": round(pending.load_ms, 3),
+                        "batch_ms": round(batch_ms, 3),
+                        "batch_size": len(batch),
+                    },
+                }
+            )
+        return records
+
+    @staticmethod
+    def _count_failure(record: dict, stats: RunStats) -> None:
+        stats.failed += 1
+        stats.failures[record["error_kind"]] += 1
+
+
+def _error_record(file: MediaFile, kind: str, message: str) -> dict:
+    return {"path": str(file.path), "kind": file.kind, "error_kind": kind, "error": message}
+
+
+def _latency(values: list[float]) -> dict:
+    if not values:
+        return {"count": 0, "mean": 0.0, "p50": 0.0, "p99": 0.0}
+    ordered = sorted(values)
+    return {
+        "count": len(ordered),
+        "mean": sum(ordered) / len(ordered),
+        "p50": _nearest_rank(ordered, 50),
+        "p99": _nearest_rank(ordered, 99),
+    }
+
+
+def _nearest_rank(ordered: list[float], pct: float) -> float:
+    return ordered[min(len(ordered) - 1, round(pct / 100 * (len(ordered) - 1)))]
+
+
+def format_run_stats(stats: dict) -> str:
+    """A readable table of `RunStats.as_dict()`."""
+    lines = [
+        f"files {stats['files']}: captioned {stats['succeeded']}, failed {stats['failed']}, "
+        f"skipped (already done) {stats['skipped']}",
+        "  kinds: " + (", ".join(f"{kind} {n}" for kind, n in sorted(stats["by_kind"].items())) or "-"),
+        f"  throughput: {stats['items_per_s']:.2f} items/s, {stats['tokens_per_s']:.1f} tokens/s "
+        f"({stats['generated_tokens']} tokens in {stats['wall_s']:.2f} s, {stats['batches']} batches, "
+        f"{stats['retried_batches']} retried one by one)",
+    ]
+    for name in ("batch_latency_ms", "item_latency_ms"):
+        latency = stats[name]
+        lines.append(
+            f"  {name.removesuffix('_ms').replace('_', ' ')} ms: mean {latency['mean']:.1f}  "
+            f"p50 {latency['p50']:.1f}  p99 {latency['p99']:.1f}"
+        )
+    if stats["failures"]:
+        lines.append("  failures: " + ", ".join(f"{kind} {n}" for kind, n in stats["failures"].items()))
+    return "\n".join(lines)

@@ -1,0 +1,55 @@
+"""Qwen2.5-VL: window attention on most blocks, full attention on `fullatt_block_indexes`.
+
+The tower permutes merged tokens into window order with `window_index` and undoes it after the
+merger; `cu_window_seqlens` cuts the permuted rows into windows of at most `window_rows`.
+"""
+
+import torch
+from transformers.vision_utils import get_vision_window_index
+
+from encoder_graphs.models.qwen_vision import Layout, QwenVisionAdapter, pad_offsets
+
+
+class Qwen2_5_VLAdapter(QwenVisionAdapter):
+    tensor_keys = (*QwenVisionAdapter.tensor_keys, "window_index", "cu_window_seqlens")
+    static_keys = (*QwenVisionAdapter.static_keys, "max_window_seqlen")
+
+    @property
+    def window_rows(self) -> int:
+        """The largest window in patch rows: the bound baked in as max_window_seqlen."""
+        config = self.visual.config
+        side = config.window_size // self.merge // config.patch_size
+        return side * side * self.unit
+
+    def layout(self, budget: int, max_frames: int) -> Layout:
+        base = super().layout(budget, max_frames)
+        tail = -(-base.rows // self.window_rows)
+        return Layout(base.rows, base.segments, windows=budget + tail)
+
+    def _add_metadata(
+        self,
+        grid_thw: torch.Tensor,
+        layout: Layout | None,
+        tensors: dict[str, torch.Tensor],
+        static: dict[str, int],
+    ) -> None:
+        config = self.visual.config
+        if grid_thw.numel():
+            window_index, cu_window_seqlens = get_vision_window_index(
+                grid_thw, self.merge, config.window_size, config.patch_size
+            )
+        else:
+            window_index = torch.zeros(0, dtype=torch.long)
+            cu_window_seqlens = torch.zeros(1, dtype=torch.int32)
+        if layout is None:
+            static["max_window_seqlen"] = int(cu_window_seqlens.diff().max())
+        else:
+            # Padded tokens keep their places: a continued permutation, so its inverse holds.
+            units = layout.rows // self.unit
+            window_index = torch.cat([window_index, torch.arange(window_index.numel(), units)])
+            cu_window_seqlens = pad_offsets(
+                cu_window_seqlens, layout.windows + 1, layout.rows, self.window_rows
+            )
+            static["max_window_seqlen"] = self.window_rows
+        tensors["window_index"] = window_index
+        tensors["cu_window_seqlens"] = cu_window_seqlens

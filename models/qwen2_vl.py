@@ -1,0 +1,7 @@
+"""Qwen2-VL: per-frame attention segments and 2-D rotary; everything lives in the shared base."""
+
+from encoder_graphs.models.qwen_vision import QwenVisionAdapter
+
+
+class Qwen2VLAdapter(QwenVisionAdapter):
+    pass

@@ -1,0 +1,51 @@
+"""Qwen3-VL: learned position embeddings resampled to each grid, and deepstack features.
+
+The interpolation taps and weights are computed outside the graph; the tower gathers them inside.
+Each item's output row is [main features | deepstack level 0 | level 1 | ...] on the last dim.
+"""
+
+import torch
+from transformers.vision_utils import get_vision_interpolation_indices_and_weights
+
+from encoder_graphs.models.qwen_vision import Layout, QwenVisionAdapter, pad_rows
+
+
+class Qwen3VLAdapter(QwenVisionAdapter):
+    tensor_keys = (*QwenVisionAdapter.tensor_keys, "interp_indices", "interp_weights")
+
+    @property
+    def deepstack_levels(self) -> int:
+        return len(self.visual.deepstack_visual_indexes)
+
+    def _add_metadata(
+        self,
+        grid_thw: torch.Tensor,
+        layout: Layout | None,
+        tensors: dict[str, torch.Tensor],
+        static: dict[str, int],
+    ) -> None:
+        visual = self.visual
+        if grid_thw.numel():
+            indices, weights = get_vision_interpolation_indices_and_weights(
+                grid_thw,
+                num_grid_per_side=visual.num_grid_per_side,
+                mode=visual.interpolation_mode,
+                align_corners=visual.interpolation_align_corners,
+                spatial_merge_size=self.merge,
+            )
+        else:
+            taps = 4 if visual.interpolation_mode == "bilinear" else 16
+            indices = torch.zeros(0, taps, dtype=torch.long)
+            weights = torch.zeros(0, taps, dtype=torch.float32)
+        if layout is not None:
+            # Padded rows gather entry 0 with weight 0: a finite zero embedding.
+            indices, weights = pad_rows(indices, layout.rows), pad_rows(weights, layout.rows)
+        tensors["interp_indices"] = indices
+        tensors["interp_weights"] = weights
+
+    def _embeds(self, output) -> torch.Tensor:
+        return torch.cat([output.pooler_output, *output.deepstack_features], dim=-1)
+
+    def split_deepstack(self, embeds: torch.Tensor) -> list[torch.Tensor]:
+        """[tokens, hidden * (1 + levels)] -> main features, then one tensor per deepstack level."""
+        return list(embeds.chunk(1 + self.deepstack_levels, dim=-1))

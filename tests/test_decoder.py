@@ -1,0 +1,233 @@
+"""Decoder runner on CPU (eager path, same step function the graphs hold): tokens identical to
+`generate`, EOS handling, sampling, statistics. Tiny models, fp32, saved and reloaded for real."""
+
+import pytest
+import torch
+
+from encoder_graphs.decoder import DecoderGraphConfig, DecoderGraphRunner, default_buckets
+from encoder_graphs.models.presets import PRESETS, build_model
+from encoder_graphs.static_cache import static_decode_attention
+
+FAMILIES = ["tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl"]
+NEW_TOKENS = 12
+NO_EOS = 10**6  # outside every vocabulary: sequences run to max_new_tokens
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def model(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    build_model(request.param).save_pretrained(path)
+    return PRESETS[request.param].model_class.from_pretrained(path).eval()
+
+
+def make_batch(config, grids, seed=0, text_only_lengths=()):
+    """Left-padded prompts: text, <vision_start>, image pads, <vision_end>, text; or text only."""
+    rng = torch.Generator().manual_seed(seed)
+    vision = config.vision_config
+    merge = vision.spatial_merge_size**2
+    prompts, pixels = [], []
+    for i, (t, h, w) in enumerate(grids):
+        before = torch.randint(2, 200, (2 + i,), generator=rng).tolist()
+        after = torch.randint(2, 200, (1 + 2 * i,), generator=rng).tolist()
+        image = [config.image_token_id] * (t * h * w // merge)
+        prompts.append(before + [config.vision_start_token_id, *image, config.vision_end_token_id] + after)
+        patch = 3 * vision.temporal_patch_size * vision.patch_size**2
+        pixels.append(torch.randn(t * h * w, patch, generator=rng))
+    for length in text_only_lengths:
+        prompts.append(torch.randint(2, 200, (length,), generator=rng).tolist())
+    width = max(len(p) for p in prompts)
+    input_ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for row, prompt in enumerate(prompts):
+        input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        attention_mask[row, width - len(prompt) :] = 1
+    inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
+    if grids:
+        inputs["pixel_values"] = torch.cat(pixels)
+        inputs["image_grid_thw"] = torch.tensor(grids)
+        inputs["mm_token_type_ids"] = (input_ids == config.image_token_id).long()
+    return inputs
+
+
+def hf_generate(model, inputs, **kwargs):
+    with torch.inference_mode():
+        return model.generate(**inputs, do_sample=False, max_new_tokens=NEW_TOKENS, **kwargs)
+
+
+def runner_generate(runner, inputs, **kwargs):
+    inputs = dict(inputs)
+    kwargs.setdefault("max_new_tokens", NEW_TOKENS)
+    return runner.generate(inputs.pop("input_ids"), inputs.pop("attention_mask"), **inputs, **kwargs)
+
+
+CASES = {
+    "one image": dict(grids=[(1, 4, 4)]),
+    "three images, left padded": dict(grids=[(1, 4, 4), (1, 8, 6), (1, 4, 8)]),
+    "text only, left padded": dict(grids=[], text_only_lengths=(5, 9)),
+}
+
+
+def test_greedy_matches_generate(model):
+    # One runner for every case, larger batch first: rows and slots left by an earlier call
+    # must not leak into a later one.
+    runner = DecoderGraphRunner(model, max_batch_size=4, max_cache_len=96)
+    for name in ["three images, left padded", "one image", "text only, left padded"]:
+        inputs = make_batch(model.config, **CASES[name])
+        expected = hf_generate(model, inputs)
+        got = runner_generate(runner, inputs)
+        assert torch.equal(got, expected), f"{name}:\n{got}\n!=\n{expected}"
+    assert len(set(expected[0, -NEW_TOKENS:].tolist())) > 2  # the test means something
+
+
+def test_mm_token_type_ids_derived_when_missing(model):
+    inputs = make_batch(model.config, grids=[(1, 4, 4), (1, 8, 6)], seed=3)
+    expected = hf_generate(model, inputs)
+    inputs.pop("mm_token_type_ids")
+    got = runner_generate(DecoderGraphRunner(model, max_batch_size=2, max_cache_len=96), inputs)
+    assert torch.equal(got, expected)
+
+
+def test_eager_attention_matches_generate(tmp_path):
+    build_model("tiny-qwen2.5-vl", seed=1).save_pretrained(tmp_path)
+    model = PRESETS["tiny-qwen2.5-vl"].model_class.from_pretrained(tmp_path, attn_implementation="eager")
+    inputs = make_batch(model.config, grids=[(1, 4, 4), (1, 8, 6), (1, 4, 8)], seed=1)
+    got = runner_generate(DecoderGraphRunner(model, max_batch_size=4, max_cache_len=96), inputs)
+    assert torch.equal(got, hf_generate(model, inputs))
+
+
+def test_eos_stops_each_sequence_and_pads_after_it(model):
+    inputs = make_batch(model.config, grids=[(1, 4, 4), (1, 8, 6), (1, 4, 8)], seed=2)
+    prompt_len = inputs["input_ids"].shape[1]
+    free_run = runner_generate(DecoderGraphRunner(model, max_cache_len=96), inputs, eos_token_id=NO_EOS)
+    # Each sequence's third new token is an EOS: a list of ids, and rows stop at different steps.
+    eos = sorted({int(free_run[row, prompt_len + row]) for row in range(3)})
+    pad = 7
+    runner = DecoderGraphRunner(model, max_cache_len=96)
+    got = runner_generate(runner, inputs, eos_token_id=eos, pad_token_id=pad, stop_check_interval=2)
+    assert torch.equal(got, hf_generate(model, inputs, eos_token_id=eos, pad_token_id=pad))
+
+    new = got[:, prompt_len:]
+    lengths = []
+    for row in range(3):
+        end = next(i for i, token in enumerate(new[row].tolist()) if token in eos) + 1
+        assert end <= row + 1
+        assert (new[row, end:] == pad).all()
+        lengths.append(end)
+    assert new.shape[1] == max(lengths)  # trimmed where the last sequence stopped
+    assert runner.stats()["steps"] <= max(lengths) + 2  # the host check every 2 steps stopped the loop
+
+
+def test_sampling_reproducible_and_top_p_tiny_is_greedy(model):
+    inputs = make_batch(model.config, grids=[(1, 4, 4), (1, 8, 6)], seed=4)
+    runner = DecoderGraphRunner(model, max_batch_size=2, max_cache_len=96)
+
+    def sample(seed, **kwargs):
+        generator = torch.Generator().manual_seed(seed)
+        return runner_generate(
+            runner, inputs, do_sample=True, generator=generator, eos_token_id=NO_EOS, **kwargs
+        )
+
+    first, again, other = sample(0, temperature=1.5), sample(0, temperature=1.5), sample(1, temperature=1.5)
+    assert torch.equal(first, again)
+    assert not torch.equal(first, other)
+    greedy = runner_generate(runner, inputs, eos_token_id=NO_EOS)
+    assert not torch.equal(first, greedy)
+    assert torch.equal(sample(5, top_p=1e-6), greedy)
+    assert torch.equal(sample(6, temperature=1e-4), greedy)
+
+
+def test_stats_and_eager_reasons(model):
+    runner = DecoderGraphRunner(model, max_batch_size=2, max_cache_len=40, enabled=False)
+    three = make_batch(model.config, grids=[(1, 4, 4), (1, 4, 4), (1, 4, 4)], seed=5)
+    one = make_batch(model.config, grids=[(1, 4, 4)], seed=6)
+    long_one = make_batch(model.config, grids=[(1, 8, 8)], seed=7)  # 16 image tokens + 6
+    assert torch.equal(
+        runner_generate(runner, three, eos_token_id=NO_EOS), hf_generate(model, three, eos_token_id=NO_EOS)
+    )
+    assert torch.equal(
+        runner_generate(runner, one, eos_token_id=NO_EOS), hf_generate(model, one, eos_token_id=NO_EOS)
+    )
+    runner_generate(runner, long_one, eos_token_id=NO_EOS, max_new_tokens=30)  # 23 + 29 slots > 40
+
+    stats = runner.stats()
+    assert stats["calls"] == 3 and stats["sequences"] == 5
+    assert stats["steps"] == 2 * (NEW_TOKENS - 1) + 29
+    assert stats["graph_steps"] == 0 and stats["eager_steps"] == stats["steps"]
+    assert stats["eager_reasons"] == {
+        "batch larger than largest bucket 2": NEW_TOKENS - 1,
+        "disabled (enabled=False)": NEW_TOKENS - 1,
+        "sequence longer than max_cache_len 40": 29,
+    }
+    assert stats["replays_per_bucket"] == {}
+    assert stats["decode_ms_per_step"]["mean"] > 0
+    assert "decoder graphs: off (disabled (enabled=False))" in runner.format_stats()
+    runner.reset_stats()
+    assert runner.stats()["steps"] == 0
+
+
+def test_batch_between_largest_bucket_and_max_batch_size(model):
+    runner = DecoderGraphRunner(model, max_batch_size=4, batch_sizes=[2], max_cache_len=96)
+    inputs = make_batch(model.config, grids=[(1, 4, 4), (1, 8, 6), (1, 4, 8)], seed=8)
+    got = runner_generate(runner, inputs, eos_token_id=NO_EOS)
+    assert torch.equal(got, hf_generate(model, inputs, eos_token_id=NO_EOS))
+    assert runner.stats()["eager_reasons"] == {"batch larger than largest bucket 2": NEW_TOKENS - 1}
+
+
+def test_no_cuda_reason_and_capture_is_a_no_op(model):
+    runner = DecoderGraphRunner(model, max_batch_size=2, max_cache_len=64)
+    runner.capture()
+    assert runner.graphs == {}
+    runner_generate(runner, make_batch(model.config, grids=[(1, 4, 4)]), eos_token_id=NO_EOS)
+    assert runner.stats()["eager_reasons"] == {"no CUDA device": NEW_TOKENS - 1}
+
+
+def test_decode_attention_equals_repeated_kv_attention():
+    batch, kv_heads, group, slots, dim = 3, 2, 4, 40, 16
+    rng = torch.Generator().manual_seed(0)
+    query = torch.randn(batch, kv_heads * group, 1, dim, generator=rng)
+    key = torch.randn(batch, kv_heads, slots, dim, generator=rng)
+    value = torch.randn(batch, kv_heads, slots, dim, generator=rng)
+    mask = torch.rand(batch, 1, 1, slots, generator=rng) > 0.5
+    mask[:, ..., 0] = True
+    got, _ = static_decode_attention(None, query, key, value, mask, scaling=0.3)
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        query, key.repeat_interleave(group, 1), value.repeat_interleave(group, 1), attn_mask=mask, scale=0.3
+    )
+    assert got.shape == (batch, 1, kv_heads * group, dim)
+    torch.testing.assert_close(got, expected.transpose(1, 2))
+
+
+def test_decode_swaps_attention_only_inside_the_step(model):
+    text_config = model.config.get_text_config(decoder=True)
+    attention = [m for m in model.modules() if hasattr(m, "k_proj") and hasattr(m, "layer_idx")]
+    assert attention and all(m.config is text_config for m in attention)  # the swap reaches them
+    before = text_config._attn_implementation
+    runner_generate(
+        DecoderGraphRunner(model, max_batch_size=1, max_cache_len=64),
+        make_batch(model.config, grids=[(1, 4, 4)]),
+        max_new_tokens=3,
+    )
+    assert text_config._attn_implementation == before
+
+
+def test_default_buckets_and_config():
+    assert default_buckets(32) == [1, 2, 4, 8, 16, 32]
+    assert default_buckets(64) == [1, 2, 4, 8, 16, 32, 48, 64]
+    assert default_buckets(40) == [1, 2, 4, 8, 16, 32, 40]
+    assert default_buckets(5) == [1, 2, 4, 5]
+    assert DecoderGraphConfig(8, 64, [4, 2, 4]).buckets == [2, 4]
+    with pytest.raises(ValueError):
+        DecoderGraphConfig(4, 64, [8])
+    with pytest.raises(ValueError):
+        DecoderGraphConfig(0, 64)
+
+
+def test_rejects_bad_arguments(model):
+    runner = DecoderGraphRunner(model, max_batch_size=1, max_cache_len=64)
+    inputs = make_batch(model.config, grids=[(1, 4, 4)])
+    with pytest.raises(ValueError):
+        runner_generate(runner, inputs, max_new_tokens=0)
+    with pytest.raises(ValueError):
+        runner_generate(runner, inputs, do_sample=True, temperature=0.0)
+    with pytest.raises(ValueError):
+        runner_generate(runner, inputs, do_sample=True, top_p=0.0)

@@ -1,0 +1,112 @@
+"""Presets: real sizes match the public config.json files; tiny ones build and round-trip."""
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForImageTextToText
+
+from encoder_graphs.models import SUPPORTED_ARCHITECTURES, adapter_for
+from encoder_graphs.models.presets import PRESETS, build_model, build_vision_tower, get_config
+
+# Key fields of Qwen/Qwen2-VL-2B-Instruct, Qwen/Qwen2.5-VL-{3B,7B}-Instruct, Qwen/Qwen3-VL-2B-Instruct.
+PUBLIC = {
+    "qwen2-vl-2b": dict(
+        text=dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                  intermediate_size=8960, vocab_size=151936),
+        vision=dict(depth=32, embed_dim=1280, num_heads=16, mlp_ratio=4, hidden_size=1536, patch_size=14,
+                    spatial_merge_size=2, temporal_patch_size=2),
+        mrope=[16, 24, 24],
+        tie=True,
+    ),
+    "qwen2.5-vl-3b": dict(
+        text=dict(hidden_size=2048, num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=2,
+                  intermediate_size=11008, vocab_size=151936),
+        vision=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=2048,
+                    window_size=112, fullatt_block_indexes=[7, 15, 23, 31], patch_size=14,
+                    tokens_per_second=2),
+        mrope=[16, 24, 24],
+        tie=True,
+    ),
+    "qwen2.5-vl-7b": dict(
+        text=dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                  intermediate_size=18944, vocab_size=152064),
+        vision=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584,
+                    window_size=112, fullatt_block_indexes=[7, 15, 23, 31], patch_size=14,
+                    tokens_per_second=2),
+        mrope=[16, 24, 24],
+        tie=False,
+    ),
+    "qwen3-vl-2b": dict(
+        text=dict(hidden_size=2048, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                  head_dim=128, intermediate_size=6144, vocab_size=151936),
+        vision=dict(depth=24, hidden_size=1024, intermediate_size=4096, num_heads=16, out_hidden_size=2048,
+                    patch_size=16, num_position_embeddings=2304, deepstack_visual_indexes=[5, 11, 17],
+                    hidden_act="gelu_pytorch_tanh"),
+        mrope=[24, 20, 20],
+        tie=True,
+    ),
+}
+TINY = [name for name in PRESETS if name.startswith("tiny-")]
+
+
+@pytest.mark.parametrize("name", sorted(PUBLIC))
+def test_real_preset_matches_public_config(name):
+    config = get_config(name)
+    expected = PUBLIC[name]
+    for key, value in expected["text"].items():
+        assert getattr(config.text_config, key) == value, key
+    for key, value in expected["vision"].items():
+        got = getattr(config.vision_config, key)
+        assert (list(got) if isinstance(got, tuple) else got) == value, key
+    assert config.text_config.rope_parameters["mrope_section"] == expected["mrope"]
+    assert config.tie_word_embeddings is expected["tie"]
+    assert (config.image_token_id, config.video_token_id) == (151655, 151656)
+
+
+def test_every_preset_is_a_supported_architecture():
+    assert set(PUBLIC) | set(TINY) == set(PRESETS)
+    for name in PRESETS:
+        assert PRESETS[name].model_class.__name__ in SUPPORTED_ARCHITECTURES
+
+
+def test_get_config_returns_a_fresh_config():
+    first = get_config("qwen2.5-vl-7b")
+    first.vision_config.depth = 1
+    assert get_config("qwen2.5-vl-7b").vision_config.depth == 32
+
+
+def test_real_vision_tower_size_on_meta_device():
+    # Qwen2.5-VL's ViT is the ~670M-parameter tower of design.md; meta: no memory, no time.
+    tower = build_vision_tower("qwen2.5-vl-7b", dtype=torch.bfloat16, device="meta")
+    params = sum(p.numel() for p in tower.parameters())
+    assert 0.66e9 < params < 0.69e9
+    assert next(tower.parameters()).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_tiny_preset_round_trips(name, tmp_path):
+    model = build_model(name, seed=3)
+    assert not model.training
+    config = model.config.vision_config
+    assert config.spatial_merge_size == 2 and config.temporal_patch_size == 2
+    model.save_pretrained(tmp_path)
+    assert type(AutoConfig.from_pretrained(tmp_path)) is type(model.config)
+    loaded = AutoModelForImageTextToText.from_pretrained(tmp_path, dtype=torch.float32)
+    assert type(loaded) is type(model)
+    state, loaded_state = model.state_dict(), loaded.state_dict()
+    assert state.keys() == loaded_state.keys()
+    for key, value in state.items():
+        assert torch.equal(value, loaded_state[key]), key
+    adapter_for(loaded)  # the loaded model is one our adapters take
+
+
+def test_seed_makes_weights_reproducible():
+    first = build_vision_tower("tiny-qwen2.5-vl", seed=4)
+    second = build_vision_tower("tiny-qwen2.5-vl", seed=4)
+    other = build_vision_tower("tiny-qwen2.5-vl", seed=5)
+    assert all(torch.equal(a, b) for a, b in zip(first.parameters(), second.parameters()))
+    assert not all(torch.equal(a, b) for a, b in zip(first.parameters(), other.parameters()))
+
+
+def test_unknown_preset_names_the_known_ones():
+    with pytest.raises(ValueError, match="qwen2.5-vl-7b"):
+        get_config("qwen9-vl")

@@ -1,0 +1,187 @@
+"""Real-size Qwen-VL vision towers on CUDA (bf16, random weights): graph replays vs stock eager.
+
+For each preset a pool of items (odd-sized images up to ~1000 px, videos of 2-16 frames) is
+encoded once, item by item, by the stock transformers tower (its default attention): the
+reference. Then random calls, each a random handful of pool items, go through the manager with
+graphs captured into a NaN-poisoned pool, and with every input buffer filled with NaN / huge
+integers after capture, so stale or uncovered rows would show. Every item of every call must be
+finite and match its reference within bf16 tolerance.
+
+Runtime: CALLS random calls per preset and backend (fewer for qwen2-vl-2b, whose 32 full-attention
+layers make its large budgets the slowest), one reference pass per pool item.
+"""
+
+import importlib.util
+import random
+
+import pytest
+import torch
+
+from encoder_graphs import EncoderCudaGraphManager, enable_cuda_graphs
+from encoder_graphs.models import VisionBatch, adapter_for
+from encoder_graphs.models.presets import build_model, build_vision_tower
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+PRESETS = ["qwen2-vl-2b", "qwen2.5-vl-3b", "qwen2.5-vl-7b", "qwen3-vl-2b"]
+BACKENDS = [
+    "torch",
+    pytest.param(
+        "flashinfer",
+        marks=pytest.mark.skipif(
+            importlib.util.find_spec("flashinfer") is None, reason="flashinfer is not installed"
+        ),
+    ),
+]
+CALLS = {"qwen2-vl-2b": 120, "qwen2.5-vl-3b": 200, "qwen2.5-vl-7b": 200, "qwen3-vl-2b": 200}
+BUDGETS = [128, 512, 2048, 8192]
+MAX_ITEMS, MAX_FRAMES = 8, 32
+POOL_IMAGES, POOL_VIDEOS = 28, 8
+MAX_PIXELS = 1024 * 1024
+# bf16 through 24-32 random layers, FA2 vs the stock per-frame SDPA: relative L2 error per item.
+REL_TOL = 3e-2
+
+
+def smart_grid(height: int, width: int, frames: int, config) -> tuple[int, int, int]:
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+    factor = config.patch_size * config.spatial_merge_size
+    h, w = smart_resize(
+        height, width, factor=factor, min_pixels=factor * factor, max_pixels=MAX_PIXELS
+    )
+    return -(-frames // config.temporal_patch_size), h // config.patch_size, w // config.patch_size
+
+
+def stock_item(tower, pixels: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
+    """The stock tower on one item, as get_image_features runs it (Qwen3: main | deepstack)."""
+    output = tower(pixels, grid_thw=torch.tensor([grid], device=pixels.device), return_dict=True)
+    deepstack = getattr(output, "deepstack_features", None) or []
+    return torch.cat([output.pooler_output, *deepstack], dim=-1)
+
+
+@pytest.fixture(scope="module", params=PRESETS)
+def pool(request):
+    """(tower, items): items are (is_video, grid, pixels, reference) built once per preset."""
+    name = request.param
+    tower = build_vision_tower(name, dtype=torch.bfloat16, device="cuda", seed=0)
+    config = tower.config
+    patch_dim = config.in_channels * config.temporal_patch_size * config.patch_size**2
+    rng = random.Random(0)
+    shapes = [(False, 1, rng.randint(28, 1000), rng.randint(28, 1000)) for _ in range(POOL_IMAGES)]
+    shapes += [(False, 1, 1000, 1000), (False, 1, 30, 1000)]  # the largest and the thinnest
+    shapes += [
+        (True, rng.randint(2, 16), rng.randint(56, 448), rng.randint(56, 448))
+        for _ in range(POOL_VIDEOS)
+    ]
+    items = []
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    with torch.inference_mode():
+        for is_video, frames, height, width in shapes:
+            grid = smart_grid(height, width, frames, config)
+            rows = grid[0] * grid[1] * grid[2]
+            pixels = torch.randn(rows, patch_dim, device="cuda", generator=generator).to(torch.bfloat16)
+            items.append((is_video, grid, pixels, stock_item(tower, pixels, grid)))
+    yield name, tower, items
+    del tower, items
+    torch.cuda.empty_cache()
+
+
+def make_call(items: list, chosen: list[int]) -> VisionBatch:
+    images = [items[i] for i in chosen if not items[i][0]]
+    videos = [items[i] for i in chosen if items[i][0]]
+
+    def part(group):
+        if not group:
+            return None, None
+        pixels = torch.cat([p for _, _, p, _ in group])
+        return pixels, torch.tensor([g for _, g, _, _ in group], device="cuda")
+
+    return VisionBatch(*part(images), *part(videos)), images + videos
+
+
+def poison_input_pools(manager: EncoderCudaGraphManager) -> None:
+    for buffers in manager._input_pools.values():
+        for buffer in buffers.values():
+            buffer.fill_(float("nan") if buffer.is_floating_point() else 2**30)
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want.float()).norm() / want.float().norm()).item()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_graphs_match_stock_tower_over_random_calls(pool, backend):
+    name, tower, items = pool
+    adapter = adapter_for(tower, attn_backend=backend)
+    manager = EncoderCudaGraphManager(
+        adapter,
+        budgets=BUDGETS,
+        max_items=MAX_ITEMS,
+        max_frames=MAX_FRAMES,
+        poison_pool_bytes=256 << 20,
+    )
+    manager.capture()
+    assert sorted(manager.graphs["default"]) == BUDGETS, manager.failed_budgets
+    poison_input_pools(manager)
+
+    rng = random.Random(1)
+    small = min(range(len(items)), key=lambda i: items[i][1][1] * items[i][1][2])
+    large = [i for i in range(len(items)) if not items[i][0]][-2]  # the 1000x1000 image
+    calls = [[small], [large] + [small] * 3, [small]]  # small, large, small: stale rows must not leak
+    calls += [rng.sample(range(len(items)), rng.randint(1, 6)) for _ in range(CALLS[name] - len(calls))]
+    worst = 0.0
+    with torch.inference_mode():
+        for chosen in calls:
+            batch, ordered = make_call(items, chosen)
+            outputs = manager.execute(batch)
+            assert len(outputs) == len(ordered)
+            for got, (_, grid, _, want) in zip(outputs, ordered):
+                assert got.shape == want.shape, (name, grid)
+                assert torch.isfinite(got).all(), (name, grid)
+                error = relative_error(got, want)
+                worst = max(worst, error)
+                assert error < REL_TOL, (name, backend, grid, error)
+    stats = manager.stats()
+    assert stats["graph_items"] == stats["items"], stats["paths"]
+    assert stats["paths"]["default"]["hits"] > 0
+    print(f"{name} {backend}: {len(calls)} calls, {stats['items']} items, worst rel err {worst:.2e}")
+    manager.close()
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl"])
+def test_enable_cuda_graphs_on_cuda_keeps_generation(name):
+    """The plugin entry on CUDA: graphs captured, forward and generate go through them."""
+    model = build_model(name, dtype=torch.bfloat16, device="cuda", seed=0)
+    config = model.config
+    grids = [(1, 8, 12), (1, 22, 14)]
+    patch_dim = config.vision_config.in_channels * 2 * config.vision_config.patch_size**2
+    rows = sum(t * h * w for t, h, w in grids)
+    pixels = torch.randn(rows, patch_dim, device="cuda", dtype=torch.bfloat16)
+    ids = [5]
+    for t, h, w in grids:
+        ids += [config.vision_start_token_id, *[config.image_token_id] * (t * h * w // 4)]
+        ids += [config.vision_end_token_id]
+    input_ids = torch.tensor([ids], device="cuda")
+    inputs = dict(
+        input_ids=input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        mm_token_type_ids=(input_ids == config.image_token_id).long(),
+        pixel_values=pixels,
+        image_grid_thw=torch.tensor(grids, device="cuda"),
+    )
+    with torch.inference_mode():
+        stock = model.get_image_features(pixels, inputs["image_grid_thw"]).pooler_output
+        handle = enable_cuda_graphs(model, budgets=[64, 256], poison_pool_bytes=16 << 20)
+        ours = model.get_image_features(pixels, inputs["image_grid_thw"]).pooler_output
+        generated = model.generate(**inputs, max_new_tokens=4, do_sample=False)
+        stats = handle.stats()["encoder"]
+        handle.disable()
+    for got, want in zip(ours, stock):
+        assert torch.isfinite(got).all()
+        assert relative_error(got, want) < REL_TOL
+    assert stats["graph_items"] == stats["items"] == 2 * len(grids)
+    assert generated.shape[1] == input_ids.shape[1] + 4
+    assert "get_image_features" not in model.model.__dict__
