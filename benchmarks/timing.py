@@ -1,4 +1,4 @@
-"""Shared timing helpers for the benchmarks: per-call CUDA-event latency and the matmul ceiling."""
+"""Shared timing helpers for the benchmarks: per-call CUDA-event latency, the matmul and copy ceilings."""
 
 import json
 import platform
@@ -22,7 +22,12 @@ def time_calls(fn: Callable[[], object], warmup: int, iters: int) -> dict[str, f
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
-    times.sort()
+    return latency_summary(times)
+
+
+def latency_summary(times: list[float]) -> dict[str, float]:
+    """Mean, median and 99th percentile of a list of latencies."""
+    times = sorted(times)
     return {
         "mean": statistics.fmean(times),
         "p50": times[len(times) // 2],
@@ -38,11 +43,20 @@ def matmul_tflops(size: int = 8192) -> float:
     return 2 * size**3 / (ms / 1000) / 1e12
 
 
+def copy_bandwidth_gbps(nbytes: int = 2**30) -> float:
+    """Measured device-to-device copy rate in GB/s, counting the read and the write: the ceiling
+    the weight-bytes floors use."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = time_calls(lambda: dst.copy_(src), warmup=3, iters=20)["p50"]
+    return 2 * nbytes / (ms / 1000) / 1e9
+
+
 def environment() -> dict[str, str]:
     import transformers
 
     return {
-        "device": torch.cuda.get_device_name(),
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu {platform.machine()}",
         "date": date.today().isoformat(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,

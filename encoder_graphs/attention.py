@@ -23,10 +23,21 @@ def sdpa_varlen_attention(
     max_seqlen: int,
     scale: float | None = None,
 ) -> torch.Tensor:
-    """Reference and CPU backend: one dense attention with a block-diagonal mask.
+    """Reference and CPU backend.
 
-    Rows that no segment covers form one extra block, so they stay finite.
+    On CUDA: one dense attention with a block-diagonal mask (capturable; rows that no segment
+    covers form one extra block, so they stay finite). On the CPU, where nothing is captured, one
+    attention per segment instead: a mask over a whole packed batch costs its square.
     """
+    if q.device.type == "cpu":
+        out = torch.zeros_like(q)
+        bounds = cu_seqlens.tolist()
+        for start, end in zip(bounds, bounds[1:]):
+            if end > start:
+                segment = [x[start:end].transpose(0, 1) for x in (q, k, v)]
+                attended = torch.nn.functional.scaled_dot_product_attention(*segment, scale=scale)
+                out[start:end] = attended.transpose(0, 1)
+        return out
     positions = torch.arange(q.shape[0], device=q.device)
     segment = torch.searchsorted(cu_seqlens[1:].to(positions.dtype), positions, right=True)
     mask = segment[:, None] == segment[None, :]

@@ -49,7 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     caption.add_argument("--out", type=Path, default=Path("captions.jsonl"))
     caption.add_argument("--budgets", type=_budgets, default=None, help="encoder token budgets, e.g. 1024,4096")
     caption.add_argument("--attn-backend", default=None, help="varlen attention backend of the encoder graphs")
-    caption.add_argument("--no-graphs", action="store_true", help="run the stock eager model")
+    caption.add_argument(
+        "--no-graphs", action="store_true", help="run the encoder and the decoder eagerly (no CUDA graphs)"
+    )
     caption.add_argument("--stats-json", type=Path, default=None, help="also write the statistics as JSON")
     caption.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     caption.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -71,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
 def caption(args: argparse.Namespace) -> int:
     from encoder_graphs import enable_cuda_graphs
     from encoder_graphs.media import SAMPLES_DIR, LoadLimits, discover
-    from encoder_graphs.pipeline import CaptionConfig, Captioner, Progress, format_run_stats
+    from encoder_graphs.pipeline import CaptionConfig, Captioner, Progress, format_run_stats, longest_sequence
     from encoder_graphs.results import ResultsFile
 
     paths = args.paths + ([SAMPLES_DIR] if args.samples else [])
@@ -120,7 +122,12 @@ def caption(args: argparse.Namespace) -> int:
     )
     try:
         handle = enable_cuda_graphs(
-            model, budgets=args.budgets, attn_backend=args.attn_backend, enabled=not args.no_graphs
+            model,
+            budgets=args.budgets,
+            attn_backend=args.attn_backend,
+            enabled=not args.no_graphs,
+            decoder_max_batch_size=config.batch_size,
+            decoder_max_cache_len=longest_sequence(inputs, config, limits),
         )
     except ValueError as error:  # an architecture without an adapter, a bad backend or budgets
         raise UsageError(f"cannot enable graphs on this model: {error}") from error

@@ -1,17 +1,24 @@
-"""Plugin entry: route a stock transformers VLM's image and video encoding through encoder graphs.
+"""Plugin entry: route a stock transformers VLM's image and video encoding through encoder graphs,
+and its `generate` through decoder graphs.
 
 The model instance's own `get_image_features` / `get_video_features` are replaced by versions that
 call `EncoderCudaGraphManager.execute` and rebuild exactly the output transformers returns, so its
-`forward` and `generate` use the graphs unchanged. `disable()` puts the originals back.
+`forward` and `generate` use the graphs unchanged. The instance's `generate` is replaced by one that
+hands the calls the decoder runner supports to `DecoderGraphRunner.generate` and every other call to
+the original. `disable()` puts the originals back.
 """
 
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
+from transformers import GenerationConfig
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
+from encoder_graphs.decoder import DecoderGraphRunner
+from encoder_graphs.generation import StockOnly, runner_arguments
 from encoder_graphs.manager import EncoderCudaGraphManager
 from encoder_graphs.models import QwenVisionAdapter, Qwen3VLAdapter, VisionBatch, adapter_for
 
@@ -19,21 +26,24 @@ _FEATURE_METHODS = ("get_image_features", "get_video_features")
 # Requests for per-layer vision outputs that only the stock forward can answer.
 _STOCK_ONLY_KWARGS = ("output_hidden_states", "output_attentions")
 _MISSING = object()
-# Sub-batch caps when the caller gives none. FlashAttention-2's varlen grid is (segments x
-# max_seqlen / 128 x heads) and a graph bakes the worst case of both, so a segment cap of
-# hundreds (the manager's own default, largest // smallest budget) would launch millions of
-# empty blocks per layer at large budgets.
-DEFAULT_MAX_ITEMS = 32
-DEFAULT_MAX_FRAMES = 64
 
 
 class EncoderGraphsHandle:
-    """What `enable_cuda_graphs` returns: the manager, the adapter, statistics and `disable()`."""
+    """What `enable_cuda_graphs` returns: the encoder manager, the adapter, the decoder runner
+    (None with `decoder=False`), statistics and `disable()`."""
 
-    def __init__(self, model: nn.Module, adapter: QwenVisionAdapter, manager: EncoderCudaGraphManager):
+    def __init__(
+        self,
+        model: nn.Module,
+        adapter: QwenVisionAdapter,
+        manager: EncoderCudaGraphManager,
+        decoder: DecoderGraphRunner | None,
+    ):
         self.model = model
         self.adapter = adapter
         self.manager = manager
+        self.decoder = decoder
+        self.generate_fallbacks: Counter = Counter()  # reason -> generate calls sent to the original
         self._patched: list[tuple[nn.Module, str, Any]] = []
 
     def patch(self, owner: nn.Module, name: str, replacement: Callable) -> None:
@@ -42,10 +52,18 @@ class EncoderGraphsHandle:
         setattr(owner, name, replacement)
 
     def stats(self) -> dict:
-        return {"encoder": self.manager.stats()}
+        return {
+            "encoder": self.manager.stats(),
+            "decoder": self.decoder.stats() if self.decoder is not None else None,
+            "generate_fallbacks": dict(self.generate_fallbacks),
+        }
 
     def format_stats(self) -> str:
-        return "encoder graphs\n" + self.manager.format_stats()
+        decoder = self.decoder.format_stats() if self.decoder is not None else "decoder graphs: off (decoder=False)"
+        fallbacks = ", ".join(f"{reason} x{n}" for reason, n in self.generate_fallbacks.most_common()) or "-"
+        return "\n".join(
+            [self.manager.format_stats(), decoder, f"generate calls sent to stock generate: {fallbacks}"]
+        )
 
     @property
     def enabled(self) -> bool:
@@ -60,6 +78,8 @@ class EncoderGraphsHandle:
                 setattr(owner, name, original)
         self._patched.clear()
         self.manager.close()
+        if self.decoder is not None:
+            self.decoder.close()
         if getattr(self.model, "_encoder_graphs", None) is self:
             del self.model._encoder_graphs
 
@@ -74,23 +94,53 @@ def enable_cuda_graphs(
     enabled: bool = True,
     poison_pool_bytes: int = 0,
     log_interval_s: float = 60.0,
+    decoder: bool = True,
+    decoder_max_batch_size: int = 32,
+    decoder_max_cache_len: int = 4096,
+    decoder_batch_sizes: Sequence[int] | None = None,
 ) -> EncoderGraphsHandle:
     """Capture `model`'s vision encoder at token budgets and route its image/video features
-    through the graphs. Raises ValueError for an unsupported architecture."""
+    through the graphs; with `decoder`, capture its decode step per batch-size bucket over a
+    static cache of `decoder_max_cache_len` slots and route `model.generate` through them.
+    `enabled=False` keeps both routes but runs them eagerly. Raises ValueError for an
+    unsupported architecture.
+
+    `model.generate` reads its settings as transformers does (arguments > a `generation_config`
+    argument > `model.generation_config` > transformers' defaults). Calls with greedy or
+    temperature / top-p sampling, `max_new_tokens`, EOS / pad ids, an attention mask and the
+    model's image / video inputs go to the decoder graphs. Any setting that would change the
+    tokens and that the runner does not implement sends the call to the original `generate`,
+    counted by reason in `stats()["generate_fallbacks"]`: beams, streamers, logits processors or
+    stopping criteria, scores or dicts in the output, no `max_new_tokens`, and (when sampling)
+    top-k, which transformers sets to 50 by default, so pass `top_k=0` to sample through the
+    graphs. Real Qwen-VL checkpoints ship `repetition_penalty=1.05` in their generation config:
+    their calls reach the graphs only with `repetition_penalty=1.0` given explicitly.
+    """
     if getattr(model, "_encoder_graphs", None) is not None:
         raise RuntimeError("encoder graphs are already enabled on this model; disable() them first")
     adapter = adapter_for(model, attn_backend=attn_backend)
     manager = EncoderCudaGraphManager(
         adapter,
         budgets=budgets,
-        max_items=max_items or DEFAULT_MAX_ITEMS,
-        max_frames=max_frames or DEFAULT_MAX_FRAMES,
+        max_items=max_items,
+        max_frames=max_frames,
         enabled=enabled,
         log_interval_s=log_interval_s,
         poison_pool_bytes=poison_pool_bytes,
     )
+    runner = None
+    if decoder:
+        runner = DecoderGraphRunner(
+            model,
+            max_batch_size=decoder_max_batch_size,
+            batch_sizes=decoder_batch_sizes,
+            max_cache_len=decoder_max_cache_len,
+            enabled=enabled,
+        )
     manager.capture()
-    handle = EncoderGraphsHandle(model, adapter, manager)
+    if runner is not None:
+        runner.capture()
+    handle = EncoderGraphsHandle(model, adapter, manager, runner)
     for owner in (model, getattr(model, "model", None)):
         if owner is None:
             continue
@@ -98,8 +148,29 @@ def enable_cuda_graphs(
             original = getattr(owner, name, None)
             if callable(original):
                 handle.patch(owner, name, _graphed_features(handle, name, original))
+    if runner is not None:
+        handle.patch(model, "generate", _graphed_generate(handle, runner, model.generate))
     model._encoder_graphs = handle
     return handle
+
+
+def _graphed_generate(handle: EncoderGraphsHandle, runner: DecoderGraphRunner, original: Callable) -> Callable:
+    model = handle.model
+
+    def generate(
+        inputs: torch.Tensor | None = None, generation_config: GenerationConfig | None = None, *args, **kwargs
+    ):
+        try:
+            if args:
+                raise StockOnly("positional arguments after generation_config")
+            arguments = runner_arguments(model, inputs, generation_config, kwargs)
+        except StockOnly as why:
+            handle.generate_fallbacks[str(why)] += 1
+            return original(inputs, generation_config, *args, **kwargs)
+        return runner.generate(**arguments)
+
+    generate.__doc__ = "generate through decoder CUDA graphs where supported (encoder_graphs.enable_cuda_graphs)."
+    return generate
 
 
 def _graphed_features(handle: EncoderGraphsHandle, name: str, original: Callable) -> Callable:

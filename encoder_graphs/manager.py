@@ -112,9 +112,8 @@ class EncoderCudaGraphManager:
             for path in self.config.paths:
                 low, high = ranges[path.name]
                 multiple = path.budget_multiple
-                resolved[path.name] = sorted(
-                    {-(-b // multiple) * multiple for b in generate_budgets(low, high)}
-                )
+                budgets = generate_budgets(low, high, steps_per_doubling=path.steps_per_doubling)
+                resolved[path.name] = sorted({-(-b // multiple) * multiple for b in budgets})
         elif isinstance(budgets, Mapping):
             unknown = set(budgets) - set(self.paths)
             if unknown:

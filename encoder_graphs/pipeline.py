@@ -203,10 +203,13 @@ class Captioner:
                 model_inputs[name] = model_inputs[name].to(self.model.dtype)
         prompt_length = model_inputs["input_ids"].shape[1]
         with torch.inference_mode():
+            # Plain greedy whatever the checkpoint's generation config says: Qwen's repetition
+            # penalty (1.05) is not in the decoder graphs and would send every call to stock generate.
             output = self.model.generate(
                 **model_inputs,
                 max_new_tokens=self.config.max_new_tokens,
                 do_sample=False,
+                repetition_penalty=1.0,
                 eos_token_id=self.inputs.eos_token_id,
                 pad_token_id=self.inputs.pad_token_id,
             )
@@ -242,6 +245,22 @@ class Captioner:
     def _count_failure(record: dict, stats: RunStats) -> None:
         stats.failed += 1
         stats.failures[record["error_kind"]] += 1
+
+
+def longest_sequence(inputs: QwenVLInputs, config: CaptionConfig, limits: LoadLimits) -> int:
+    """The most tokens one sequence can reach here: the chat prompt around the largest image or
+    video the processor lets through, plus `max_new_tokens`. It sizes the decoder graphs' cache,
+    whose every slot each decode step reads; a rare longer one (an extreme aspect ratio) runs eagerly."""
+    unit = inputs.factor**2
+    vision_tokens = {
+        "image": inputs.image_processor.size["longest_edge"] // unit,
+        "video": limits.max_frames // inputs.temporal_patch_size * (inputs.video_max_pixels // unit),
+    }
+    longest_prompt = max(
+        len(inputs.tokenizer(inputs.prompt_text(kind, config.prompt, 1)).input_ids) - 1 + tokens
+        for kind, tokens in vision_tokens.items()
+    )
+    return longest_prompt + config.max_new_tokens
 
 
 def _error_record(file: MediaFile, kind: str, message: str) -> dict:

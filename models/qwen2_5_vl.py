@@ -7,6 +7,7 @@ merger; `cu_window_seqlens` cuts the permuted rows into windows of at most `wind
 import torch
 from transformers.vision_utils import get_vision_window_index
 
+from encoder_graphs.models.aligned_mlp import align_gated_mlps, set_gated_mlp_width
 from encoder_graphs.models.qwen_vision import Layout, QwenVisionAdapter, pad_offsets
 
 
@@ -14,17 +15,39 @@ class Qwen2_5_VLAdapter(QwenVisionAdapter):
     tensor_keys = (*QwenVisionAdapter.tensor_keys, "window_index", "cu_window_seqlens")
     static_keys = (*QwenVisionAdapter.static_keys, "max_window_seqlen")
 
+    _original_mlp_width: int | None = None
+
+    def align_weights(self) -> None:
+        """Pad the blocks' MLP width (3420 in the real models) to a multiple of 8: exact, and
+        cuBLAS then picks its fast kernels."""
+        if self._original_mlp_width is None:
+            self._original_mlp_width = align_gated_mlps([block.mlp for block in self.visual.blocks])
+
+    def restore_weights(self) -> None:
+        if self._original_mlp_width is not None:
+            for block in self.visual.blocks:
+                set_gated_mlp_width(block.mlp, self._original_mlp_width)
+            self._original_mlp_width = None
+
+    @property
+    def window_side(self) -> int:
+        """A window's side in merged tokens."""
+        config = self.visual.config
+        return config.window_size // self.merge // config.patch_size
+
     @property
     def window_rows(self) -> int:
         """The largest window in patch rows: the bound baked in as max_window_seqlen."""
-        config = self.visual.config
-        side = config.window_size // self.merge // config.patch_size
-        return side * side * self.unit
+        return self.window_side**2 * self.unit
 
     def layout(self, budget: int, max_frames: int) -> Layout:
         base = super().layout(budget, max_frames)
         tail = -(-base.rows // self.window_rows)
-        return Layout(base.rows, base.segments, windows=budget + tail)
+        # A frame of a x b merged tokens has ceil(a/s) * ceil(b/s) <= a*b/s + 1 windows of side s,
+        # so a sub-batch has at most budget/s + frames. Every window slot launches attention
+        # blocks, used or not: a tight bound keeps large budgets fast.
+        windows = min(budget, budget // self.window_side + base.segments)
+        return Layout(base.rows, base.segments, windows=windows + tail)
 
     def _add_metadata(
         self,

@@ -32,17 +32,21 @@ class EncoderItemSpec:
 class EncoderPathConfig:
     """One independent set of graphs (e.g. "default", or "global" and "local" for two towers).
 
-    Budgets count output rows of this path; `budget_multiple` rounds generated budgets up.
+    Budgets count output rows of this path; `budget_multiple` rounds generated budgets up;
+    `steps_per_doubling` sets how finely generated budgets grow (see `generate_budgets`).
     """
 
     name: str = "default"
     budget_multiple: int = 1
+    steps_per_doubling: int = 1
 
     def __post_init__(self) -> None:
         if not self.name:
             raise ValueError("a path needs a name")
         if self.budget_multiple < 1:
             raise ValueError(f"budget_multiple must be >= 1, got {self.budget_multiple}")
+        if self.steps_per_doubling < 1:
+            raise ValueError(f"steps_per_doubling must be >= 1, got {self.steps_per_doubling}")
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from encoder_graphs.cli import main
 from encoder_graphs.media import SAMPLES_DIR, LoadLimits, discover
 from encoder_graphs.models.default_model import SPECIAL_TOKENS, default_model_dir
 from encoder_graphs.models.qwen_inputs import QwenVLInputs
-from encoder_graphs.pipeline import CaptionConfig, Captioner, Pending, RunStats
+from encoder_graphs.pipeline import CaptionConfig, Captioner, Pending, RunStats, longest_sequence
 from encoder_graphs.results import ResultsFile, read_records
 
 FAST = ["--max-new-tokens", "3", "--quiet"]
@@ -91,6 +91,22 @@ def test_batched_left_padded_generate_matches_one_by_one():
     assert torch.equal(together, alone)
 
 
+def test_longest_sequence_bounds_the_largest_image_and_video():
+    inputs = QwenVLInputs.from_pretrained(default_model_dir())
+    config = CaptionConfig(max_new_tokens=5)
+    limits = LoadLimits(max_frames=16)
+    longest = longest_sequence(inputs, config, limits)
+    video = inputs.encode_video([Image.new("RGB", (112, 112), (0, 0, 9 * i)) for i in range(16)])
+    image = inputs.encode_image(Image.new("RGB", (3000, 2000)))
+    lengths = {
+        item.kind: inputs.batch([item], config.prompt)["input_ids"].shape[1] + config.max_new_tokens
+        for item in (video, image)
+    }
+    assert lengths["video"] == longest  # the tiny model's largest video is its longest input
+    assert lengths["image"] <= longest
+    assert longest_sequence(inputs, CaptionConfig(max_new_tokens=5), LoadLimits(max_frames=4)) < longest
+
+
 def test_video_patches_match_the_hf_video_processor():
     pytest.importorskip("torchvision")
     from transformers import Qwen2VLVideoProcessor
@@ -138,6 +154,13 @@ def test_end_to_end_over_every_bad_input(tmp_path, capsys):
     assert stats["pipeline"]["failed"] == sum(failures.values())
     assert stats["pipeline"]["items_per_s"] > 0
     assert stats["encoder"]["items"] == stats["pipeline"]["succeeded"]
+    decoder = stats["decoder"]
+    assert decoder["sequences"] == stats["pipeline"]["succeeded"] and decoder["calls"] == stats["pipeline"]["batches"]
+    assert decoder["steps"] > 0 and decoder["eager_reasons"] == {"no CUDA device": decoder["steps"]}
+    assert decoder["max_cache_len"] < 4096 and decoder["buckets"] == [1, 2, 4]  # sized by the pipeline
+    assert {"graph_steps", "replays_per_bucket", "decode_ms_per_step"} <= decoder.keys()
+    assert stats["generate_fallbacks"] == {}
+    assert "decoder graphs" in printed and "generate calls sent to stock generate: -" in printed
 
 
 def test_resume_after_a_kill_redoes_only_the_missing_files(tmp_path):

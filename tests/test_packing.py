@@ -22,6 +22,10 @@ def test_generate_budgets_doubles_and_keeps_max():
     assert generate_budgets(64, 1000) == [64, 128, 256, 512, 1000]
     assert generate_budgets(64, 512) == [64, 128, 256, 512]
     assert generate_budgets(7, 7) == [7]
+    assert generate_budgets(64, 256, steps_per_doubling=2) == [64, 91, 128, 181, 256]
+    assert generate_budgets(1, 4, steps_per_doubling=4) == [1, 2, 3, 4]  # no repeats
+    with pytest.raises(ValueError):
+        generate_budgets(1, 4, steps_per_doubling=0)
     with pytest.raises(ValueError):
         generate_budgets(0, 10)
     with pytest.raises(ValueError):

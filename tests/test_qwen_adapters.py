@@ -268,3 +268,4 @@ def test_random_mixes_equal_model_features(model):
         videos = [(rng.randint(2, 20), rng.randint(40, 150), rng.randint(40, 150))]
         batch = make_batch(model, images, videos[: rng.randint(0 if images else 1, 1)], seed=call)
         assert_items_close(manager.execute(batch), reference_items(model, batch))
+

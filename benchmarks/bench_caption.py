@@ -1,0 +1,341 @@
+"""Captioning throughput: stock `generate` vs encoder + decoder graphs, on a real-size preset with
+random weights.
+
+A folder of synthetic images (fixed seed, 224-1024 px sides, mixed aspect ratios, PNG and JPEG)
+is captioned in folder order at a fixed batch size, exactly `--new-tokens` tokens per image (an
+EOS id outside the vocabulary), first by the stock `model.generate`, then by the same call after
+`enable_cuda_graphs(model)` on the same model. Inputs are built before timing (presets have no
+tokenizer: random text ids around the image placeholders, pixels from the Qwen2-VL image
+processor), so the timed part is `generate` alone. Then decode ms/token at batch 1 and 8, derived
+the same way on both sides as (generate of 1 + N tokens - generate of 1 token) / N, against the
+weight-bytes floor (text-stack and lm_head weights read once per step at the measured copy rate).
+    python3 benchmarks/bench_caption.py [--preset qwen2.5-vl-3b] [--quick] [--json out.json]
+    python3 benchmarks/bench_caption.py --preset tiny-qwen2-vl --images 8 --device cpu   # smoke run
+"""
+
+import argparse
+import random
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+from timing import copy_bandwidth_gbps, environment, latency_summary, markdown_table, write_json
+from transformers import PretrainedConfig, PreTrainedModel, Qwen2VLImageProcessorPil
+
+from encoder_graphs import enable_cuda_graphs
+from encoder_graphs.models.presets import build_model
+
+Batch = dict[str, torch.Tensor]
+DECODE_BATCHES = (1, 8)
+DECODE_SIDE = 448  # px, the image of each decode-benchmark prompt
+
+
+def write_images(folder: Path, count: int, seed: int = 0) -> list[Path]:
+    """Smooth synthetic images (gradients and boxes), alternately PNG and JPEG."""
+    rng = random.Random(seed)
+    paths = []
+    for index in range(count):
+        width, height = rng.randint(224, 1024), rng.randint(224, 1024)
+        paths.append(folder / f"image_{index:04d}.{'png' if index % 2 else 'jpg'}")
+        synthetic_image(width, height, rng).save(paths[-1])
+    return paths
+
+
+def synthetic_image(width: int, height: int, rng: random.Random) -> Image.Image:
+    x = np.linspace(0, 1, width, dtype=np.float32)[None, :, None]
+    y = np.linspace(0, 1, height, dtype=np.float32)[:, None, None]
+    colors = np.array([[rng.random() for _ in range(3)] for _ in range(3)], dtype=np.float32)
+    pixels = colors[0] * x + colors[1] * y + colors[2] * (1 - x) * (1 - y)
+    image = Image.fromarray((255 * pixels.clip(0, 1)).astype(np.uint8))
+    for _ in range(4):
+        left, top = rng.randrange(width), rng.randrange(height)
+        box = (left, top, rng.randint(left, width), rng.randint(top, height))
+        image.paste(tuple(rng.randrange(256) for _ in range(3)), box)
+    return image
+
+
+class PromptBuilder:
+    """`generate` inputs by hand: random text ids, <vision_start>, image pads, <vision_end>, text."""
+
+    def __init__(self, config: PretrainedConfig, device: torch.device, dtype: torch.dtype, seed: int = 0) -> None:
+        self.config = config
+        self.device = device
+        self.dtype = dtype
+        vision = config.vision_config
+        self.processor = Qwen2VLImageProcessorPil(
+            patch_size=vision.patch_size,
+            merge_size=vision.spatial_merge_size,
+            temporal_patch_size=vision.temporal_patch_size,
+        )
+        vision_ids = (
+            config.image_token_id,
+            config.video_token_id,
+            config.vision_start_token_id,
+            config.vision_end_token_id,
+        )
+        self.text_ids = (2, min(vision_ids))  # text ids never count as image placeholders
+        self.rng = torch.Generator().manual_seed(seed)
+
+    def prompt(self, image: Image.Image) -> tuple[list[int], torch.Tensor, list[int]]:
+        out = self.processor(images=[image.convert("RGB")], return_tensors="np")
+        grid = [int(v) for v in out["image_grid_thw"][0]]
+        tokens = int(np.prod(grid)) // self.config.vision_config.spatial_merge_size**2
+        before = torch.randint(*self.text_ids, (8,), generator=self.rng).tolist()
+        after = torch.randint(*self.text_ids, (12,), generator=self.rng).tolist()
+        ids = [
+            *before,
+            self.config.vision_start_token_id,
+            *[self.config.image_token_id] * tokens,
+            self.config.vision_end_token_id,
+            *after,
+        ]
+        return ids, torch.from_numpy(out["pixel_values"]), grid
+
+    def batch(self, images: list[Image.Image]) -> Batch:
+        """Left-padded (token 0, mask 0), on the device."""
+        prompts = [self.prompt(image) for image in images]
+        width = max(len(ids) for ids, _, _ in prompts)
+        input_ids = torch.zeros(len(prompts), width, dtype=torch.long)
+        attention_mask = torch.zeros_like(input_ids)
+        for row, (ids, _, _) in enumerate(prompts):
+            input_ids[row, width - len(ids) :] = torch.tensor(ids)
+            attention_mask[row, width - len(ids) :] = 1
+        batch = {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "mm_token_type_ids": (input_ids == self.config.image_token_id).long(),
+            "pixel_values": torch.cat([pixels for _, pixels, _ in prompts]).to(self.dtype),
+            "image_grid_thw": torch.tensor([grid for _, _, grid in prompts]),
+        }
+        return {key: value.to(self.device) for key, value in batch.items()}
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def generate(model: PreTrainedModel, batch: Batch, new_tokens: int) -> torch.Tensor:
+    """Exactly `new_tokens` greedy tokens per row: the EOS id lies outside the vocabulary."""
+    vocab_size = model.get_output_embeddings().weight.shape[0]
+    out = model.generate(**batch, do_sample=False, max_new_tokens=new_tokens, eos_token_id=vocab_size, pad_token_id=0)
+    generated = out[:, batch["input_ids"].shape[1] :]
+    if generated.shape[1] != new_tokens:
+        raise RuntimeError(f"generate returned {generated.shape[1]} new tokens, expected {new_tokens}")
+    return generated
+
+
+def caption_run(
+    model: PreTrainedModel, batches: list[Batch], new_tokens: int, device: torch.device
+) -> tuple[dict, torch.Tensor]:
+    """One warm-up batch, then every batch timed on the host clock, synchronised after each."""
+    generate(model, batches[0], new_tokens)
+    batch_ms, outputs = [], []
+    synchronize(device)
+    started = time.perf_counter()
+    for batch in batches:
+        begun = time.perf_counter()
+        outputs.append(generate(model, batch, new_tokens))
+        synchronize(device)
+        batch_ms.append(1000 * (time.perf_counter() - begun))
+    wall_s = time.perf_counter() - started
+    sizes = [len(batch["input_ids"]) for batch in batches]
+    result = {
+        "wall_s": wall_s,
+        "images_per_s": sum(sizes) / wall_s,
+        "tokens_per_s": sum(sizes) * new_tokens / wall_s,
+        "batch_ms": latency_summary(batch_ms),
+        "image_ms_mean": statistics.fmean(ms / size for ms, size in zip(batch_ms, sizes, strict=True)),
+    }
+    return result, torch.cat(outputs)
+
+
+def median_ms(fn: Callable[[], object], reps: int, device: torch.device) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        synchronize(device)
+        begun = time.perf_counter()
+        fn()
+        synchronize(device)
+        times.append(1000 * (time.perf_counter() - begun))
+    return statistics.median(times)
+
+
+def decode_ms_per_token(
+    model: PreTrainedModel, batch: Batch, new_tokens: int, reps: int, device: torch.device
+) -> float:
+    """Decode cost alone: the prefill and the first token cancel out of the difference."""
+    full = median_ms(lambda: generate(model, batch, 1 + new_tokens), reps, device)
+    prefill = median_ms(lambda: generate(model, batch, 1), reps, device)
+    return (full - prefill) / new_tokens
+
+
+def weight_bytes_per_step(model: PreTrainedModel) -> int:
+    """Bytes every decode step must read: the text stack without its embedding table (one row
+    per token) plus the lm_head, counted once when tied."""
+    embedding = model.get_input_embeddings().weight
+    tensors = {id(p): p for p in model.get_decoder().parameters() if p is not embedding}
+    lm_head = model.get_output_embeddings().weight
+    tensors[id(lm_head)] = lm_head
+    return sum(p.numel() * p.element_size() for p in tensors.values())
+
+
+def throughput_table(workload: str, stock: dict, ours: dict) -> str:
+    header = [
+        "workload",
+        "side",
+        "wall s",
+        "images/s",
+        "tokens/s",
+        "batch ms (mean/p50/p99)",
+        "ms per image",
+        "vs stock",
+    ]
+    rows = []
+    for side, run in (("stock generate", stock), ("ours, graphs", ours)):
+        batch_ms = run["batch_ms"]
+        rows.append(
+            [
+                workload,
+                side,
+                f"{run['wall_s']:.2f}",
+                f"{run['images_per_s']:.2f}",
+                f"{run['tokens_per_s']:.0f}",
+                f"{batch_ms['mean']:.0f} / {batch_ms['p50']:.0f} / {batch_ms['p99']:.0f}",
+                f"{run['image_ms_mean']:.1f}",
+                f"{run['images_per_s'] / stock['images_per_s']:.2f}x",
+            ]
+        )
+    return markdown_table(header, rows)
+
+
+def decode_table(decode: list[dict]) -> str:
+    header = ["workload", "stock ms/token", "ours ms/token", "weight-bytes floor ms", "ours vs floor", "ours vs stock"]
+    rows = []
+    for row in decode:
+        floor = row["floor_ms"]
+        rows.append(
+            [
+                f"decode batch {row['batch']} ({row['prompt_tokens']}-token prompt)",
+                f"{row['stock']:.2f}",
+                f"{row['ours']:.2f}",
+                f"{floor:.2f}" if floor else "-",
+                f"{row['ours'] / floor:.1f}x" if floor else "-",
+                f"{row['stock'] / row['ours']:.1f}x",
+            ]
+        )
+    return markdown_table(header, rows)
+
+
+def graphs_line(stats: dict, same_tokens_pct: float) -> str:
+    encoder, decoder = stats["encoder"], stats["decoder"]
+    replayed = 100.0 * decoder["graph_steps"] / decoder["steps"] if decoder["steps"] else 0.0
+    return (
+        f"encoder graphs: hit rate {encoder['hit_rate_pct']:.1f}% ({encoder['graph_items']}/{encoder['items']} "
+        f"items), capture {encoder['capture_seconds']:.1f} s | decoder graphs: {replayed:.1f}% of "
+        f"{decoder['steps']} decode steps replayed, {decoder['decode_ms_per_step']['mean']:.2f} ms/step, lane "
+        f"waste {decoder['lane_waste_pct']:.1f}%, capture {decoder['capture_seconds']:.1f} s | tokens identical "
+        f"to stock for {same_tokens_pct:.0f}% of images | generate calls sent to stock: "
+        f"{stats['generate_fallbacks'] or 'none'}"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="qwen2.5-vl-3b")
+    parser.add_argument("--images", type=int, help="folder size (default 256, 64 with --quick)")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--quick", action="store_true", help="64 images, fewer decode repetitions")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--json", help="write results here")
+    args = parser.parse_args()
+    count = args.images or (64 if args.quick else 256)
+    reps = 3 if args.quick else 5
+    device = torch.device(args.device)
+    on_cuda = device.type == "cuda"
+    dtype = torch.bfloat16 if on_cuda else torch.float32
+
+    started = time.perf_counter()
+    model = build_model(args.preset, dtype=dtype, device=device)
+    build_s = time.perf_counter() - started
+    builder = PromptBuilder(model.config, device, dtype)
+    with tempfile.TemporaryDirectory() as folder:
+        images = [Image.open(path) for path in write_images(Path(folder), count)]
+        batches = [builder.batch(images[i : i + args.batch_size]) for i in range(0, count, args.batch_size)]
+    square = [synthetic_image(DECODE_SIDE, DECODE_SIDE, random.Random(100 + i)) for i in range(max(DECODE_BATCHES))]
+    decode_inputs = {b: builder.batch(square[:b]) for b in DECODE_BATCHES}
+    prompt_len = max(batch["input_ids"].shape[1] for batch in [*batches, *decode_inputs.values()])
+
+    stock, stock_tokens = caption_run(model, batches, args.new_tokens, device)
+    stock_decode = {
+        b: decode_ms_per_token(model, decode_inputs[b], args.new_tokens, reps, device) for b in DECODE_BATCHES
+    }
+    handle = enable_cuda_graphs(
+        model,
+        decoder_max_batch_size=max(args.batch_size, *DECODE_BATCHES),
+        decoder_max_cache_len=prompt_len + args.new_tokens + 1,
+    )
+    try:
+        ours, our_tokens = caption_run(model, batches, args.new_tokens, device)
+        graph_stats = handle.stats()
+        ours_decode = {
+            b: decode_ms_per_token(model, decode_inputs[b], args.new_tokens, reps, device) for b in DECODE_BATCHES
+        }
+    finally:
+        handle.disable()
+
+    weight_bytes = weight_bytes_per_step(model)
+    bandwidth = copy_bandwidth_gbps() if on_cuda else None
+    floor_ms = 1000 * weight_bytes / (bandwidth * 1e9) if bandwidth else None
+    decode = [
+        {
+            "batch": b,
+            "prompt_tokens": decode_inputs[b]["input_ids"].shape[1],
+            "stock": stock_decode[b],
+            "ours": ours_decode[b],
+            "floor_ms": floor_ms,
+        }
+        for b in DECODE_BATCHES
+    ]
+    same_tokens_pct = 100.0 * (our_tokens == stock_tokens).all(dim=1).float().mean().item()
+    workload = f"{count} images, batch {args.batch_size}, {args.new_tokens} new tokens"
+    env = environment()
+    print(
+        f"\n{args.preset}, {dtype}, random weights | {env} | model build {build_s:.1f} s | longest prompt "
+        f"{prompt_len} tokens | weights read per decode step {weight_bytes / 2**30:.2f} GiB"
+        + (f" | copy {bandwidth:.0f} GB/s" if bandwidth else "")
+    )
+    print(throughput_table(workload, stock, ours))
+    print(decode_table(decode))
+    print(graphs_line(graph_stats, same_tokens_pct))
+    write_json(
+        args.json,
+        {
+            "preset": args.preset,
+            "environment": env,
+            "dtype": str(dtype),
+            "images": count,
+            "batch_size": args.batch_size,
+            "new_tokens": args.new_tokens,
+            "longest_prompt": prompt_len,
+            "model_build_s": build_s,
+            "throughput": {"stock": stock, "ours": ours},
+            "speedup": ours["images_per_s"] / stock["images_per_s"],
+            "identical_tokens_pct": same_tokens_pct,
+            "decode_ms_per_token": decode,
+            "weight_bytes_per_step": weight_bytes,
+            "copy_gbps": bandwidth,
+            "graphs": graph_stats,
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""`enable_cuda_graphs` routes `model.generate` through the decoder runner (CPU: its eager path,
+the same step function the graphs hold): tokens equal to the stock `generate`, unsupported
+settings sent back to the stock `generate` and counted, `disable()` restores it. Tiny models, fp32,
+saved and reloaded for real."""
+
+import pytest
+import torch
+from test_decoder import make_batch
+from transformers import GenerationConfig
+
+from encoder_graphs import DecoderGraphRunner, enable_cuda_graphs
+from encoder_graphs.models.presets import PRESETS, build_model
+
+FAMILIES = ["tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl"]
+NEW_TOKENS = 10
+GRIDS = [(1, 4, 4), (1, 8, 6), (1, 4, 8)]
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def model(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    build_model(request.param, seed=2).save_pretrained(path)
+    return PRESETS[request.param].model_class.from_pretrained(path).eval()
+
+
+def generate(model, inputs, **kwargs):
+    kwargs.setdefault("max_new_tokens", NEW_TOKENS)
+    with torch.inference_mode():
+        return model.generate(**inputs, **kwargs)
+
+
+def test_generate_equals_stock_and_disable_restores(model):
+    batch = make_batch(model.config, GRIDS, seed=1)  # left padded, three image sizes
+    single = make_batch(model.config, GRIDS[1:2], seed=2)
+    single_no_mask = {k: v for k, v in single.items() if k != "attention_mask"}
+    expected = {
+        "batch": generate(model, batch, do_sample=False),
+        "single": generate(model, single, do_sample=False),
+        "beams": generate(model, single, num_beams=2),
+    }
+    handle = enable_cuda_graphs(model, budgets=[64, 256], decoder_max_batch_size=4, decoder_max_cache_len=128)
+    try:
+        assert isinstance(handle.decoder, DecoderGraphRunner)
+        assert "generate" in model.__dict__
+        assert torch.equal(generate(model, batch, do_sample=False), expected["batch"])
+        assert torch.equal(generate(model, single), expected["single"])
+        assert torch.equal(generate(model, single_no_mask), expected["single"])
+        # Settings from a generation_config argument, not keyword arguments.
+        config = GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False)
+        assert torch.equal(generate(model, single, generation_config=config), expected["single"])
+        decoder = handle.stats()["decoder"]
+        assert (decoder["calls"], decoder["sequences"]) == (4, 6)
+        assert decoder["steps"] > 0 and decoder["eager_reasons"] == {"no CUDA device": decoder["steps"]}
+        assert handle.stats()["generate_fallbacks"] == {}
+
+        assert torch.equal(generate(model, single, num_beams=2), expected["beams"])
+        assert handle.stats()["generate_fallbacks"] == {"generation mode beam_search": 1}
+        assert handle.stats()["decoder"]["calls"] == 4
+        assert "generation mode beam_search x1" in handle.format_stats()
+        assert "decoder graphs: off (no CUDA device)" in handle.format_stats()
+    finally:
+        handle.disable()
+    assert "generate" not in model.__dict__
+    assert handle.decoder.graphs == {} and not handle.decoder.captured
+    assert torch.equal(generate(model, batch, do_sample=False), expected["batch"])
+
+
+def test_settings_resolve_like_generate_and_unsupported_ones_fall_back(model):
+    inputs = make_batch(model.config, GRIDS[:2], seed=3)
+    handle = enable_cuda_graphs(model, budgets=[64], decoder_max_batch_size=2, decoder_max_cache_len=96)
+    default_config = model.generation_config
+    try:
+        # A checkpoint's generation config (Qwen ships repetition_penalty 1.05) is read as generate
+        # reads it; an explicit argument overrides it.
+        model.generation_config = GenerationConfig(**default_config.to_dict())
+        model.generation_config.repetition_penalty = 1.05
+        generate(model, inputs)
+        generate(model, inputs, repetition_penalty=1.0)
+        model.generation_config = default_config
+        # Sampling: transformers' default top_k=50 is a warper the runner lacks; top_k=0 removes it.
+        generate(model, inputs, do_sample=True)
+        torch.manual_seed(0)
+        sampled = generate(model, inputs, do_sample=True, top_k=0, temperature=0.7, top_p=0.9)
+        generate(model, inputs, output_scores=True, return_dict_in_generate=True)
+        generate(model, inputs, max_new_tokens=None, max_length=inputs["input_ids"].shape[1] + 3)
+        with pytest.raises(ValueError, match="not used by the model"):
+            generate(model, inputs, not_an_argument=1)  # a typo raises as in the stock generate
+        stats = handle.stats()
+    finally:
+        model.generation_config = default_config
+        handle.disable()
+    assert stats["generate_fallbacks"] == {
+        "repetition_penalty=1.05": 1,
+        "top_k=50": 1,
+        "output_scores=True": 1,
+        "max_new_tokens not set": 1,
+    }
+    assert stats["decoder"]["calls"] == 2  # repetition_penalty=1.0 and top_k=0
+    assert sampled.shape[0] == 2 and sampled.shape[1] > inputs["input_ids"].shape[1]
+
+
+def test_decoder_false_leaves_generate_alone(model):
+    handle = enable_cuda_graphs(model, budgets=[64], decoder=False)
+    try:
+        assert handle.decoder is None and "generate" not in model.__dict__
+        assert handle.stats()["decoder"] is None
+        assert "decoder graphs: off (decoder=False)" in handle.format_stats()
+    finally:
+        handle.disable()
