@@ -32,11 +32,10 @@ BUDGETS = [256, 1024]  # merged tokens; fp32 vision attention is the dense maske
 CACHE_LEN = 256  # longest prompt here is ~140 tokens
 FP32_NEW_TOKENS = 24
 BF16_NEW_TOKENS = 32
-MIN_MATCHED = 8
-BF16_MANTISSA_BITS = 7
-# Logits closer than 2 bf16 ulps at their magnitude count as tied: the last rounding alone can
-# move each path's logit by half an ulp; at magnitude 8-16 the ulp is 0.0625, so 0.125.
-NEAR_TIE_ULPS = 2
+# bf16 decode through 28-36 random-weight layers, in other kernels than generate's (a bucket of 4
+# rows vs 3, a static masked cache vs a growing one), moves logits by up to ~0.1-0.2 (seen on an
+# H200); a wrong token would sit about 5 logits below the top.
+CLOSE_LOGIT_GAP = 0.3
 
 
 @pytest.fixture(autouse=True)
@@ -90,12 +89,10 @@ def first_differences(got, expected, prompt_len):
     return torch.where(differ.any(1), differ.int().argmax(1), none).tolist()
 
 
-def margins_and_ties(scores):
-    """Top-2 logit margins [batch, steps] of `generate`'s scores, and where they are near-ties."""
+def top2_margins(scores):
+    """Top-2 logit margins [batch, steps] of `generate`'s scores."""
     top2 = torch.stack([step.float().topk(2, dim=-1).values for step in scores], dim=1)
-    margin = top2[..., 0] - top2[..., 1]
-    ulp = torch.exp2(torch.floor(torch.log2(top2[..., 0].abs().clamp_min(1e-30))) - BF16_MANTISSA_BITS)
-    return margin, margin < NEAR_TIE_ULPS * ulp
+    return top2[..., 0] - top2[..., 1]
 
 
 def divergence_report(generate, inputs, got, expected, new_tokens):
@@ -103,7 +100,7 @@ def divergence_report(generate, inputs, got, expected, new_tokens):
         scores = generate(
             **inputs, do_sample=False, max_new_tokens=new_tokens, output_scores=True, return_dict_in_generate=True
         ).scores
-    margin, _ = margins_and_ties(scores)
+    margin = top2_margins(scores)
     lines = []
     for row, step in enumerate(first_differences(got, expected, inputs["input_ids"].shape[1])):
         if step < min(got.shape[1], expected.shape[1]) - inputs["input_ids"].shape[1]:
@@ -142,7 +139,7 @@ def test_fp32_greedy_tokens_identical_to_generate(name):
 
 
 @pytest.mark.parametrize("name", PRESETS)
-def test_bf16_replay_equals_eager_steps_and_generate_up_to_near_ties(name):
+def test_bf16_replay_equals_eager_steps_and_parts_from_generate_only_at_close_logits(name):
     model = build_model(name, dtype=torch.bfloat16, device="cuda")
     cases = make_cases(model.config, torch.bfloat16)
     stock_generate = model.generate
@@ -177,17 +174,17 @@ def test_bf16_replay_equals_eager_steps_and_generate_up_to_near_ties(name):
 
     for case, inputs in cases.items():
         prompt_len = inputs["input_ids"].shape[1]
-        sequences = stock[case].sequences
-        margin, tie = margins_and_ties(stock[case].scores)
+        sequences, scores = stock[case].sequences, stock[case].scores
         matched = first_differences(got[case], sequences, prompt_len)
         compared = min(got[case].shape[1], sequences.shape[1]) - prompt_len
-        first_tie = [int(row.int().argmax()) if row.any() else tie.shape[1] for row in tie]
-        tie_margins = [round(float(margin[r, t]), 4) if t < tie.shape[1] else None for r, t in enumerate(first_tie)]
-        print(
-            f"{name} {case}: new tokens matching generate per row {matched} of {compared}; "
-            f"first near-tie {first_tie}, generate's top-2 margin there {tie_margins}; "
-            f"top logits up to {max(float(step.amax()) for step in stock[case].scores):.1f}"
-        )
-        for row, (same, tied) in enumerate(zip(matched, first_tie)):
-            assert same >= min(tied, compared), f"{name} {case} row {row}: differs at {same}, before any near-tie"
-            assert same >= min(MIN_MATCHED, compared), f"{name} {case} row {row}: only {same} tokens match"
+        print(f"{name} {case}: new tokens matching generate per row {matched} of {compared}")
+        for row, step in enumerate(matched):
+            # The first token comes from the shared prefill: it must match.
+            assert step >= 1, f"{name} {case} row {row}: the prefill token differs"
+            if step < compared:
+                # Where the paths part, ours must be one of generate's own near-top choices: a
+                # logic bug picks an arbitrary token, about 5 logits below the top here.
+                ours = int(got[case][row, prompt_len + step])
+                gap = float(scores[step][row].max() - scores[step][row, ours])
+                print(f"  row {row} parts at {step}: ours is {gap:.3f} below generate's top logit")
+                assert gap <= CLOSE_LOGIT_GAP, f"{name} {case} row {row}: ours is {gap:.3f} below the top"
