@@ -61,6 +61,22 @@ _TINY_TEXT = dict(
 )
 
 
+# The vision tower both Qwen2.5-VL sizes share (only out_hidden_size differs).
+_QWEN2_5_VISION = dict(
+    depth=32,
+    hidden_size=1280,
+    intermediate_size=3420,
+    num_heads=16,
+    hidden_act="silu",
+    patch_size=14,
+    spatial_merge_size=2,
+    temporal_patch_size=2,
+    window_size=112,
+    fullatt_block_indexes=[7, 15, 23, 31],
+    tokens_per_second=2,
+)
+
+
 def _mrope(sections: list[int], theta: float, **extra: Any) -> dict[str, Any]:
     return {"rope_type": "default", "mrope_section": sections, "rope_theta": theta, **extra}
 
@@ -115,20 +131,7 @@ PRESETS: dict[str, Preset] = {
             bos_token_id=151643,
             eos_token_id=151645,
         ),
-        vision=dict(
-            depth=32,
-            hidden_size=1280,
-            intermediate_size=3420,
-            num_heads=16,
-            out_hidden_size=2048,
-            hidden_act="silu",
-            patch_size=14,
-            spatial_merge_size=2,
-            temporal_patch_size=2,
-            window_size=112,
-            fullatt_block_indexes=[7, 15, 23, 31],
-            tokens_per_second=2,
-        ),
+        vision=dict(_QWEN2_5_VISION, out_hidden_size=2048),
         extra=dict(tie_word_embeddings=True, **_QWEN_TOKENS),
     ),
     # Qwen/Qwen2.5-VL-7B-Instruct
@@ -149,20 +152,7 @@ PRESETS: dict[str, Preset] = {
             bos_token_id=151643,
             eos_token_id=151645,
         ),
-        vision=dict(
-            depth=32,
-            hidden_size=1280,
-            intermediate_size=3420,
-            num_heads=16,
-            out_hidden_size=3584,
-            hidden_act="silu",
-            patch_size=14,
-            spatial_merge_size=2,
-            temporal_patch_size=2,
-            window_size=112,
-            fullatt_block_indexes=[7, 15, 23, 31],
-            tokens_per_second=2,
-        ),
+        vision=dict(_QWEN2_5_VISION, out_hidden_size=3584),
         extra=dict(tie_word_embeddings=False, **_QWEN_TOKENS),
     ),
     # Qwen/Qwen3-VL-2B-Instruct
