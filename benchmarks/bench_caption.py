@@ -29,6 +29,7 @@ from transformers import PretrainedConfig, PreTrainedModel, Qwen2VLImageProcesso
 
 from encoder_graphs import enable_cuda_graphs
 from encoder_graphs.models.presets import build_model
+from encoder_graphs.models.synthetic_prompts import Grid, image_prompt, left_pad, mm_token_type_ids
 
 Batch = dict[str, torch.Tensor]
 DECODE_BATCHES = (1, 8)
@@ -72,46 +73,21 @@ class PromptBuilder:
             merge_size=vision.spatial_merge_size,
             temporal_patch_size=vision.temporal_patch_size,
         )
-        vision_ids = (
-            config.image_token_id,
-            config.video_token_id,
-            config.vision_start_token_id,
-            config.vision_end_token_id,
-        )
-        self.text_ids = (2, min(vision_ids))  # text ids never count as image placeholders
         self.rng = torch.Generator().manual_seed(seed)
 
-    def prompt(self, image: Image.Image) -> tuple[list[int], torch.Tensor, list[int]]:
+    def prompt(self, image: Image.Image) -> tuple[list[int], torch.Tensor, Grid]:
         out = self.processor(images=[image.convert("RGB")], return_tensors="np")
-        grid = [int(v) for v in out["image_grid_thw"][0]]
-        tokens = int(np.prod(grid)) // self.config.vision_config.spatial_merge_size**2
-        before = torch.randint(*self.text_ids, (8,), generator=self.rng).tolist()
-        after = torch.randint(*self.text_ids, (12,), generator=self.rng).tolist()
-        ids = [
-            *before,
-            self.config.vision_start_token_id,
-            *[self.config.image_token_id] * tokens,
-            self.config.vision_end_token_id,
-            *after,
-        ]
-        return ids, torch.from_numpy(out["pixel_values"]), grid
+        t, h, w = (int(v) for v in out["image_grid_thw"][0])
+        ids = image_prompt(self.config, (t, h, w), 8, 12, self.rng)
+        return ids, torch.from_numpy(out["pixel_values"]), (t, h, w)
 
     def batch(self, images: list[Image.Image]) -> Batch:
         """Left-padded (token 0, mask 0), on the device."""
-        prompts = [self.prompt(image) for image in images]
-        width = max(len(ids) for ids, _, _ in prompts)
-        input_ids = torch.zeros(len(prompts), width, dtype=torch.long)
-        attention_mask = torch.zeros_like(input_ids)
-        for row, (ids, _, _) in enumerate(prompts):
-            input_ids[row, width - len(ids) :] = torch.tensor(ids)
-            attention_mask[row, width - len(ids) :] = 1
-        batch = {
-            "input_ids": input_ids,
-            "attention_mask": attention_mask,
-            "mm_token_type_ids": (input_ids == self.config.image_token_id).long(),
-            "pixel_values": torch.cat([pixels for _, pixels, _ in prompts]).to(self.dtype),
-            "image_grid_thw": torch.tensor([grid for _, _, grid in prompts]),
-        }
+        ids, pixels, grids = zip(*(self.prompt(image) for image in images), strict=True)
+        batch = left_pad(list(ids))
+        batch["mm_token_type_ids"] = mm_token_type_ids(batch["input_ids"], self.config)
+        batch["pixel_values"] = torch.cat(pixels).to(self.dtype)
+        batch["image_grid_thw"] = torch.tensor(grids)
         return {key: value.to(self.device) for key, value in batch.items()}
 
 

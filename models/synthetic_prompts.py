@@ -14,6 +14,24 @@ def vision_span(config: PretrainedConfig, grid: Grid, video: bool = False) -> li
     return [config.vision_start_token_id, *[pad] * pads, config.vision_end_token_id]
 
 
+def random_text(config: PretrainedConfig, length: int, generator: torch.Generator) -> list[int]:
+    """`length` random ids from 2 (above the padding id 0) to below every vision special token."""
+    vision_ids = (
+        config.image_token_id,
+        config.video_token_id,
+        config.vision_start_token_id,
+        config.vision_end_token_id,
+    )
+    return torch.randint(2, min(vision_ids), (length,), generator=generator).tolist()
+
+
+def image_prompt(
+    config: PretrainedConfig, grid: Grid, before: int, after: int, generator: torch.Generator
+) -> list[int]:
+    """`before` random text ids, the vision span of one image of `grid`, `after` random text ids."""
+    return random_text(config, before, generator) + vision_span(config, grid) + random_text(config, after, generator)
+
+
 def random_pixels(vision_config: PretrainedConfig, grids: list[Grid], generator: torch.Generator) -> torch.Tensor:
     """fp32 pixel rows [sum t*h*w, channels*temporal*patch*patch] on the generator's device."""
     rows = sum(t * h * w for t, h, w in grids)

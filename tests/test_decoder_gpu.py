@@ -17,6 +17,7 @@ import torch
 
 from encoder_graphs import DecoderGraphRunner, enable_cuda_graphs
 from encoder_graphs.models.presets import build_model
+from encoder_graphs.models.synthetic_prompts import image_prompt, left_pad, mm_token_type_ids, random_pixels
 
 pytestmark = [
     pytest.mark.gpu,
@@ -48,28 +49,11 @@ def free_cuda_memory():
 def make_batch(config, grids, dtype, seed=0):
     """Left-padded prompts: text, <vision_start>, image pads, <vision_end>, text."""
     rng = torch.Generator().manual_seed(seed)
-    vision = config.vision_config
-    prompts, pixels = [], []
-    for i, (t, h, w) in enumerate(grids):
-        before = torch.randint(1000, 100_000, (3 + i,), generator=rng).tolist()
-        after = torch.randint(1000, 100_000, (4 + 3 * i,), generator=rng).tolist()
-        image = [config.image_token_id] * (t * h * w // vision.spatial_merge_size**2)
-        prompts.append(before + [config.vision_start_token_id, *image, config.vision_end_token_id] + after)
-        patch = 3 * vision.temporal_patch_size * vision.patch_size**2
-        pixels.append(torch.randn(t * h * w, patch, generator=rng))
-    width = max(len(p) for p in prompts)
-    input_ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    attention_mask = torch.zeros_like(input_ids)
-    for row, prompt in enumerate(prompts):
-        input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
-        attention_mask[row, width - len(prompt) :] = 1
-    return {
-        "input_ids": input_ids.cuda(),
-        "attention_mask": attention_mask.cuda(),
-        "pixel_values": torch.cat(pixels).cuda().to(dtype),
-        "image_grid_thw": torch.tensor(grids).cuda(),
-        "mm_token_type_ids": (input_ids == config.image_token_id).long().cuda(),
-    }
+    inputs = left_pad([image_prompt(config, grid, 3 + i, 4 + 3 * i, rng) for i, grid in enumerate(grids)])
+    inputs["mm_token_type_ids"] = mm_token_type_ids(inputs["input_ids"], config)
+    inputs["pixel_values"] = random_pixels(config.vision_config, grids, rng).to(dtype)
+    inputs["image_grid_thw"] = torch.tensor(grids)
+    return {key: value.cuda() for key, value in inputs.items()}
 
 
 def make_cases(config, dtype):

@@ -16,6 +16,7 @@ from encoder_graphs import EncoderCudaGraphManager, enable_cuda_graphs
 from encoder_graphs.models import SUPPORTED_ARCHITECTURES, VisionBatch, adapter_for
 from encoder_graphs.models.presets import build_model
 from encoder_graphs.models.qwen_vision import pad_offsets
+from encoder_graphs.models.synthetic_prompts import left_pad, mm_token_type_ids, random_pixels, vision_span
 from encoder_graphs.protocols import SupportsEncoderCudaGraph
 
 FAMILIES = ["tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl"]
@@ -40,16 +41,12 @@ def image_grid(model, height: int, width: int, frames: int = 1) -> tuple[int, in
 
 def make_batch(model, images: list, videos: list, seed: int = 0) -> VisionBatch:
     """`images`: (height, width); `videos`: (frames, height, width)."""
-    config = model.config.vision_config
-    patch_dim = config.in_channels * config.temporal_patch_size * config.patch_size**2
     generator = torch.Generator().manual_seed(seed)
 
     def part(grids):
         if not grids:
             return None, None
-        grid_thw = torch.tensor(grids, dtype=torch.long)
-        rows = int(grid_thw.prod(-1).sum())
-        return torch.randn(rows, patch_dim, generator=generator), grid_thw
+        return random_pixels(model.config.vision_config, grids, generator), torch.tensor(grids, dtype=torch.long)
 
     pixel_values, image_grid_thw = part([image_grid(model, h, w) for h, w in images])
     pixel_values_videos, video_grid_thw = part([image_grid(model, h, w, f) for f, h, w in videos])
@@ -188,16 +185,11 @@ def model_inputs(model, batch: VisionBatch) -> dict:
     ids = [5, 6]
     for index, (t, h, w) in enumerate(batch.grids):
         is_video = batch.image_grid_thw is None or index >= len(batch.image_grid_thw)
-        token = config.video_token_id if is_video else config.image_token_id
-        runs = [h * w // 4] * t if per_frame and is_video else [t * h * w // 4]
+        runs = [(1, h, w)] * t if per_frame and is_video else [(t, h, w)]
         for run in runs:
-            ids += [config.vision_start_token_id] + [token] * run + [config.vision_end_token_id, 7]
-    input_ids = torch.tensor([ids])
-    mm_token_type_ids = (input_ids == config.image_token_id).long() + 2 * (
-        input_ids == config.video_token_id
-    ).long()
-    inputs = dict(input_ids=input_ids, attention_mask=torch.ones_like(input_ids))
-    inputs.update(mm_token_type_ids=mm_token_type_ids)
+            ids += vision_span(config, run, video=is_video) + [7]
+    inputs = left_pad([ids])
+    inputs["mm_token_type_ids"] = mm_token_type_ids(inputs["input_ids"], config)
     for key in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw"):
         if getattr(batch, key) is not None:
             inputs[key] = getattr(batch, key)

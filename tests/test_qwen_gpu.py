@@ -20,6 +20,7 @@ import torch
 from encoder_graphs import EncoderCudaGraphManager, enable_cuda_graphs
 from encoder_graphs.models import VisionBatch, adapter_for
 from encoder_graphs.models.presets import build_model, build_vision_tower
+from encoder_graphs.models.synthetic_prompts import left_pad, mm_token_type_ids, random_pixels, vision_span
 
 pytestmark = [
     pytest.mark.gpu,
@@ -68,7 +69,6 @@ def pool(request):
     name = request.param
     tower = build_vision_tower(name, dtype=torch.bfloat16, device="cuda", seed=0)
     config = tower.config
-    patch_dim = config.in_channels * config.temporal_patch_size * config.patch_size**2
     rng = random.Random(0)
     shapes = [(False, 1, rng.randint(28, 1000), rng.randint(28, 1000)) for _ in range(POOL_IMAGES)]
     shapes += [(False, 1, 1000, 1000), (False, 1, 30, 1000)]  # the largest and the thinnest
@@ -81,8 +81,7 @@ def pool(request):
     with torch.inference_mode():
         for is_video, frames, height, width in shapes:
             grid = smart_grid(height, width, frames, config)
-            rows = grid[0] * grid[1] * grid[2]
-            pixels = torch.randn(rows, patch_dim, device="cuda", generator=generator).to(torch.bfloat16)
+            pixels = random_pixels(config, [grid], generator).to(torch.bfloat16)
             items.append((is_video, grid, pixels, stock_item(tower, pixels, grid)))
     yield name, tower, items
     del tower, items
@@ -157,21 +156,15 @@ def test_enable_cuda_graphs_on_cuda_keeps_generation(name):
     model = build_model(name, dtype=torch.bfloat16, device="cuda", seed=0)
     config = model.config
     grids = [(1, 8, 12), (1, 22, 14)]
-    patch_dim = config.vision_config.in_channels * 2 * config.vision_config.patch_size**2
-    rows = sum(t * h * w for t, h, w in grids)
-    pixels = torch.randn(rows, patch_dim, device="cuda", dtype=torch.bfloat16)
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    pixels = random_pixels(config.vision_config, grids, generator).to(torch.bfloat16)
     ids = [5]
-    for t, h, w in grids:
-        ids += [config.vision_start_token_id, *[config.image_token_id] * (t * h * w // 4)]
-        ids += [config.vision_end_token_id]
-    input_ids = torch.tensor([ids], device="cuda")
-    inputs = dict(
-        input_ids=input_ids,
-        attention_mask=torch.ones_like(input_ids),
-        mm_token_type_ids=(input_ids == config.image_token_id).long(),
-        pixel_values=pixels,
-        image_grid_thw=torch.tensor(grids, device="cuda"),
-    )
+    for grid in grids:
+        ids += vision_span(config, grid)
+    inputs = left_pad([ids])
+    inputs["mm_token_type_ids"] = mm_token_type_ids(inputs["input_ids"], config)
+    inputs = {key: value.cuda() for key, value in inputs.items()}
+    inputs.update(pixel_values=pixels, image_grid_thw=torch.tensor(grids, device="cuda"))
     with torch.inference_mode():
         stock = model.get_image_features(pixels, inputs["image_grid_thw"]).pooler_output
         handle = enable_cuda_graphs(model, budgets=[64, 256], poison_pool_bytes=16 << 20)
@@ -183,5 +176,5 @@ def test_enable_cuda_graphs_on_cuda_keeps_generation(name):
         assert torch.isfinite(got).all()
         assert relative_error(got, want) < REL_TOL
     assert stats["graph_items"] == stats["items"] == 2 * len(grids)
-    assert generated.shape[1] == input_ids.shape[1] + 4
+    assert generated.shape[1] == inputs["input_ids"].shape[1] + 4
     assert "get_image_features" not in model.model.__dict__
