@@ -9,22 +9,21 @@ the same step function runs eagerly, so the CPU path exercises the same logic.
 import logging
 import time
 import warnings
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from statistics import median
 
 import torch
 from transformers import DynamicCache
 
 from encoder_graphs.sampling import SamplingParams, select_next_tokens
 from encoder_graphs.static_cache import DECODE_ATTENTION, SlotCache, StaticKVStore
+from encoder_graphs.stats import LatencyRecorder
 
 logger = logging.getLogger(__name__)
 
 _POWER_BUCKETS = (1, 2, 4, 8, 16, 32)
 _BUCKET_STEP = 16
-_TIMING_WINDOW = 10_000
 
 
 def default_buckets(max_batch_size: int) -> list[int]:
@@ -111,42 +110,6 @@ class _Route:
     rows: int
     graph: torch.cuda.CUDAGraph | None
     eager_reason: str | None
-
-
-class _DecodeTimer:
-    """Decode-loop time per generate call; CUDA events are resolved only when stats are read."""
-
-    def __init__(self) -> None:
-        self._done: deque[tuple[float, int]] = deque(maxlen=_TIMING_WINDOW)
-        self._pending: deque[tuple[torch.cuda.Event, torch.cuda.Event, int]] = deque()
-
-    def start(self, on_cuda: bool) -> torch.cuda.Event | float:
-        if not on_cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    def stop(self, started: torch.cuda.Event | float, steps: int) -> None:
-        if steps == 0:
-            return
-        if isinstance(started, float):
-            self._done.append((1000.0 * (time.perf_counter() - started), steps))
-            return
-        end = torch.cuda.Event(enable_timing=True)
-        end.record()
-        self._pending.append((started, end, steps))
-
-    def summary(self) -> dict:
-        while self._pending:
-            start, end, steps = self._pending.popleft()
-            end.synchronize()
-            self._done.append((start.elapsed_time(end), steps))
-        if not self._done:
-            return {"mean": 0.0, "p50": 0.0}
-        total_ms = sum(ms for ms, _ in self._done)
-        total_steps = sum(steps for _, steps in self._done)
-        return {"mean": total_ms / total_steps, "p50": median(ms / steps for ms, steps in self._done)}
 
 
 class DecoderGraphRunner:
@@ -460,7 +423,7 @@ class DecoderGraphRunner:
         self.replays: Counter = Counter()
         self.real_lanes = 0
         self.padded_lanes = 0
-        self._timer = _DecodeTimer()
+        self._timer = LatencyRecorder()
 
     def stats(self) -> dict:
         shared = self._shared

@@ -1,8 +1,8 @@
 """Counters for graph hits, eager misses, padding waste and latency."""
 
+import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from statistics import fmean
 
 import torch
 
@@ -32,50 +32,51 @@ class PathStats:
 
 
 class LatencyRecorder:
-    """Per-call latency. On CUDA it records events and resolves them only when read, so the
-    hot path never waits for the device."""
+    """Latency per call, or per unit of work (e.g. decode steps) when `stop` is given `units`.
+
+    On CUDA it records events and resolves them only when read, so the hot path never waits for
+    the device. `mean` weighs calls by their units; `p50` / `p99` are over calls.
+    """
 
     def __init__(self) -> None:
-        self._done_ms: deque[float] = deque(maxlen=LATENCY_WINDOW)
-        self._pending: deque[tuple[torch.cuda.Event, torch.cuda.Event]] = deque()
+        self._done: deque[tuple[float, int]] = deque(maxlen=LATENCY_WINDOW)
+        self._pending: deque[tuple[torch.cuda.Event, torch.cuda.Event, int]] = deque()
 
     def start(self, on_cuda: bool) -> torch.cuda.Event | float:
-        if on_cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        import time
+        if not on_cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
-        return time.perf_counter()
-
-    def stop(self, started: torch.cuda.Event | float) -> None:
+    def stop(self, started: torch.cuda.Event | float, units: int = 1) -> None:
+        if units <= 0:
+            return
         if isinstance(started, float):
-            import time
-
-            self._done_ms.append(1000.0 * (time.perf_counter() - started))
+            self._done.append((1000.0 * (time.perf_counter() - started), units))
             return
         end = torch.cuda.Event(enable_timing=True)
         end.record()
-        self._pending.append((started, end))
+        self._pending.append((started, end, units))
         if len(self._pending) > LATENCY_WINDOW:
             self._resolve()
 
     def _resolve(self) -> None:
         while self._pending:
-            start, end = self._pending.popleft()
+            start, end, units = self._pending.popleft()
             end.synchronize()
-            self._done_ms.append(start.elapsed_time(end))
+            self._done.append((start.elapsed_time(end), units))
 
     def summary(self) -> dict:
         self._resolve()
-        values = sorted(self._done_ms)
-        if not values:
+        if not self._done:
             return {"calls": 0, "mean": 0.0, "p50": 0.0, "p99": 0.0}
+        per_unit = sorted(ms / units for ms, units in self._done)
         return {
-            "calls": len(values),
-            "mean": fmean(values),
-            "p50": _percentile(values, 50),
-            "p99": _percentile(values, 99),
+            "calls": len(per_unit),
+            "mean": sum(ms for ms, _ in self._done) / sum(units for _, units in self._done),
+            "p50": _percentile(per_unit, 50),
+            "p99": _percentile(per_unit, 99),
         }
 
 
