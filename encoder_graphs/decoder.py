@@ -1,9 +1,12 @@
-"""The language model's decode step captured as CUDA graphs, one per batch-size bucket.
+"""The language model's decode step captured as CUDA graphs, one per (batch-size bucket, length tier).
 
 Prefill is the model's own forward (eager, dynamic cache, exactly what `generate` runs); its keys
 and values are copied into a static cache, and each decode step then replays the graph of the
-smallest bucket that holds the batch. Without CUDA, with `enabled=False`, or when no graph fits,
-the same step function runs eagerly, so the CPU path exercises the same logic.
+smallest bucket that holds the batch and the smallest length tier that holds its sequences: that
+graph's attention reads only the tier's first slots of the one cache allocation. The tier of each
+step is known on the host (prompt length + step index), so switching tiers needs no sync. Without
+CUDA, with `enabled=False`, or when no graph fits, the same step function runs eagerly over the
+same tiers, so the CPU path exercises the same logic.
 """
 
 import logging
@@ -12,10 +15,12 @@ import warnings
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import product
 
 import torch
 from transformers import DynamicCache
 
+from encoder_graphs.packing import generate_budgets, smallest_fitting_budget
 from encoder_graphs.sampling import SamplingParams, select_next_tokens
 from encoder_graphs.static_cache import DECODE_ATTENTION, SlotCache, StaticKVStore
 from encoder_graphs.stats import LatencyRecorder
@@ -24,6 +29,7 @@ logger = logging.getLogger(__name__)
 
 _POWER_BUCKETS = (1, 2, 4, 8, 16, 32)
 _BUCKET_STEP = 16
+_MIN_LENGTH_TIER = 256
 
 
 def default_buckets(max_batch_size: int) -> list[int]:
@@ -34,11 +40,17 @@ def default_buckets(max_batch_size: int) -> list[int]:
     return sorted(buckets)
 
 
+def default_length_tiers(max_cache_len: int) -> list[int]:
+    """256, 512, 1024, ... below `max_cache_len`, which is always the last tier."""
+    return generate_budgets(min(_MIN_LENGTH_TIER, max_cache_len), max_cache_len)
+
+
 @dataclass
 class DecoderGraphConfig:
     max_batch_size: int = 32
     max_cache_len: int = 4096
     buckets: list[int] = field(default_factory=list)
+    length_tiers: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
@@ -48,6 +60,10 @@ class DecoderGraphConfig:
         self.buckets = sorted(set(self.buckets)) or default_buckets(self.max_batch_size)
         if self.buckets[0] < 1 or self.buckets[-1] > self.max_batch_size:
             raise ValueError(f"buckets must lie in [1, {self.max_batch_size}], got {self.buckets}")
+        tiers = sorted(set(self.length_tiers)) or default_length_tiers(self.max_cache_len)
+        if tiers[0] < 2 or tiers[-1] > self.max_cache_len:
+            raise ValueError(f"length_tiers must lie in [2, {self.max_cache_len}], got {self.length_tiers}")
+        self.length_tiers = tiers if tiers[-1] == self.max_cache_len else [*tiers, self.max_cache_len]
 
 
 class DecodeBuffers:
@@ -106,9 +122,21 @@ class DecodeBuffers:
 
 @dataclass
 class _Route:
+    """Where a generate call's decode steps run: `rows` rows of `buffers`; `eager_reason` when no
+    graph can serve any of its steps."""
+
     buffers: DecodeBuffers
     rows: int
+    eager_reason: str | None
+
+
+@dataclass
+class _Tier:
+    """How the decode steps whose sequences fit `tier` slots run: a graph, or eagerly over `cache`."""
+
+    tier: int
     graph: torch.cuda.CUDAGraph | None
+    cache: SlotCache | None
     eager_reason: str | None
 
 
@@ -120,10 +148,13 @@ class DecoderGraphRunner:
         max_batch_size: int = 32,
         batch_sizes: Sequence[int] | None = None,
         max_cache_len: int = 4096,
+        length_tiers: Sequence[int] | None = None,
         enabled: bool = True,
     ) -> None:
         self.model = model
-        self.config = DecoderGraphConfig(max_batch_size, max_cache_len, list(batch_sizes or []))
+        self.config = DecoderGraphConfig(
+            max_batch_size, max_cache_len, list(batch_sizes or []), list(length_tiers or [])
+        )
         text_config = model.config.get_text_config(decoder=True)
         self._text_config = text_config
         if any(kind != "full_attention" for kind in getattr(text_config, "layer_types", None) or []):
@@ -146,9 +177,9 @@ class DecoderGraphRunner:
 
         self._position_dims: tuple[int, ...] | None = None
         self._shared: DecodeBuffers | None = None
-        self._caches: dict[int, SlotCache] = {}
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.failed_buckets: dict[int, str] = {}
+        self._caches: dict[tuple[int, int], SlotCache] = {}
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (bucket, tier) -> graph
+        self.failed_graphs: dict[tuple[int, int], str] = {}
         self._pool = None
         self.captured = False
         self.capture_seconds = 0.0
@@ -179,11 +210,12 @@ class DecoderGraphRunner:
         return self._position_dims
 
     # ----- the step ------------------------------------------------------------------------
-    def _step(self, buffers: DecodeBuffers, rows: int, cache: SlotCache) -> None:
-        """One decode step for rows [0, rows): reads input ids, positions, mask and slot; writes
-        logits; advances slot and positions. Only fixed-shape device work: it is what graphs hold."""
+    def _step(self, buffers: DecodeBuffers, rows: int, tier: int, cache: SlotCache) -> None:
+        """One decode step for rows [0, rows) over slots [0, tier) (`cache` views exactly those):
+        reads input ids, positions, mask and slot; writes logits; advances slot and positions.
+        Only fixed-shape device work: it is what graphs hold."""
         slot = buffers.store.slot
-        mask = buffers.mask[:rows]
+        mask = buffers.mask[:rows, :tier]
         mask.index_fill_(1, slot, True)
         # Prefill keeps the model's own attention; decode steps use the static-cache one. Only
         # the Python dispatch changes, so a captured graph holds the decode kernels for good.
@@ -206,7 +238,7 @@ class DecoderGraphRunner:
 
     # ----- capture -------------------------------------------------------------------------
     def capture(self) -> None:
-        """Capture every bucket, largest first, into this runner's own graph memory pool."""
+        """Capture every (bucket, length tier), largest first, into this runner's own graph memory pool."""
         if self.disabled_reason is not None or self.captured:
             self.captured = True
             return
@@ -215,13 +247,14 @@ class DecoderGraphRunner:
         reserved_before = torch.cuda.memory_reserved(self.device)
         started = time.perf_counter()
         self._pool = torch.cuda.graph_pool_handle()
-        for bucket in sorted(self.config.buckets, reverse=True):
+        for bucket, tier in sorted(product(self.config.buckets, self.config.length_tiers), reverse=True):
             try:
-                self._capture_bucket(buffers, bucket)
+                self._capture_graph(buffers, bucket, tier)
             except (torch.cuda.OutOfMemoryError, RuntimeError) as error:
-                self.failed_buckets[bucket] = f"{type(error).__name__}: {error}"[:200]
+                self.failed_graphs[bucket, tier] = f"{type(error).__name__}: {error}"[:200]
                 warnings.warn(
-                    f"decoder graph capture failed for batch {bucket}; it runs eagerly: {error}", stacklevel=2
+                    f"decoder graph capture failed for batch {bucket}, tier {tier}; it runs eagerly: {error}",
+                    stacklevel=2,
                 )
                 torch.cuda.synchronize(self.device)
                 torch.cuda.empty_cache()
@@ -230,14 +263,14 @@ class DecoderGraphRunner:
         self.graph_memory_bytes = torch.cuda.memory_reserved(self.device) - reserved_before
         self.captured = True
         logger.info(
-            "captured decoder graphs %s in %.2f s, %.1f MiB",
+            "captured decoder graphs (bucket, tier) %s in %.2f s, %.1f MiB",
             sorted(self.graphs),
             self.capture_seconds,
             self.graph_memory_bytes / 2**20,
         )
 
-    def _capture_bucket(self, buffers: DecodeBuffers, bucket: int) -> None:
-        cache = buffers.store.cache(bucket)
+    def _capture_graph(self, buffers: DecodeBuffers, bucket: int, tier: int) -> None:
+        cache = buffers.store.cache(bucket, tier)
         with torch.inference_mode():
             buffers.start(
                 batch=0,
@@ -250,13 +283,13 @@ class DecoderGraphRunner:
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):
                 for _ in range(2):
-                    self._step(buffers, bucket, cache)
+                    self._step(buffers, bucket, tier, cache)
             torch.cuda.current_stream(self.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
-                self._step(buffers, bucket, cache)
-        self._caches[bucket] = cache  # the graph reads these views: keep them alive
-        self.graphs[bucket] = graph
+                self._step(buffers, bucket, tier, cache)
+        self._caches[bucket, tier] = cache  # the graph reads these views: keep them alive
+        self.graphs[bucket, tier] = graph
 
     # ----- generate ------------------------------------------------------------------------
     def generate(
@@ -315,20 +348,23 @@ class DecoderGraphRunner:
                 buffers.start(
                     batch=batch, rows=route.rows, prompt_mask=attention_mask, next_positions=next_positions
                 )
-                cache = None if route.graph is not None else buffers.store.cache(route.rows)
+                tier = None
                 started = self._timer.start(on_cuda)
                 for step in range(1, max_new_tokens):
                     if eos_ids and step % stop_check_interval == 0 and not bool(unfinished.any()):
                         break
+                    # This step writes slot prompt_len + step - 1 and attends over every slot up to it.
+                    if tier is None or prompt_len + step > tier.tier:
+                        tier = self._tier(route, prompt_len + step)
                     buffers.input_ids[:batch, 0].copy_(chosen)
-                    if route.graph is not None:
-                        route.graph.replay()
+                    if tier.graph is not None:
+                        tier.graph.replay()
                     else:
-                        self._step(buffers, route.rows, cache)
+                        self._step(buffers, route.rows, tier.tier, tier.cache)
                     chosen = emit(step, select_next_tokens(buffers.logits[:batch], params, generator))
+                    self._count(route, tier, batch)
                     steps += 1
                 self._timer.stop(started, steps)
-                self._count(route, batch, steps)
             new_tokens = int(lengths.max())
         self.sequences += batch
         self.calls += 1
@@ -358,24 +394,32 @@ class DecoderGraphRunner:
     def _route(self, batch: int, needed_slots: int) -> _Route:
         if needed_slots > self.config.max_cache_len:
             reason = f"sequence longer than max_cache_len {self.config.max_cache_len}"
-            return _Route(self._buffers(batch, needed_slots), batch, None, reason)
+            return _Route(self._buffers(batch, needed_slots), batch, reason)
         bucket = next((b for b in self.config.buckets if b >= batch), None)
         if bucket is None:
             reason = f"batch larger than largest bucket {self.config.buckets[-1]}"
             if batch > self.config.max_batch_size:
-                return _Route(self._buffers(batch, self.config.max_cache_len), batch, None, reason)
-            return _Route(self._shared_buffers(), batch, None, reason)
+                return _Route(self._buffers(batch, self.config.max_cache_len), batch, reason)
+            return _Route(self._shared_buffers(), batch, reason)
         # Eager steps take the same padded bucket as a replay would: one code path everywhere.
-        graph = self.graphs.get(bucket)
-        reason = None if graph is not None else self._eager_reason(bucket)
-        return _Route(self._shared_buffers(), bucket, graph, reason)
+        return _Route(self._shared_buffers(), bucket, None)
 
-    def _eager_reason(self, bucket: int) -> str:
+    def _tier(self, route: _Route, needed_slots: int) -> _Tier:
+        """The smallest length tier holding `needed_slots`; past the last one (a route's own longer
+        buffers), all of the route's slots."""
+        tier = smallest_fitting_budget(self.config.length_tiers, needed_slots) or route.buffers.max_cache_len
+        graph = self.graphs.get((route.rows, tier)) if route.eager_reason is None else None
+        if graph is not None:
+            return _Tier(tier, graph, None, None)
+        reason = route.eager_reason or self._eager_reason(route.rows, tier)
+        return _Tier(tier, None, route.buffers.store.cache(route.rows, tier), reason)
+
+    def _eager_reason(self, bucket: int, tier: int) -> str:
         if self.disabled_reason is not None:
             return self.disabled_reason
         if not self.captured:
             return "capture() not called"
-        return f"capture of batch {bucket} failed"
+        return f"capture of batch {bucket}, tier {tier} failed"
 
     def _model_inputs(self, input_ids: torch.Tensor, model_inputs: dict) -> dict:
         inputs = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in model_inputs.items()}
@@ -404,15 +448,18 @@ class DecoderGraphRunner:
         return int(pad_token_id)
 
     # ----- statistics ----------------------------------------------------------------------
-    def _count(self, route: _Route, batch: int, steps: int) -> None:
-        self.steps += steps
-        self.real_lanes += batch * steps
-        self.padded_lanes += route.rows * steps
-        if route.graph is not None:
-            self.graph_steps += steps
-            self.replays[route.rows] += steps
+    def _count(self, route: _Route, tier: _Tier, batch: int) -> None:
+        """Count one decode step."""
+        self.steps += 1
+        self.real_lanes += batch
+        self.padded_lanes += route.rows
+        self.steps_per_tier[tier.tier] += 1
+        if tier.graph is not None:
+            self.graph_steps += 1
+            self.replays[route.rows] += 1
+            self.tier_replays[tier.tier] += 1
         else:
-            self.eager_reasons[route.eager_reason] += steps
+            self.eager_reasons[tier.eager_reason] += 1
 
     def reset_stats(self) -> None:
         self.calls = 0
@@ -420,7 +467,9 @@ class DecoderGraphRunner:
         self.steps = 0
         self.graph_steps = 0
         self.eager_reasons: Counter = Counter()
-        self.replays: Counter = Counter()
+        self.replays: Counter = Counter()  # bucket -> graph replays
+        self.tier_replays: Counter = Counter()  # length tier -> graph replays
+        self.steps_per_tier: Counter = Counter()  # length tier -> decode steps, replayed or eager
         self.real_lanes = 0
         self.padded_lanes = 0
         self._timer = LatencyRecorder()
@@ -437,10 +486,15 @@ class DecoderGraphRunner:
             "eager_steps": self.steps - self.graph_steps,
             "eager_reasons": dict(self.eager_reasons),
             "replays_per_bucket": dict(sorted(self.replays.items())),
+            "replays_per_tier": dict(sorted(self.tier_replays.items())),
+            "steps_per_tier": dict(sorted(self.steps_per_tier.items())),
             "lane_waste_pct": 100.0 * (1 - self.real_lanes / self.padded_lanes) if self.padded_lanes else 0.0,
             "buckets": list(self.config.buckets),
-            "captured_buckets": sorted(self.graphs),
-            "failed_buckets": dict(self.failed_buckets),
+            "length_tiers": list(self.config.length_tiers),
+            "captured_graphs": [list(key) for key in sorted(self.graphs)],
+            "failed_graphs": {
+                f"batch {b}, tier {t}": reason for (b, t), reason in sorted(self.failed_graphs.items())
+            },
             "max_cache_len": self.config.max_cache_len,
             "capture_seconds": self.capture_seconds,
             "graph_memory_bytes": self.graph_memory_bytes,
@@ -475,7 +529,9 @@ def format_decoder_stats(stats: dict) -> str:
         f"  decode ms/step: mean {timing['mean']:.2f}  p50 {timing['p50']:.2f}",
         "  replays per bucket: "
         + (", ".join(f"{b} x{n}" for b, n in stats["replays_per_bucket"].items()) or "-"),
+        f"  length tiers {stats['length_tiers']}; steps per tier: "
+        + (", ".join(f"{t} x{n}" for t, n in stats["steps_per_tier"].items()) or "-"),
     ]
     lines += [f"  eager: {reason} x{count}" for reason, count in stats["eager_reasons"].items()]
-    lines += [f"  capture of batch {b} failed: {reason}" for b, reason in stats["failed_buckets"].items()]
+    lines += [f"  capture of {graph} failed: {reason}" for graph, reason in stats["failed_graphs"].items()]
     return "\n".join(lines)

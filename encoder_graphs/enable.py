@@ -77,6 +77,7 @@ class EncoderGraphsHandle:
             else:
                 setattr(owner, name, original)
         self._patched.clear()
+        self.adapter.restore_weights()
         self.manager.close()
         if self.decoder is not None:
             self.decoder.close()
@@ -119,6 +120,7 @@ def enable_cuda_graphs(
     if getattr(model, "_encoder_graphs", None) is not None:
         raise RuntimeError("encoder graphs are already enabled on this model; disable() them first")
     adapter = adapter_for(model, attn_backend=attn_backend)
+    adapter.align_weights()  # exact; undone by disable()
     manager = EncoderCudaGraphManager(
         adapter,
         budgets=budgets,

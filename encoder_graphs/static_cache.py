@@ -2,7 +2,8 @@
 decode steps replayed as CUDA graphs.
 
 One allocation of `rows` sequences x `max_cache_len` slots holds every layer; a cache object for a
-batch-size bucket is a set of prefix views [:bucket] of it, so all buckets share the memory.
+batch-size bucket and a length tier is a set of prefix views [:bucket, :, :tier] of it, so all
+buckets and tiers share the memory, and attention over a tier reads only its first `tier` slots.
 """
 
 import torch
@@ -107,12 +108,14 @@ class StaticKVStore:
     def nbytes(self) -> int:
         return self.kv.numel() * self.kv.element_size()
 
-    def cache(self, rows: int) -> SlotCache:
-        """A cache over the first `rows` sequences (prefix views: no copy)."""
-        if rows > self.rows:
-            raise ValueError(f"cache of {rows} rows asked of a store of {self.rows}")
+    def cache(self, rows: int, length: int) -> SlotCache:
+        """A cache over slots [0, length) of the first `rows` sequences (prefix views: no copy)."""
+        if rows > self.rows or length > self.max_cache_len:
+            raise ValueError(
+                f"cache of {rows} rows x {length} slots asked of a store of {self.rows} x {self.max_cache_len}"
+            )
         layers = [
-            SlotLayer(self.kv[0, layer, :rows], self.kv[1, layer, :rows], self.slot)
+            SlotLayer(self.kv[0, layer, :rows, :, :length], self.kv[1, layer, :rows, :, :length], self.slot)
             for layer in range(self.kv.shape[1])
         ]
         return SlotCache(layers)

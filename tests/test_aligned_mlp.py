@@ -1,7 +1,8 @@
 import torch
 
 from encoder_graphs.models import Qwen2_5_VLAdapter, VisionBatch
-from encoder_graphs.models.presets import build_vision_tower, get_config
+from encoder_graphs import enable_cuda_graphs
+from encoder_graphs.models.presets import build_model, build_vision_tower, get_config
 
 
 def test_aligned_mlp_is_exact_and_restorable():
@@ -24,4 +25,15 @@ def test_aligned_mlp_is_exact_and_restorable():
         adapter.restore_weights()
     torch.testing.assert_close(aligned, reference, rtol=1e-5, atol=1e-6)
     after = tower.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_enable_aligns_and_disable_restores_the_weights():
+    model = build_model("tiny-qwen2.5-vl")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    handle = enable_cuda_graphs(model, decoder=False)
+    assert model.model.visual.blocks[0].mlp.down_proj.in_features % 8 == 0
+    handle.disable()
+    after = model.state_dict()
+    assert before.keys() == after.keys()
     assert all(torch.equal(before[k], after[k]) for k in before)

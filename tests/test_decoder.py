@@ -1,10 +1,11 @@
 """Decoder runner on CPU (eager path, same step function the graphs hold): tokens identical to
-`generate`, EOS handling, sampling, statistics. Tiny models, fp32, saved and reloaded for real."""
+`generate`, length tiers, EOS handling, sampling, statistics. Tiny models, fp32, saved and
+reloaded for real."""
 
 import pytest
 import torch
 
-from encoder_graphs.decoder import DecoderGraphConfig, DecoderGraphRunner, default_buckets
+from encoder_graphs.decoder import DecoderGraphConfig, DecoderGraphRunner, default_buckets, default_length_tiers
 from encoder_graphs.models.presets import PRESETS, build_model
 from encoder_graphs.models.synthetic_prompts import (
     image_prompt,
@@ -41,8 +42,9 @@ def make_batch(config, grids, seed=0, text_only_lengths=()):
 
 
 def hf_generate(model, inputs, **kwargs):
+    kwargs.setdefault("max_new_tokens", NEW_TOKENS)
     with torch.inference_mode():
-        return model.generate(**inputs, do_sample=False, max_new_tokens=NEW_TOKENS, **kwargs)
+        return model.generate(**inputs, do_sample=False, **kwargs)
 
 
 def runner_generate(runner, inputs, **kwargs):
@@ -68,6 +70,38 @@ def test_greedy_matches_generate(model):
         got = runner_generate(runner, inputs)
         assert torch.equal(got, expected), f"{name}:\n{got}\n!=\n{expected}"
     assert len(set(expected[0, -NEW_TOKENS:].tolist())) > 2  # the test means something
+
+
+def test_generation_crossing_length_tiers_matches_generate(model):
+    inputs = make_batch(model.config, grids=[(1, 4, 4), (1, 8, 6)], seed=9)
+    assert inputs["input_ids"].shape[1] == 20
+    expected = hf_generate(model, inputs, eos_token_id=NO_EOS, max_new_tokens=30)
+    runner = DecoderGraphRunner(model, max_batch_size=2, max_cache_len=64, length_tiers=[16, 32])
+    got = runner_generate(runner, inputs, eos_token_id=NO_EOS, max_new_tokens=30)
+    assert torch.equal(got, expected)
+    # Step s attends over 20 + s slots: steps 1-12 fit tier 32, steps 13-29 need tier 64.
+    stats = runner.stats()
+    assert stats["length_tiers"] == [16, 32, 64]
+    assert stats["steps_per_tier"] == {32: 12, 64: 17}
+    assert stats["eager_reasons"] == {"no CUDA device": 29} and stats["replays_per_tier"] == {}
+    assert "steps per tier: 32 x12, 64 x17" in runner.format_stats()
+
+
+def test_decode_steps_read_only_their_length_tier(model):
+    inputs = make_batch(model.config, grids=[(1, 4, 4), (1, 8, 6)], seed=9)
+    expected = hf_generate(model, inputs, eos_token_id=NO_EOS, max_new_tokens=30)  # up to 49 slots
+
+    def poisoned_generate(runner):
+        # NaN in the slots past tier 64: a step reading them, even masked, turns its logits to
+        # NaN (a masked slot still meets a 0 weight, and 0 * NaN is NaN).
+        runner._shared_buffers().store.kv[..., 64:, :] = float("nan")
+        return runner_generate(runner, inputs, eos_token_id=NO_EOS, max_new_tokens=30)
+
+    tiered = DecoderGraphRunner(model, max_batch_size=2, max_cache_len=96, length_tiers=[32, 64])
+    assert torch.equal(poisoned_generate(tiered), expected)
+    assert tiered.stats()["steps_per_tier"] == {32: 12, 64: 17}
+    whole_cache = DecoderGraphRunner(model, max_batch_size=2, max_cache_len=96, length_tiers=[96])
+    assert not torch.equal(poisoned_generate(whole_cache), expected)  # the poison is seen when read
 
 
 def test_mm_token_type_ids_derived_when_missing(model):
@@ -149,7 +183,11 @@ def test_stats_and_eager_reasons(model):
         "disabled (enabled=False)": NEW_TOKENS - 1,
         "sequence longer than max_cache_len 40": 29,
     }
-    assert stats["replays_per_bucket"] == {}
+    assert stats["replays_per_bucket"] == {} and stats["replays_per_tier"] == {}
+    # The too-long sequence runs in its own longer cache: the configured tier, then all of it.
+    long_len = long_one["input_ids"].shape[1] + 29
+    assert stats["length_tiers"] == [40] and set(stats["steps_per_tier"]) == {40, long_len}
+    assert sum(stats["steps_per_tier"].values()) == stats["steps"]
     assert stats["decode_ms_per_step"]["mean"] > 0
     assert "decoder graphs: off (disabled (enabled=False))" in runner.format_stats()
     runner.reset_stats()
@@ -211,6 +249,17 @@ def test_default_buckets_and_config():
         DecoderGraphConfig(4, 64, [8])
     with pytest.raises(ValueError):
         DecoderGraphConfig(0, 64)
+
+
+def test_length_tiers():
+    assert default_length_tiers(4096) == [256, 512, 1024, 2048, 4096]
+    assert default_length_tiers(16500) == [256, 512, 1024, 2048, 4096, 8192, 16384, 16500]
+    assert default_length_tiers(96) == [96]
+    assert DecoderGraphConfig(8, 100, length_tiers=[64, 16, 64]).length_tiers == [16, 64, 100]
+    assert DecoderGraphConfig(8, 64, length_tiers=[16, 64]).length_tiers == [16, 64]
+    for tiers in ([1, 16], [16, 128]):
+        with pytest.raises(ValueError):
+            DecoderGraphConfig(8, 64, length_tiers=tiers)
 
 
 def test_rejects_bad_arguments(model):
