@@ -99,10 +99,13 @@ def enable_cuda_graphs(
     decoder_max_batch_size: int = 32,
     decoder_max_cache_len: int = 4096,
     decoder_batch_sizes: Sequence[int] | None = None,
+    decoder_length_tiers: Sequence[int] | None = None,
 ) -> EncoderGraphsHandle:
     """Capture `model`'s vision encoder at token budgets and route its image/video features
-    through the graphs; with `decoder`, capture its decode step per batch-size bucket over a
-    static cache of `decoder_max_cache_len` slots and route `model.generate` through them.
+    through the graphs; with `decoder`, capture its decode step per batch-size bucket and length
+    tier over a static cache of `decoder_max_cache_len` slots and route `model.generate` through
+    them. Each step reads only the smallest tier holding its sequences (default tiers: 256, 512,
+    ... up to `decoder_max_cache_len`, always the last).
     `enabled=False` keeps both routes but runs them eagerly. Raises ValueError for an
     unsupported architecture.
 
@@ -137,6 +140,7 @@ def enable_cuda_graphs(
             max_batch_size=decoder_max_batch_size,
             batch_sizes=decoder_batch_sizes,
             max_cache_len=decoder_max_cache_len,
+            length_tiers=decoder_length_tiers,
             enabled=enabled,
         )
     manager.capture()

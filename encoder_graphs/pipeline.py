@@ -249,8 +249,10 @@ class Captioner:
 
 def longest_sequence(inputs: QwenVLInputs, config: CaptionConfig, limits: LoadLimits) -> int:
     """The most tokens one sequence can reach here: the chat prompt around the largest image or
-    video the processor lets through, plus `max_new_tokens`. It sizes the decoder graphs' cache,
-    whose every slot each decode step reads; a rare longer one (an extreme aspect ratio) runs eagerly."""
+    video the processor lets through, plus `max_new_tokens`. It sizes the decoder graphs' cache; a
+    decode step reads only the smallest length tier holding its batch's sequences, so the size costs
+    cache memory and capture, not per-step reads. A rare longer one (an extreme aspect ratio) runs
+    eagerly."""
     unit = inputs.factor**2
     vision_tokens = {
         "image": inputs.image_processor.size["longest_edge"] // unit,

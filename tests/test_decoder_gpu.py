@@ -2,12 +2,14 @@
 patched `model.generate` is what runs.
 
 (a) fp32: greedy tokens identical to the stock `generate(do_sample=False)` of the same model,
-    encoder and decoder graphs on. fp32 rounding (~1e-6) practically never flips a greedy choice,
-    so any logic fault (positions, cache slots, masks, padded lanes) shows as a divergence.
-(b) bf16: graph replay bit-identical to the runner's own eager steps over the same bucket; against
-    the stock decode loop (same encoder graphs), identical up to the first bf16 near-tie of the
-    stock logits. The static-cache decode attention sums in another order than transformers'
-    dynamic-cache sdpa, and two bf16 logits within a couple of units in the last place can swap.
+    encoder and decoder graphs on, each case crossing a length-tier boundary mid-generation.
+    fp32 rounding (~1e-6) practically never flips a greedy choice, so any logic fault (positions,
+    cache slots, masks, padded lanes, tier views) shows as a divergence.
+(b) bf16: graph replay bit-identical to the runner's own eager steps over the same bucket and
+    length tiers; against the stock decode loop (same encoder graphs), identical up to the first
+    bf16 near-tie of the stock logits. The static-cache decode attention sums in another order
+    than transformers' dynamic-cache sdpa, and two bf16 logits within a couple of units in the
+    last place can swap.
 """
 
 import gc
@@ -30,7 +32,11 @@ CASES = {
     "batch of 1": [(1, 20, 20)],
 }
 BUDGETS = [256, 1024]  # merged tokens; fp32 vision attention is the dense masked "sdpa" backend
-CACHE_LEN = 256  # longest prompt here is ~140 tokens
+CACHE_LEN = 256
+# Prompts are 109 (batch of 1) and 133 (batch of 3) tokens: both cases switch tier mid-generation
+# (120 -> 144 and 144 -> 256), and 120 is not a multiple of 16 (attention kernels pad the mask).
+LENGTH_TIERS = [120, 144]
+ALL_TIERS = {*LENGTH_TIERS, CACHE_LEN}
 FP32_NEW_TOKENS = 24
 BF16_NEW_TOKENS = 32
 # bf16 decode through 28-36 random-weight layers, in other kernels than generate's (a bucket of 4
@@ -44,6 +50,16 @@ def free_cuda_memory():
     yield
     gc.collect()
     torch.cuda.empty_cache()
+
+
+def enable_graphs(model):
+    return enable_cuda_graphs(
+        model,
+        budgets=BUDGETS,
+        decoder_max_batch_size=4,
+        decoder_max_cache_len=CACHE_LEN,
+        decoder_length_tiers=LENGTH_TIERS,
+    )
 
 
 def make_batch(config, grids, dtype, seed=0):
@@ -99,7 +115,7 @@ def test_fp32_greedy_tokens_identical_to_generate(name):
     stock_generate = model.generate
     expected = {case: greedy(stock_generate, inputs, FP32_NEW_TOKENS) for case, inputs in cases.items()}
 
-    handle = enable_cuda_graphs(model, budgets=BUDGETS, decoder_max_batch_size=4, decoder_max_cache_len=CACHE_LEN)
+    handle = enable_graphs(model)
     try:
         assert handle.adapter.attn_backend == "sdpa"  # FA2 takes half precision only
         got = {case: greedy(model.generate, inputs, FP32_NEW_TOKENS) for case, inputs in cases.items()}
@@ -119,6 +135,7 @@ def test_fp32_greedy_tokens_identical_to_generate(name):
     assert decoder["calls"] == 2 and decoder["sequences"] == 4
     assert decoder["steps"] > 0 and decoder["graph_steps"] == decoder["steps"], decoder
     assert set(decoder["replays_per_bucket"]) == {1, 4}, decoder
+    assert set(decoder["replays_per_tier"]) == ALL_TIERS, decoder
     assert encoder["graph_items"] == encoder["items"] == 4, encoder
 
 
@@ -127,14 +144,17 @@ def test_bf16_replay_equals_eager_steps_and_parts_from_generate_only_at_close_lo
     model = build_model(name, dtype=torch.bfloat16, device="cuda")
     cases = make_cases(model.config, torch.bfloat16)
     stock_generate = model.generate
-    handle = enable_cuda_graphs(model, budgets=BUDGETS, decoder_max_batch_size=4, decoder_max_cache_len=CACHE_LEN)
+    handle = enable_graphs(model)
     try:
-        assert handle.decoder.stats()["captured_buckets"] == [1, 2, 4]
+        captured = handle.decoder.stats()["captured_graphs"]
+        assert captured == [[b, t] for b in (1, 2, 4) for t in sorted(ALL_TIERS)]
         got = {case: greedy(model.generate, inputs, BF16_NEW_TOKENS) for case, inputs in cases.items()}
         stats = handle.stats()
         # The same step function run eagerly over the same bucket (batch 3 in bucket 4), after the
         # same prefill (encoder graphs on): bit-identical tokens.
-        eager = DecoderGraphRunner(model, max_batch_size=4, max_cache_len=CACHE_LEN, enabled=False)
+        eager = DecoderGraphRunner(
+            model, max_batch_size=4, max_cache_len=CACHE_LEN, length_tiers=LENGTH_TIERS, enabled=False
+        )
         batch = dict(cases["batch of 3, left padded"])
         eager_tokens = eager.generate(
             batch.pop("input_ids"), batch.pop("attention_mask"), max_new_tokens=BF16_NEW_TOKENS, **batch
@@ -149,11 +169,12 @@ def test_bf16_replay_equals_eager_steps_and_parts_from_generate_only_at_close_lo
         handle.disable()
 
     assert torch.equal(got["batch of 3, left padded"], eager_tokens)
-    assert eager.stats()["graph_steps"] == 0 and eager.stats()["steps"] > 0
+    assert eager.stats()["graph_steps"] == 0 and set(eager.stats()["steps_per_tier"]) == {144, CACHE_LEN}
     decoder = stats["decoder"]
     assert stats["generate_fallbacks"] == {}
     assert decoder["graph_steps"] == decoder["steps"] > 0, decoder
     assert set(decoder["replays_per_bucket"]) == {1, 4}, decoder
+    assert set(decoder["replays_per_tier"]) == ALL_TIERS, decoder
     assert decoder["decode_ms_per_step"]["mean"] > 0
 
     for case, inputs in cases.items():
