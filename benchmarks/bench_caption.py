@@ -231,6 +231,10 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="64 images, fewer decode repetitions")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--json", help="write results here")
+    parser.add_argument(
+        "--cache-len", type=int, help="decoder KV slots (default: longest prompt + new tokens + 1; "
+        "the caption command sizes it for the largest image the processor allows)"
+    )
     args = parser.parse_args()
     count = args.images or (64 if args.quick else 256)
     reps = 3 if args.quick else 5
@@ -256,7 +260,7 @@ def main() -> None:
     handle = enable_cuda_graphs(
         model,
         decoder_max_batch_size=max(args.batch_size, *DECODE_BATCHES),
-        decoder_max_cache_len=prompt_len + args.new_tokens + 1,
+        decoder_max_cache_len=args.cache_len or prompt_len + args.new_tokens + 1,
     )
     try:
         ours, our_tokens = caption_run(model, batches, args.new_tokens, device)
