@@ -81,8 +81,11 @@ class EncoderCudaGraphManager:
         largest = max(b[-1] for b in self.budgets.values())
         # Attention kernels launch (segment slots x max_seqlen blocks) whether or not a slot is
         # used, so the caps are kept small rather than sized for the worst case of every budget.
-        self.max_items = max_items or min(DEFAULT_MAX_ITEMS, max(1, largest // smallest))
-        self.max_frames = max_frames or max(self.max_items, self.config.max_frames_per_item)
+        if max_items is None:
+            max_items = min(DEFAULT_MAX_ITEMS, max(1, largest // smallest))
+        if max_frames is None:
+            max_frames = max(max_items, self.config.max_frames_per_item)
+        self.max_items, self.max_frames = max_items, max_frames
         if self.max_items < 1 or self.max_frames < 1:
             raise ValueError(f"max_items and max_frames must be >= 1: {max_items}, {max_frames}")
         self.log_interval_s = log_interval_s
@@ -97,8 +100,9 @@ class EncoderCudaGraphManager:
 
         self.graphs: dict[str, dict[int, BudgetGraph]] = {path: {} for path in self.paths}
         self.failed_budgets: dict[str, dict[int, str]] = {path: {} for path in self.paths}
-        self._input_pools: dict[str, dict[str, torch.Tensor]] = {}
-        self._output_pools: dict[str, dict[str, torch.Tensor]] = {}
+        # Per path and key, the largest budget's buffer; every graph reads/writes a prefix of it.
+        self._input_buffers: dict[str, dict[str, torch.Tensor]] = {}
+        self._output_buffers: dict[str, dict[str, torch.Tensor]] = {}
         self._pool = None
         self.captured = False
         self.capture_seconds = 0.0
@@ -159,8 +163,7 @@ class EncoderCudaGraphManager:
                     )
                     torch.cuda.synchronize(device)
                     torch.cuda.empty_cache()
-            poison = None
-        del poison
+        del poison  # the real graphs hold the pool now
         torch.cuda.synchronize(device)
         self.capture_seconds = time.perf_counter() - started
         self.graph_memory_bytes = torch.cuda.memory_reserved(device) - reserved_before
@@ -184,7 +187,7 @@ class EncoderCudaGraphManager:
         graph.replay()
         torch.cuda.synchronize()
         del blocks
-        return graph  # kept alive until the first real graph holds the pool
+        return graph  # keeps the pool, and its NaN blocks, alive until real graphs hold it
 
     def _capture_budget(self, path: str, budget: int) -> None:
         capture = self.model.prepare_capture_inputs(budget, self.max_items, self.max_frames, path)
@@ -207,12 +210,12 @@ class EncoderCudaGraphManager:
         self.graphs[path][budget] = BudgetGraph(budget, graph, inputs, outputs)
 
     def _input_views(self, path: str, capture: CaptureInputs) -> dict[str, torch.Tensor]:
-        pool = self._input_pools.setdefault(path, {})
+        largest = self._input_buffers.setdefault(path, {})
         views = {}
         for key, value in capture.values.items():
-            if key not in pool:  # the largest budget comes first and sizes the pool
-                pool[key] = value.contiguous().clone()
-            base = pool[key]
+            if key not in largest:  # the largest budget comes first and sizes the buffer
+                largest[key] = value.contiguous().clone()
+            base = largest[key]
             if value.shape[1:] != base.shape[1:] or value.shape[0] > base.shape[0]:
                 raise ValueError(
                     f"capture input {key!r} of path {path!r} has shape {tuple(value.shape)}, "
@@ -223,12 +226,12 @@ class EncoderCudaGraphManager:
         return views
 
     def _output_views(self, path: str, produced: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        pool = self._output_pools.setdefault(path, {})
+        largest = self._output_buffers.setdefault(path, {})
         views = {}
         for key, value in produced.items():
-            if key not in pool:
-                pool[key] = torch.empty_like(value, memory_format=torch.contiguous_format)
-            views[key] = pool[key][: value.shape[0]]
+            if key not in largest:
+                largest[key] = torch.empty_like(value, memory_format=torch.contiguous_format)
+            views[key] = largest[key][: value.shape[0]]
         return views
 
     # ----- execute -------------------------------------------------------------------------
@@ -343,6 +346,6 @@ class EncoderCudaGraphManager:
         """Log a last summary and free the graphs and their pool."""
         self._log_summary()
         self.graphs = {path: {} for path in self.paths}
-        self._input_pools.clear()
-        self._output_pools.clear()
+        self._input_buffers.clear()
+        self._output_buffers.clear()
         self._pool = None

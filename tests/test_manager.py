@@ -86,6 +86,8 @@ def test_budgets_and_caps(model):
     assert manager.budgets == {GLOBAL: [128], LOCAL: [16]}
     with pytest.raises(ValueError, match="unknown paths"):
         EncoderCudaGraphManager(model, budgets={"nope": [1]}, enabled=False)
+    with pytest.raises(ValueError, match="max_items and max_frames"):
+        EncoderCudaGraphManager(model, max_items=0, enabled=False)
     with pytest.raises(ValueError, match="positive budgets"):
         EncoderCudaGraphManager(model, budgets=[0, 5], enabled=False)
 

@@ -24,7 +24,7 @@ def build(seed: int = 0, **config) -> ToyViT:
 
 
 def poison_inputs(manager: EncoderCudaGraphManager) -> None:
-    for pool in manager._input_pools.values():
+    for pool in manager._input_buffers.values():
         for tensor in pool.values():
             tensor.fill_(float("nan") if tensor.is_floating_point() else 2**30)
 

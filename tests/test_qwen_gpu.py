@@ -101,8 +101,8 @@ def make_call(items: list, chosen: list[int]) -> VisionBatch:
     return VisionBatch(*part(images), *part(videos)), images + videos
 
 
-def poison_input_pools(manager: EncoderCudaGraphManager) -> None:
-    for buffers in manager._input_pools.values():
+def poison_input_buffers(manager: EncoderCudaGraphManager) -> None:
+    for buffers in manager._input_buffers.values():
         for buffer in buffers.values():
             buffer.fill_(float("nan") if buffer.is_floating_point() else 2**30)
 
@@ -124,7 +124,7 @@ def test_graphs_match_stock_tower_over_random_calls(pool, backend):
     )
     manager.capture()
     assert sorted(manager.graphs["default"]) == BUDGETS, manager.failed_budgets
-    poison_input_pools(manager)
+    poison_input_buffers(manager)
 
     rng = random.Random(1)
     small = min(range(len(items)), key=lambda i: items[i][1][1] * items[i][1][2])
