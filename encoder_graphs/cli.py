@@ -39,21 +39,39 @@ def build_parser() -> argparse.ArgumentParser:
         help="a local checkpoint directory or a preset name; default: the embedded tiny model "
         "(random weights: its captions are noise)",
     )
-    caption.add_argument("--prompt", default=DEFAULT_PROMPT)
-    caption.add_argument("--max-new-tokens", type=_positive_int, default=32)
-    caption.add_argument("--batch-size", type=_positive_int, default=8)
     caption.add_argument(
-        "--max-batch-tokens", type=_positive_int, default=16384, help="vision tokens in one generate call"
+        "--prompt", default=DEFAULT_PROMPT, help="the instruction given with each file (default: %(default)r)"
     )
-    caption.add_argument("--max-frames", type=_even_int, default=16, help="frames sampled per video (even)")
-    caption.add_argument("--out", type=Path, default=Path("captions.jsonl"))
+    caption.add_argument(
+        "--max-new-tokens", type=_positive_int, default=32, help="caption length limit (default: %(default)s)"
+    )
+    caption.add_argument(
+        "--batch-size", type=_positive_int, default=8, help="files in one generate call (default: %(default)s)"
+    )
+    caption.add_argument(
+        "--max-batch-tokens",
+        type=_positive_int,
+        default=16384,
+        help="vision tokens in one generate call (default: %(default)s)",
+    )
+    caption.add_argument(
+        "--max-frames", type=_even_int, default=16, help="frames sampled per video, even (default: %(default)s)"
+    )
+    caption.add_argument(
+        "--out",
+        type=Path,
+        default=Path("captions.jsonl"),
+        help="JSONL results, one line per file; a rerun skips the files already in it (default: %(default)s)",
+    )
     caption.add_argument("--budgets", type=_budgets, default=None, help="encoder token budgets, e.g. 1024,4096")
     caption.add_argument("--attn-backend", default=None, help="varlen attention backend of the encoder graphs")
     caption.add_argument(
         "--no-graphs", action="store_true", help="run the encoder and the decoder eagerly (no CUDA graphs)"
     )
     caption.add_argument("--stats-json", type=Path, default=None, help="also write the statistics as JSON")
-    caption.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    caption.add_argument(
+        "--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: cuda when available (default)"
+    )
     caption.add_argument("--quiet", action="store_true", help="no progress bar")
     return parser
 
@@ -111,7 +129,8 @@ def caption(args: argparse.Namespace) -> int:
         )
     todo = sum(not results.is_done(f.path) for f in files)
     if not todo:
-        print(f"nothing to do: all {len(files)} files are already in {args.out}")
+        failed = sum(results.is_failed(f.path) for f in files)
+        print(f"nothing to do: all {len(files)} files are already in {args.out} ({failed} of them as errors)")
         return _exit_status(results, files)
     model, inputs = load_model(args.model, device)
     limits = LoadLimits(
@@ -143,6 +162,7 @@ def caption(args: argparse.Namespace) -> int:
     print(graph_table)
     if args.stats_json is not None:
         payload = {"pipeline": summary, **graph_stats, "model": args.model or "default", "device": str(device)}
+        args.stats_json.parent.mkdir(parents=True, exist_ok=True)
         args.stats_json.write_text(json.dumps(payload, indent=2, sort_keys=True, default=str) + "\n")
     return _exit_status(results, files)
 

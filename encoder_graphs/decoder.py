@@ -20,6 +20,7 @@ from itertools import product
 import torch
 from transformers import DynamicCache
 
+from encoder_graphs.generation import token_id_list
 from encoder_graphs.packing import generate_budgets, smallest_fitting_budget
 from encoder_graphs.sampling import SamplingParams, select_next_tokens
 from encoder_graphs.static_cache import DECODE_ATTENTION, SlotCache, StaticKVStore
@@ -66,6 +67,17 @@ class DecoderGraphConfig:
         self.length_tiers = tiers if tiers[-1] == self.max_cache_len else [*tiers, self.max_cache_len]
 
 
+@dataclass(frozen=True)
+class TextDims:
+    """The sizes of the language model that the decode buffers are allocated for."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    dtype: torch.dtype
+
+
 class DecodeBuffers:
     """Everything a decode step reads or writes, for `rows` sequences; a bucket uses the first
     `bucket` rows. Addresses never change, so captured graphs stay valid."""
@@ -76,24 +88,23 @@ class DecodeBuffers:
         rows: int,
         max_cache_len: int,
         position_dims: tuple[int, ...],
-        model_dims: dict,
+        dims: TextDims,
         device: torch.device,
     ) -> None:
-        self.rows = rows
         self.store = StaticKVStore(
-            num_layers=model_dims["num_layers"],
+            num_layers=dims.num_layers,
             rows=rows,
-            num_kv_heads=model_dims["num_kv_heads"],
-            head_dim=model_dims["head_dim"],
+            num_kv_heads=dims.num_kv_heads,
+            head_dim=dims.head_dim,
             max_cache_len=max_cache_len,
-            dtype=model_dims["dtype"],
+            dtype=dims.dtype,
             device=device,
         )
         self.input_ids = torch.zeros(rows, 1, dtype=torch.long, device=device)
         # Same leading dims as the prefill's position ids ([4] for Qwen-VL: text + 3 M-RoPE axes).
         self.positions = torch.zeros(*position_dims, rows, 1, dtype=torch.long, device=device)
         self.mask = torch.zeros(rows, max_cache_len, dtype=torch.bool, device=device)
-        self.logits = torch.zeros(rows, model_dims["vocab_size"], dtype=torch.float32, device=device)
+        self.logits = torch.zeros(rows, dims.vocab_size, dtype=torch.float32, device=device)
 
     @property
     def max_cache_len(self) -> int:
@@ -101,8 +112,7 @@ class DecodeBuffers:
 
     @property
     def nbytes(self) -> int:
-        tensors = (self.input_ids, self.positions, self.mask, self.logits)
-        return self.store.nbytes + sum(t.numel() * t.element_size() for t in tensors)
+        return self.store.nbytes + sum(t.nbytes for t in (self.input_ids, self.positions, self.mask, self.logits))
 
     def start(
         self, *, batch: int, rows: int, prompt_mask: torch.Tensor, next_positions: torch.Tensor
@@ -141,6 +151,10 @@ class _Tier:
 
 
 class DecoderGraphRunner:
+    """`generate` for a Hugging Face vision-language model: the model's own prefill, then decode
+    steps replayed from CUDA graphs per (batch bucket, length tier), or run eagerly over the same
+    buffers."""
+
     def __init__(
         self,
         model: torch.nn.Module,
@@ -159,15 +173,16 @@ class DecoderGraphRunner:
         self._text_config = text_config
         if any(kind != "full_attention" for kind in getattr(text_config, "layer_types", None) or []):
             raise ValueError("decoder graphs support full-attention layers only (no sliding window)")
-        self.device = model.get_output_embeddings().weight.device
-        self._model_dims = {
-            "num_layers": text_config.num_hidden_layers,
-            "num_kv_heads": text_config.num_key_value_heads,
-            "head_dim": getattr(text_config, "head_dim", None)
+        lm_head = model.get_output_embeddings().weight
+        self.device = lm_head.device
+        self._dims = TextDims(
+            num_layers=text_config.num_hidden_layers,
+            num_kv_heads=text_config.num_key_value_heads,
+            head_dim=getattr(text_config, "head_dim", None)
             or text_config.hidden_size // text_config.num_attention_heads,
-            "dtype": model.dtype,
-            "vocab_size": model.get_output_embeddings().weight.shape[0],
-        }
+            vocab_size=lm_head.shape[0],
+            dtype=model.dtype,
+        )
         if not enabled:
             self.disabled_reason: str | None = "disabled (enabled=False)"
         elif not torch.cuda.is_available() or self.device.type != "cuda":
@@ -192,7 +207,7 @@ class DecoderGraphRunner:
             rows=rows,
             max_cache_len=max_cache_len,
             position_dims=self._positions_layout(),
-            model_dims=self._model_dims,
+            dims=self._dims,
             device=self.device,
         )
 
@@ -219,7 +234,7 @@ class DecoderGraphRunner:
         mask.index_fill_(1, slot, True)
         # Prefill keeps the model's own attention; decode steps use the static-cache one. Only
         # the Python dispatch changes, so a captured graph holds the decode kernels for good.
-        prefill_attention = self._text_config._attn_implementation
+        own_attention = self._text_config._attn_implementation
         self._text_config._attn_implementation = DECODE_ATTENTION
         try:
             output = self.model(
@@ -231,7 +246,7 @@ class DecoderGraphRunner:
                 logits_to_keep=1,
             )
         finally:
-            self._text_config._attn_implementation = prefill_attention
+            self._text_config._attn_implementation = own_attention
         buffers.logits[:rows].copy_(output.logits[:, -1])
         slot.add_(1)
         buffers.positions.add_(1)
@@ -335,7 +350,7 @@ class DecoderGraphRunner:
                 chosen = torch.where(unfinished, chosen, pad_id)
                 tokens[:, step] = chosen
                 lengths.add_(unfinished)
-                unfinished.logical_and_(~torch.isin(chosen, eos))
+                unfinished.logical_and_(torch.isin(chosen, eos, invert=True))
                 return chosen
 
             chosen = emit(0, select_next_tokens(logits, params, generator))
@@ -378,7 +393,7 @@ class DecoderGraphRunner:
         positions = self.model._prepare_position_ids_for_generation(
             input_ids, {"attention_mask": attention_mask, **model_inputs}
         )
-        cache = DynamicCache(config=self.model.config.get_text_config(decoder=True))
+        cache = DynamicCache(config=self._text_config)
         output = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -436,9 +451,7 @@ class DecoderGraphRunner:
     def _eos_ids(self, eos_token_id: int | Sequence[int] | None) -> list[int]:
         if eos_token_id is None:
             eos_token_id = self.model.generation_config.eos_token_id
-        if eos_token_id is None:
-            return []
-        return [int(eos_token_id)] if isinstance(eos_token_id, int) else [int(i) for i in eos_token_id]
+        return token_id_list(eos_token_id)
 
     def _pad_id(self, pad_token_id: int | None, eos_ids: list[int]) -> int:
         if pad_token_id is None:

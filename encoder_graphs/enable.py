@@ -15,12 +15,11 @@ from typing import Any
 import torch
 from torch import nn
 from transformers import GenerationConfig
-from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from encoder_graphs.decoder import DecoderGraphRunner
 from encoder_graphs.generation import StockOnly, runner_arguments
 from encoder_graphs.manager import EncoderCudaGraphManager
-from encoder_graphs.models import QwenVisionAdapter, Qwen3VLAdapter, VisionBatch, adapter_for
+from encoder_graphs.models import QwenVisionAdapter, adapter_for
 
 _FEATURE_METHODS = ("get_image_features", "get_video_features")
 # Requests for per-layer vision outputs that only the stock forward can answer.
@@ -38,7 +37,7 @@ class EncoderGraphsHandle:
         adapter: QwenVisionAdapter,
         manager: EncoderCudaGraphManager,
         decoder: DecoderGraphRunner | None,
-    ):
+    ) -> None:
         self.model = model
         self.adapter = adapter
         self.manager = manager
@@ -185,28 +184,10 @@ def _graphed_features(handle: EncoderGraphsHandle, name: str, original: Callable
     def features(pixel_values: torch.Tensor, grid_thw: torch.Tensor | None = None, **kwargs):
         if any(kwargs.get(key) for key in _STOCK_ONLY_KWARGS):
             return original(pixel_values, grid_thw, **kwargs)
-        if video:
-            batch = VisionBatch(pixel_values_videos=pixel_values, video_grid_thw=grid_thw)
-        else:
-            batch = VisionBatch(pixel_values=pixel_values, image_grid_thw=grid_thw)
-        output = _stock_output(handle.adapter, handle.manager.execute(batch))
+        batch = handle.adapter.feature_batch(pixel_values, grid_thw, video=video)
+        output = handle.adapter.feature_output(handle.manager.execute(batch))
         return output if kwargs.get("return_dict", True) else output.to_tuple()
 
     features.__name__ = name
     features.__doc__ = f"{name} through encoder CUDA graphs (encoder_graphs.enable_cuda_graphs)."
     return features
-
-
-def _stock_output(adapter: QwenVisionAdapter, items: list[torch.Tensor]) -> BaseModelOutputWithPooling:
-    """The output object transformers' get_*_features returns, with `pooler_output` one tensor per
-    item. `last_hidden_state` (the unmerged patch states) is not kept by the graphs: None."""
-    if not isinstance(adapter, Qwen3VLAdapter):
-        return BaseModelOutputWithPooling(pooler_output=tuple(items))
-    from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
-
-    main, *deepstack = adapter.split_deepstack(torch.cat(items))
-    sizes = [item.shape[0] for item in items]
-    return BaseModelOutputWithDeepstackFeatures(
-        pooler_output=tuple(torch.split(main, sizes)),
-        deepstack_features=[level.contiguous() for level in deepstack],
-    )

@@ -6,7 +6,7 @@ setting that would change the tokens (a repetition penalty, top-k, beams, logits
 streamers, scores in the output ...) sends the call to the stock `generate`, with the reason.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -140,11 +140,16 @@ def _is_set(value: Any) -> bool:
     return not (isinstance(value, list) and not value)
 
 
+def token_id_list(ids: int | Sequence[int] | None) -> list[int]:
+    """Token ids as generation configs give them (one id, several, or None), as a list."""
+    if ids is None:
+        return []
+    return [int(ids)] if isinstance(ids, int) else [int(i) for i in ids]
+
+
 def _inferred_attention_mask(input_ids: torch.Tensor, config: GenerationConfig) -> torch.Tensor:
     """What generate infers without a mask: pad positions masked, unless the pad id is also an EOS id."""
     pad = config.pad_token_id
-    eos = config.eos_token_id
-    eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-    if pad is None or pad in eos_ids or not bool((input_ids == pad).any()):
+    if pad is None or pad in token_id_list(config.eos_token_id) or not bool((input_ids == pad).any()):
         return torch.ones_like(input_ids)
     return (input_ids != pad).long()

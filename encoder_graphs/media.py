@@ -13,6 +13,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
+from encoder_graphs.results import path_key
+
 IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tiff", ".tif"})
 VIDEO_EXTENSIONS = frozenset({".mp4", ".webm", ".mkv", ".avi"})
 SAMPLES_DIR = Path(__file__).parent / "samples"
@@ -26,9 +28,7 @@ class MediaError(Exception):
 
     def __init__(self, path: Path | str, kind: str, reason: str) -> None:
         super().__init__(f"{path}: {reason}")
-        self.path = str(path)
         self.kind = kind
-        self.reason = reason
 
 
 @dataclass(frozen=True)
@@ -66,9 +66,11 @@ def media_kind(path: Path) -> str | None:
 def discover(paths: list[str | Path]) -> list[MediaFile]:
     """Media files under `paths` (files or folders, walked recursively), sorted, each once.
 
-    Raises FileNotFoundError for a path that does not exist; files of other types are skipped.
+    Paths are made absolute (symlinks kept): a results file written from one working directory
+    resumes from any other. Raises FileNotFoundError for a path that does not exist; files of other
+    types are skipped.
     """
-    found: dict[Path, MediaFile] = {}
+    found: dict[str, MediaFile] = {}
     for root in map(Path, paths):
         if not root.exists() and not root.is_symlink():
             raise FileNotFoundError(f"no such file or directory: {root}")
@@ -76,7 +78,7 @@ def discover(paths: list[str | Path]) -> list[MediaFile]:
         for path in candidates:
             kind = media_kind(path)
             if kind is not None:
-                found.setdefault(Path(os.path.abspath(path)), MediaFile(path, kind))
+                found.setdefault(path_key(path), MediaFile(Path(os.path.abspath(path)), kind))
     return sorted(found.values(), key=lambda f: str(f.path))
 
 

@@ -16,6 +16,7 @@ from encoder_graphs.models.qwen_inputs import EncodedItem, QwenVLInputs
 from encoder_graphs.results import ResultsFile
 
 DEFAULT_PROMPT = "Describe this in one sentence."
+PIXEL_KEYS = ("pixel_values", "pixel_values_videos")  # the inputs cast to the model's dtype
 
 
 @dataclass(frozen=True)
@@ -172,11 +173,12 @@ class Captioner:
         started = time.perf_counter()
         try:
             media = load(file, self.limits)
+            item = self.inputs.encode_image(media) if file.kind == "image" else self.inputs.encode_video(media)
         except MediaError as error:
             return _error_record(file, error.kind, str(error))
-        try:
-            item = self.inputs.encode_image(media) if file.kind == "image" else self.inputs.encode_video(media)
-        except Exception as error:  # noqa: BLE001 - a processor rejecting one input must not stop the run
+        # A processor rejecting one input (or a decoder failing in a way `load` does not foresee)
+        # must not stop the run: an exception escaping here would end it from `future.result()`.
+        except Exception as error:  # noqa: BLE001
             return _error_record(file, "preprocess", f"{file.path}: {type(error).__name__}: {error}")
         return Pending(file, item, 1000.0 * (time.perf_counter() - started))
 
@@ -196,11 +198,10 @@ class Captioner:
 
     def _generate(self, batch: list[Pending], stats: RunStats) -> list[dict]:
         started = time.perf_counter()
-        model_inputs = self.inputs.batch([p.item for p in batch], self.config.prompt)
-        model_inputs = {name: value.to(self.device) for name, value in model_inputs.items()}
-        for name in ("pixel_values", "pixel_values_videos"):
-            if name in model_inputs:
-                model_inputs[name] = model_inputs[name].to(self.model.dtype)
+        model_inputs = {
+            name: value.to(self.device, dtype=self.model.dtype if name in PIXEL_KEYS else None)
+            for name, value in self.inputs.batch([p.item for p in batch], self.config.prompt).items()
+        }
         prompt_length = model_inputs["input_ids"].shape[1]
         with torch.inference_mode():
             # Plain greedy whatever the checkpoint's generation config says: Qwen's repetition

@@ -21,6 +21,8 @@ class ResultsFile:
         self.failed: set[str] = set()  # the subset of `done` recorded as errors
         self.repaired_bytes = 0
         self._read_existing()
+        # Here, not at the first append: a bad --out fails before any model loads or batch runs.
+        self.path.parent.mkdir(parents=True, exist_ok=True)
 
     def _read_existing(self) -> None:
         if not self.path.exists():
@@ -46,7 +48,6 @@ class ResultsFile:
         """Write `records` and make them durable before returning."""
         if not records:
             return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         # ASCII escapes keep undecodable file names (surrogates) writable and the file valid UTF-8.
         payload = "".join(json.dumps(record) + "\n" for record in records)
         with open(self.path, "a", encoding="ascii") as handle:

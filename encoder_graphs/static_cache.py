@@ -79,8 +79,7 @@ class SlotLayer(CacheLayerMixin):
 
 
 class SlotCache(Cache):
-    def __init__(self, layers: list[SlotLayer]) -> None:
-        super().__init__(layers=layers)
+    """A `Cache` of `SlotLayer`s: `SlotCache(layers)`."""
 
 
 class StaticKVStore:
@@ -106,7 +105,7 @@ class StaticKVStore:
 
     @property
     def nbytes(self) -> int:
-        return self.kv.numel() * self.kv.element_size()
+        return self.kv.nbytes
 
     def cache(self, rows: int, length: int) -> SlotCache:
         """A cache over slots [0, length) of the first `rows` sequences (prefix views: no copy)."""

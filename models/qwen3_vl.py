@@ -5,6 +5,7 @@ Each item's output row is [main features | deepstack level 0 | level 1 | ...] on
 """
 
 import torch
+from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
 from transformers.vision_utils import get_vision_interpolation_indices_and_weights
 
 from encoder_graphs.models.qwen_vision import Layout, QwenVisionAdapter, pad_rows
@@ -45,6 +46,14 @@ class Qwen3VLAdapter(QwenVisionAdapter):
 
     def _embeds(self, output) -> torch.Tensor:
         return torch.cat([output.pooler_output, *output.deepstack_features], dim=-1)
+
+    def feature_output(self, items: list[torch.Tensor]) -> BaseModelOutputWithDeepstackFeatures:
+        main, *deepstack = self.split_deepstack(torch.cat(items))
+        sizes = [item.shape[0] for item in items]
+        return BaseModelOutputWithDeepstackFeatures(
+            pooler_output=tuple(torch.split(main, sizes)),
+            deepstack_features=[level.contiguous() for level in deepstack],
+        )
 
     def split_deepstack(self, embeds: torch.Tensor) -> list[torch.Tensor]:
         """[tokens, hidden * (1 + levels)] -> main features, then one tensor per deepstack level."""

@@ -18,7 +18,6 @@ from transformers import AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBas
 IMAGE_PAD = "<|image_pad|>"
 VIDEO_PAD = "<|video_pad|>"
 VISION_START = "<|vision_start|>"
-VISION_END = "<|vision_end|>"
 MM_TOKEN_TYPE = {"image": 1, "video": 2}
 
 
@@ -48,7 +47,7 @@ class QwenVLInputs:
         self.min_pixels = image_processor.size["shortest_edge"]
         self.factor = image_processor.patch_size * self.merge_size
         self.token_ids = {
-            t: tokenizer.convert_tokens_to_ids(t) for t in (IMAGE_PAD, VIDEO_PAD, VISION_START, VISION_END)
+            t: tokenizer.convert_tokens_to_ids(t) for t in (IMAGE_PAD, VIDEO_PAD, VISION_START)
         }
         if tokenizer.chat_template is None:
             raise ValueError("the tokenizer has no chat template")

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 import torch
+from transformers.modeling_outputs import BaseModelOutputWithPooling
 from transformers.vision_utils import get_vision_cu_seqlens, get_vision_position_ids
 
 from encoder_graphs.attention import default_attention_backend
@@ -134,6 +135,18 @@ class QwenVisionAdapter:
         self.attn_implementation = register_varlen_attention(attn_backend)
         self.max_frames_per_item = max_frames_per_item
         self.budget_range = budget_range
+
+    # ----- transformers' get_image_features / get_video_features -----------------------------
+    def feature_batch(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor, *, video: bool) -> VisionBatch:
+        """The adapter's inputs for one get_image_features / get_video_features call."""
+        if video:
+            return VisionBatch(pixel_values_videos=pixel_values, video_grid_thw=grid_thw)
+        return VisionBatch(pixel_values=pixel_values, image_grid_thw=grid_thw)
+
+    def feature_output(self, items: list[torch.Tensor]) -> BaseModelOutputWithPooling:
+        """The object transformers' get_*_features returns, `pooler_output` one tensor per item.
+        `last_hidden_state` (the unmerged patch states) is not kept by the graphs: None."""
+        return BaseModelOutputWithPooling(pooler_output=tuple(items))
 
     # ----- weights ----------------------------------------------------------------------------
     def align_weights(self) -> None:

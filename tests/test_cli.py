@@ -185,6 +185,21 @@ def test_resume_after_a_kill_redoes_only_the_missing_files(tmp_path):
     assert out.read_bytes().splitlines(keepends=True) == again
 
 
+def test_rerun_from_another_working_directory_is_a_no_op(tmp_path, monkeypatch, capsys):
+    good_images(tmp_path / "work" / "media", 2)
+    (tmp_path / "work" / "media" / "bad.jpg").write_text("nope")
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "work")
+    assert main(["caption", "media", "--out", "captions.jsonl"] + FAST) == 1
+    written = (tmp_path / "work" / "captions.jsonl").read_bytes()
+    assert all(Path(record["path"]).is_absolute() for record in read_records(tmp_path / "work" / "captions.jsonl"))
+    capsys.readouterr()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    assert main(["caption", "../work/media", "--out", "../work/captions.jsonl"] + FAST) == 1
+    assert (tmp_path / "work" / "captions.jsonl").read_bytes() == written
+    assert "nothing to do: all 3 files are already in ../work/captions.jsonl (1 of them as errors)" in capsys.readouterr().out
+
+
 def test_results_file_keeps_foreign_lines_and_repairs_only_the_tail(tmp_path):
     path = tmp_path / "r.jsonl"
     path.write_bytes(b'{"path": "/a.png", "caption": "x"}\nnot json\n{"path": "/b.png", "error": "e"}\n{"path": "/c')
@@ -234,6 +249,13 @@ def test_usage_errors_exit_2(tmp_path, capsys):
     assert main(["caption", media, "--model", "qwen2-vl-2b", "--out", str(tmp_path / "o.jsonl")]) == 2
     assert not (tmp_path / "o.jsonl").exists()
     assert "no images or videos" in capsys.readouterr().err
+
+
+def test_an_unusable_out_path_is_a_usage_error_before_any_work(tmp_path, capsys):
+    good_images(tmp_path / "media", 1)
+    (tmp_path / "a_file").write_text("")
+    assert main(["caption", str(tmp_path / "media"), "--out", str(tmp_path / "a_file" / "x.jsonl")] + FAST) == 2
+    assert "cannot use --out" in capsys.readouterr().err
 
 
 def test_tiny_preset_and_video(tmp_path):

@@ -271,3 +271,14 @@ def test_rejects_bad_arguments(model):
         runner_generate(runner, inputs, do_sample=True, temperature=0.0)
     with pytest.raises(ValueError):
         runner_generate(runner, inputs, do_sample=True, top_p=0.0)
+
+
+def test_static_buffer_bytes_counts_every_buffer(model):
+    runner = DecoderGraphRunner(model, max_batch_size=2, max_cache_len=40)
+    runner_generate(runner, make_batch(model.config, grids=[(1, 4, 4)]), max_new_tokens=3)
+    text = model.config.get_text_config(decoder=True)
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    kv = 2 * text.num_hidden_layers * 2 * text.num_key_value_heads * 40 * head_dim * 4  # fp32
+    position_rows = runner._shared_buffers().positions.shape[:-1].numel()
+    rest = 2 * 8 + position_rows * 8 + 2 * 40 + 2 * text.vocab_size * 4  # ids, positions, mask, logits
+    assert runner.stats()["static_buffer_bytes"] == kv + rest

@@ -107,3 +107,12 @@ def test_decoder_false_leaves_generate_alone(model):
         assert "decoder graphs: off (decoder=False)" in handle.format_stats()
     finally:
         handle.disable()
+
+
+def test_token_id_list_accepts_what_generation_configs_hold():
+    from encoder_graphs.generation import token_id_list
+
+    assert token_id_list(None) == []
+    assert token_id_list(7) == [7]
+    assert token_id_list([3, 4]) == [3, 4]
+    assert token_id_list(torch.tensor([5, 6])) == [5, 6]

@@ -135,6 +135,14 @@ def test_discover_is_recursive_sorted_and_skips_other_files(tmp_path):
         discover([tmp_path / "missing"])
 
 
+def test_discover_gives_absolute_paths_and_one_entry_per_real_file(tmp_path, monkeypatch):
+    (tmp_path / "a.png").write_bytes(b"x")
+    os.symlink(tmp_path / "a.png", tmp_path / "link.png")
+    monkeypatch.chdir(tmp_path)
+    (file,) = discover(["."])
+    assert file.path == tmp_path / "a.png" and file.path.is_absolute()
+
+
 def test_every_input_kind_gets_its_outcome(zoo):
     folder, expected = zoo
     files = {f.path.name: f for f in discover([folder])}
