@@ -2,11 +2,12 @@
 
 import json
 import platform
-import statistics
 from collections.abc import Callable
 from datetime import date
 
 import torch
+
+from encoder_graphs.stats import latency_summary
 
 
 def time_calls(fn: Callable[[], object], warmup: int, iters: int) -> dict[str, float]:
@@ -23,16 +24,6 @@ def time_calls(fn: Callable[[], object], warmup: int, iters: int) -> dict[str, f
         end.synchronize()
         times.append(start.elapsed_time(end))
     return latency_summary(times)
-
-
-def latency_summary(times: list[float]) -> dict[str, float]:
-    """Mean, median and 99th percentile of a list of latencies."""
-    times = sorted(times)
-    return {
-        "mean": statistics.fmean(times),
-        "p50": times[len(times) // 2],
-        "p99": times[min(len(times) - 1, round(0.99 * (len(times) - 1)))],
-    }
 
 
 def matmul_tflops(size: int = 8192) -> float:

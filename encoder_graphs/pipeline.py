@@ -14,6 +14,7 @@ from transformers import PreTrainedModel
 from encoder_graphs.media import LoadLimits, MediaError, MediaFile, load
 from encoder_graphs.models.qwen_inputs import EncodedItem, QwenVLInputs
 from encoder_graphs.results import ResultsFile
+from encoder_graphs.stats import latency_summary
 
 DEFAULT_PROMPT = "Describe this in one sentence."
 PIXEL_KEYS = ("pixel_values", "pixel_values_videos")  # the inputs cast to the model's dtype
@@ -72,8 +73,8 @@ class RunStats:
             "wall_s": self.wall_s,
             "items_per_s": done / self.wall_s if self.wall_s else 0.0,
             "tokens_per_s": self.generated_tokens / self.wall_s if self.wall_s else 0.0,
-            "batch_latency_ms": _latency(self.batch_ms),
-            "item_latency_ms": _latency(self.item_ms),
+            "batch_latency_ms": latency_summary(self.batch_ms),
+            "item_latency_ms": latency_summary(self.item_ms),
         }
 
 
@@ -268,22 +269,6 @@ def longest_sequence(inputs: QwenVLInputs, config: CaptionConfig, limits: LoadLi
 
 def _error_record(file: MediaFile, kind: str, message: str) -> dict:
     return {"path": str(file.path), "kind": file.kind, "error_kind": kind, "error": message}
-
-
-def _latency(values: list[float]) -> dict:
-    if not values:
-        return {"count": 0, "mean": 0.0, "p50": 0.0, "p99": 0.0}
-    ordered = sorted(values)
-    return {
-        "count": len(ordered),
-        "mean": sum(ordered) / len(ordered),
-        "p50": _nearest_rank(ordered, 50),
-        "p99": _nearest_rank(ordered, 99),
-    }
-
-
-def _nearest_rank(ordered: list[float], pct: float) -> float:
-    return ordered[min(len(ordered) - 1, round(pct / 100 * (len(ordered) - 1)))]
 
 
 def format_run_stats(stats: dict) -> str:

@@ -2,6 +2,7 @@
 
 import time
 from collections import Counter, deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -70,14 +71,22 @@ class LatencyRecorder:
     def summary(self) -> dict:
         self._resolve()
         if not self._done:
-            return {"calls": 0, "mean": 0.0, "p50": 0.0, "p99": 0.0}
-        per_unit = sorted(ms / units for ms, units in self._done)
-        return {
-            "calls": len(per_unit),
-            "mean": sum(ms for ms, _ in self._done) / sum(units for _, units in self._done),
-            "p50": _percentile(per_unit, 50),
-            "p99": _percentile(per_unit, 99),
-        }
+            return latency_summary([])
+        mean = sum(ms for ms, _ in self._done) / sum(units for _, units in self._done)
+        return latency_summary([ms / units for ms, units in self._done], mean=mean)
+
+
+def latency_summary(values_ms: Sequence[float], mean: float | None = None) -> dict:
+    """calls, mean (or the given one), p50 and p99 of latencies in ms."""
+    ordered = sorted(values_ms)
+    if not ordered:
+        return {"calls": 0, "mean": 0.0, "p50": 0.0, "p99": 0.0}
+    return {
+        "calls": len(ordered),
+        "mean": sum(ordered) / len(ordered) if mean is None else mean,
+        "p50": _percentile(ordered, 50),
+        "p99": _percentile(ordered, 99),
+    }
 
 
 def _percentile(sorted_values: list[float], pct: float) -> float:
