@@ -64,10 +64,6 @@ class EncoderGraphsHandle:
             [self.manager.format_stats(), decoder, f"generate calls sent to stock generate: {fallbacks}"]
         )
 
-    @property
-    def enabled(self) -> bool:
-        return bool(self._patched)
-
     def disable(self) -> None:
         """Restore every patched attribute and free the graphs."""
         for owner, name, original in reversed(self._patched):
