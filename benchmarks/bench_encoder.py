@@ -11,12 +11,12 @@ import argparse
 import random
 
 import torch
+from encoder_graphs.models import VisionBatch, adapter_for
+from encoder_graphs.models.presets import build_vision_tower
+from encoder_graphs.models.transformers_seam import attention_implementation, register_varlen_attention
 from timing import environment, markdown_table, matmul_tflops, time_calls, write_json
 
 from encoder_graphs import EncoderCudaGraphManager
-from encoder_graphs.models import VisionBatch, adapter_for
-from encoder_graphs.models.hf_attention import attention_implementation, register_varlen_attention
-from encoder_graphs.models.presets import build_vision_tower
 
 Grid = tuple[int, int, int]
 
@@ -86,7 +86,7 @@ def main() -> None:
     with torch.inference_mode():  # stock transformers first, on the model's own weights
         for name, (_, pixels, grid_thw) in cases.items():
             timed[name]["stock"] = time_calls(lambda: tower(pixels, grid_thw=grid_thw), warmup, iters)
-            with attention_implementation(tower, varlen):
+            with attention_implementation(tower.config, varlen):
                 timed[name]["stock_varlen"] = time_calls(
                     lambda: tower(pixels, grid_thw=grid_thw), warmup, iters
                 )

@@ -7,7 +7,7 @@ from datetime import date
 
 import torch
 
-from encoder_graphs.stats import latency_summary
+from encoder_graphs.engine.stats import latency_summary
 
 
 def time_calls(fn: Callable[[], object], warmup: int, iters: int) -> dict[str, float]:

@@ -1,5 +1,5 @@
 import sys
 
-from encoder_graphs.cli import main
+from encoder_graphs.app.cli import main
 
 sys.exit(main())

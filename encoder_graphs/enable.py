@@ -16,14 +16,14 @@ import torch
 from torch import nn
 from transformers import GenerationConfig
 
-from encoder_graphs.decoder import DecoderGraphRunner
-from encoder_graphs.generation import StockOnly, runner_arguments
-from encoder_graphs.manager import EncoderCudaGraphManager
-from encoder_graphs.models import QwenVisionAdapter, adapter_for
+from encoder_graphs.decoder.generation import StockOnly, runner_arguments
+from encoder_graphs.decoder.runner import DecoderGraphRunner
+from encoder_graphs.engine.manager import EncoderCudaGraphManager
+from encoder_graphs.models.registry import adapter_for
+from encoder_graphs.models.transformers_seam import check_version
+from encoder_graphs.protocols import ModelFamily
+from encoder_graphs.report import format_graph_stats
 
-_FEATURE_METHODS = ("get_image_features", "get_video_features")
-# Requests for per-layer vision outputs that only the stock forward can answer.
-_STOCK_ONLY_KWARGS = ("output_hidden_states", "output_attentions")
 _MISSING = object()
 
 
@@ -34,7 +34,7 @@ class EncoderGraphsHandle:
     def __init__(
         self,
         model: nn.Module,
-        adapter: QwenVisionAdapter,
+        adapter: ModelFamily,
         manager: EncoderCudaGraphManager,
         decoder: DecoderGraphRunner | None,
     ) -> None:
@@ -58,11 +58,7 @@ class EncoderGraphsHandle:
         }
 
     def format_stats(self) -> str:
-        decoder = self.decoder.format_stats() if self.decoder is not None else "decoder graphs: off (decoder=False)"
-        fallbacks = ", ".join(f"{reason} x{n}" for reason, n in self.generate_fallbacks.most_common()) or "-"
-        return "\n".join(
-            [self.manager.format_stats(), decoder, f"generate calls sent to stock generate: {fallbacks}"]
-        )
+        return format_graph_stats(self.stats())
 
     def disable(self) -> None:
         """Restore every patched attribute and free the graphs."""
@@ -117,6 +113,7 @@ def enable_cuda_graphs(
     """
     if getattr(model, "_encoder_graphs", None) is not None:
         raise RuntimeError("encoder graphs are already enabled on this model; disable() them first")
+    check_version()
     adapter = adapter_for(model, attn_backend=attn_backend)
     adapter.align_weights()  # exact; undone by disable()
     manager = EncoderCudaGraphManager(
@@ -137,6 +134,7 @@ def enable_cuda_graphs(
             max_cache_len=decoder_max_cache_len,
             length_tiers=decoder_length_tiers,
             enabled=enabled,
+            family=adapter,
         )
     manager.capture()
     if runner is not None:
@@ -145,7 +143,7 @@ def enable_cuda_graphs(
     for owner in (model, getattr(model, "model", None)):
         if owner is None:
             continue
-        for name in _FEATURE_METHODS:
+        for name in adapter.feature_methods:
             original = getattr(owner, name, None)
             if callable(original):
                 handle.patch(owner, name, _graphed_features(handle, name, original))
@@ -175,14 +173,13 @@ def _graphed_generate(handle: EncoderGraphsHandle, runner: DecoderGraphRunner, o
 
 
 def _graphed_features(handle: EncoderGraphsHandle, name: str, original: Callable) -> Callable:
-    video = name == "get_video_features"
+    adapter = handle.adapter
 
-    def features(pixel_values: torch.Tensor, grid_thw: torch.Tensor | None = None, **kwargs):
-        if any(kwargs.get(key) for key in _STOCK_ONLY_KWARGS):
-            return original(pixel_values, grid_thw, **kwargs)
-        batch = handle.adapter.feature_batch(pixel_values, grid_thw, video=video)
-        output = handle.adapter.feature_output(handle.manager.execute(batch))
-        return output if kwargs.get("return_dict", True) else output.to_tuple()
+    def features(*args, **kwargs):
+        inputs = adapter.feature_inputs(name, args, kwargs)
+        if inputs is None:
+            return original(*args, **kwargs)
+        return adapter.feature_output(name, handle.manager.execute(inputs), kwargs)
 
     features.__name__ = name
     features.__doc__ = f"{name} through encoder CUDA graphs (encoder_graphs.enable_cuda_graphs)."

@@ -1,56 +1,26 @@
-"""Model adapters, presets and small models."""
+"""Model families (one adapter each over the stock transformers modules), the registry that finds
+them, the one seam to transformers' internals, attention backends, presets and small models.
 
-import torch
+Names are exported lazily: importing one module here (the seam, the toy ViT) loads no adapter.
+"""
 
-from encoder_graphs.models.qwen2_5_vl import Qwen2_5_VLAdapter
-from encoder_graphs.models.qwen2_vl import Qwen2VLAdapter
-from encoder_graphs.models.qwen3_vl import Qwen3VLAdapter
-from encoder_graphs.models.qwen_vision import QwenVisionAdapter, VisionBatch
+from importlib import import_module
+from typing import Any
 
-# Vision tower class name -> (architecture, adapter).
-_ADAPTERS: dict[str, tuple[str, type[QwenVisionAdapter]]] = {
-    "Qwen2VisionTransformerPretrainedModel": ("Qwen2VLForConditionalGeneration", Qwen2VLAdapter),
-    "Qwen2_5_VisionTransformerPretrainedModel": (
-        "Qwen2_5_VLForConditionalGeneration",
-        Qwen2_5_VLAdapter,
-    ),
-    "Qwen3VLVisionModel": ("Qwen3VLForConditionalGeneration", Qwen3VLAdapter),
+_EXPORTS = {
+    "adapter_for": "encoder_graphs.models.registry",
+    "family_for_config": "encoder_graphs.models.registry",
+    "supported_architectures": "encoder_graphs.models.registry",
+    "Qwen2VLAdapter": "encoder_graphs.models.qwen2_vl",
+    "Qwen2_5_VLAdapter": "encoder_graphs.models.qwen2_5_vl",
+    "Qwen3VLAdapter": "encoder_graphs.models.qwen3_vl",
+    "QwenVisionAdapter": "encoder_graphs.models.qwen_vision",
+    "VisionBatch": "encoder_graphs.models.qwen_vision",
 }
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(arch for arch, _ in _ADAPTERS.values())
+__all__ = sorted(_EXPORTS)
 
 
-def find_vision_tower(model: torch.nn.Module) -> torch.nn.Module | None:
-    """The vision tower of a *ForConditionalGeneration, its inner *Model, or the tower itself."""
-    inner = getattr(model, "model", None)
-    for candidate in (model, getattr(model, "visual", None), getattr(inner, "visual", None)):
-        if candidate is not None and type(candidate).__name__ in _ADAPTERS:
-            return candidate
-    return None
-
-
-def adapter_for(
-    model: torch.nn.Module, *, attn_backend: str | None = None, **options
-) -> QwenVisionAdapter:
-    """The SupportsEncoderCudaGraph adapter over `model`'s own vision tower.
-
-    `options` go to the adapter (`max_frames_per_item`, `budget_range`).
-    """
-    tower = find_vision_tower(model)
-    if tower is None:
-        raise ValueError(
-            f"{type(model).__name__} is not supported by encoder_graphs; "
-            f"supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
-    _, adapter_class = _ADAPTERS[type(tower).__name__]
-    return adapter_class(tower, attn_backend=attn_backend, **options)
-
-
-__all__ = [
-    "SUPPORTED_ARCHITECTURES",
-    "Qwen2VLAdapter",
-    "Qwen2_5_VLAdapter",
-    "Qwen3VLAdapter",
-    "VisionBatch",
-    "adapter_for",
-    "find_vision_tower",
-]
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'encoder_graphs.models' has no attribute {name!r}")
+    return getattr(import_module(_EXPORTS[name]), name)

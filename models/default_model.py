@@ -15,9 +15,9 @@ import tempfile
 from pathlib import Path
 
 import torch
-from transformers import GenerationConfig, Qwen2Tokenizer, Qwen2VLForConditionalGeneration
-
 from encoder_graphs.models.presets import get_config
+from encoder_graphs.models.transformers_seam import from_config
+from transformers import GenerationConfig, Qwen2Tokenizer, Qwen2VLForConditionalGeneration
 
 VERSION = 1
 PRESET = "tiny-qwen2-vl"
@@ -116,7 +116,7 @@ def _write_model(directory: Path) -> None:
     if config.text_config.vocab_size != VOCAB_SIZE:
         raise RuntimeError(f"preset {PRESET} vocab {config.text_config.vocab_size} != tokenizer {VOCAB_SIZE}")
     torch.manual_seed(0)
-    model = Qwen2VLForConditionalGeneration._from_config(config, dtype=torch.float32).eval()
+    model = from_config(Qwen2VLForConditionalGeneration, config, torch.float32).eval()
     model.generation_config = GenerationConfig(
         bos_token_id=SPECIAL_TOKENS["<|endoftext|>"],
         eos_token_id=SPECIAL_TOKENS["<|im_end|>"],
@@ -124,6 +124,11 @@ def _write_model(directory: Path) -> None:
     )
     model.save_pretrained(directory, safe_serialization=True)
     tokenizer.save_pretrained(directory)
+    _write_processor_configs(directory)
+
+
+def _write_processor_configs(directory: Path) -> None:
+    """Image, video and processor configs, and the chat template, as a Hub checkpoint has them."""
     patch = dict(patch_size=14, temporal_patch_size=2, merge_size=2)
     normalize = dict(
         do_rescale=True,

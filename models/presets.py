@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from encoder_graphs.models.transformers_seam import from_config
 from transformers import (
     PretrainedConfig,
     PreTrainedModel,
@@ -285,7 +286,7 @@ def build_model(
     """The whole model with random weights, in eval mode, built directly on `device` in `dtype`."""
     preset = _preset(name)
     config = preset.config()
-    return _build(lambda: preset.model_class._from_config(config, dtype=dtype), dtype, device, seed)
+    return _build(lambda: from_config(preset.model_class, config, dtype), dtype, device, seed)
 
 
 def build_vision_tower(
@@ -294,4 +295,4 @@ def build_vision_tower(
     """Only the vision tower (the module a model holds as `model.visual`), random weights."""
     preset = _preset(name)
     config = preset.config().vision_config
-    return _build(lambda: preset.vision_class._from_config(config, dtype=dtype), dtype, device, seed)
+    return _build(lambda: from_config(preset.vision_class, config, dtype), dtype, device, seed)

@@ -4,11 +4,11 @@ The interpolation taps and weights are computed outside the graph; the tower gat
 Each item's output row is [main features | deepstack level 0 | level 1 | ...] on the last dim.
 """
 
-import torch
-from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
-from transformers.vision_utils import get_vision_interpolation_indices_and_weights
+from typing import Any
 
+import torch
 from encoder_graphs.models.qwen_vision import Layout, QwenVisionAdapter, pad_rows
+from encoder_graphs.models.transformers_seam import deepstack_output, get_vision_interpolation_indices_and_weights
 
 
 class Qwen3VLAdapter(QwenVisionAdapter):
@@ -47,13 +47,10 @@ class Qwen3VLAdapter(QwenVisionAdapter):
     def _embeds(self, output) -> torch.Tensor:
         return torch.cat([output.pooler_output, *output.deepstack_features], dim=-1)
 
-    def feature_output(self, items: list[torch.Tensor]) -> BaseModelOutputWithDeepstackFeatures:
+    def _feature_output(self, items: list[torch.Tensor]) -> Any:
         main, *deepstack = self.split_deepstack(torch.cat(items))
         sizes = [item.shape[0] for item in items]
-        return BaseModelOutputWithDeepstackFeatures(
-            pooler_output=tuple(torch.split(main, sizes)),
-            deepstack_features=[level.contiguous() for level in deepstack],
-        )
+        return deepstack_output(tuple(torch.split(main, sizes)), [level.contiguous() for level in deepstack])
 
     def split_deepstack(self, embeds: torch.Tensor) -> list[torch.Tensor]:
         """[tokens, hidden * (1 + levels)] -> main features, then one tensor per deepstack level."""

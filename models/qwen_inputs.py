@@ -32,6 +32,8 @@ class EncodedItem:
 
 
 class QwenVLInputs:
+    """CaptionInputs for the Qwen-VL families."""
+
     def __init__(
         self,
         tokenizer: PreTrainedTokenizerBase,
@@ -72,6 +74,33 @@ class QwenVLInputs:
     @property
     def pad_token_id(self) -> int:
         return self.tokenizer.pad_token_id
+
+    @property
+    def min_side(self) -> int:
+        return self.factor
+
+    @property
+    def max_image_pixels(self) -> int:
+        return max(self.image_processor.size["longest_edge"], self.factor**2)
+
+    @property
+    def max_frame_pixels(self) -> int:
+        return max(self.video_max_pixels, self.factor**2)
+
+    def decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=True).strip()
+
+    def longest_prompt(self, prompt: str, max_frames: int) -> int:
+        unit = self.factor**2
+        vision_tokens = {
+            "image": self.image_processor.size["longest_edge"] // unit,
+            "video": max_frames // self.temporal_patch_size * (self.video_max_pixels // unit),
+        }
+        # The template's single pad token is replaced by the vision tokens: hence the -1.
+        return max(
+            len(self.tokenizer(self.prompt_text(kind, prompt, 1)).input_ids) - 1 + tokens
+            for kind, tokens in vision_tokens.items()
+        )
 
     def check_model(self, config: PretrainedConfig) -> None:
         """Raise ValueError when this tokenizer's ids do not fit the model."""

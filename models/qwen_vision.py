@@ -10,13 +10,16 @@ sizes), capture and replay (padded to a budget's layout), so all three see the s
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Any
 
 import torch
-from transformers.modeling_outputs import BaseModelOutputWithPooling
-from transformers.vision_utils import get_vision_cu_seqlens, get_vision_position_ids
-
-from encoder_graphs.attention import default_attention_backend
-from encoder_graphs.models.hf_attention import attention_implementation, register_varlen_attention
+from encoder_graphs.models.attention import default_attention_backend
+from encoder_graphs.models.transformers_seam import (
+    attention_implementation,
+    get_vision_cu_seqlens,
+    get_vision_position_ids,
+    register_varlen_attention,
+)
 from encoder_graphs.protocols import (
     CaptureInputs,
     EncoderCudaGraphConfig,
@@ -24,12 +27,15 @@ from encoder_graphs.protocols import (
     EncoderPathConfig,
     ReplayBuffers,
 )
+from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 PATH = "default"
 # Budgets grow by 2**(1/4): at most ~16% padding instead of doubling's 50%. At large budgets the
 # padded rows cost more than the launches a graph saves, so waste matters more than graph count.
 BUDGET_STEPS_PER_DOUBLING = 4
 Grid = tuple[int, int, int]
+# Requests for per-layer vision outputs that only the stock forward can answer.
+_STOCK_ONLY_KWARGS = ("output_hidden_states", "output_attentions")
 
 
 @dataclass(eq=False)
@@ -136,17 +142,38 @@ class QwenVisionAdapter:
         self.max_frames_per_item = max_frames_per_item
         self.budget_range = budget_range
 
-    # ----- transformers' get_image_features / get_video_features -----------------------------
-    def feature_batch(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor, *, video: bool) -> VisionBatch:
-        """The adapter's inputs for one get_image_features / get_video_features call."""
-        if video:
-            return VisionBatch(pixel_values_videos=pixel_values, video_grid_thw=grid_thw)
-        return VisionBatch(pixel_values=pixel_values, image_grid_thw=grid_thw)
+    # ----- ModelFamily: transformers' get_image_features / get_video_features, decoder inputs ---
+    feature_methods = ("get_image_features", "get_video_features")
 
-    def feature_output(self, items: list[torch.Tensor]) -> BaseModelOutputWithPooling:
+    def feature_inputs(self, method: str, args: tuple, kwargs: dict) -> VisionBatch | None:
+        """A VisionBatch for `get_*_features(pixel_values, grid_thw, ...)`; None when the call asks
+        for per-layer outputs, which only the stock forward has."""
+        if any(kwargs.get(key) for key in _STOCK_ONLY_KWARGS):
+            return None
+        named = dict(zip(("pixel_values", "grid_thw"), args)) | kwargs
+        pixels, grid = named["pixel_values"], named.get("grid_thw")
+        if method == "get_video_features":
+            return VisionBatch(pixel_values_videos=pixels, video_grid_thw=grid)
+        return VisionBatch(pixel_values=pixels, image_grid_thw=grid)
+
+    def feature_output(self, method: str, items: list[torch.Tensor], kwargs: dict) -> Any:
         """The object transformers' get_*_features returns, `pooler_output` one tensor per item.
         `last_hidden_state` (the unmerged patch states) is not kept by the graphs: None."""
+        output = self._feature_output(items)
+        return output if kwargs.get("return_dict", True) else output.to_tuple()
+
+    def _feature_output(self, items: list[torch.Tensor]) -> Any:
         return BaseModelOutputWithPooling(pooler_output=tuple(items))
+
+    @classmethod
+    def decoder_inputs(cls, config: Any, input_ids: torch.Tensor, inputs: dict) -> dict:
+        """Adds `mm_token_type_ids` (0 text, 1 image, 2 video, as the Qwen-VL processors return
+        them) when a multimodal call lacks them: Qwen-VL's rotary index needs them."""
+        multimodal = inputs.get("image_grid_thw") is not None or inputs.get("video_grid_thw") is not None
+        if multimodal and inputs.get("mm_token_type_ids") is None:
+            types = (input_ids == config.image_token_id).long() + 2 * (input_ids == config.video_token_id).long()
+            inputs = {**inputs, "mm_token_type_ids": types}
+        return inputs
 
     # ----- weights ----------------------------------------------------------------------------
     def align_weights(self) -> None:
@@ -195,7 +222,7 @@ class QwenVisionAdapter:
 
     # ----- the tower ----------------------------------------------------------------------
     def _run_tower(self, pixels: torch.Tensor, kwargs: dict) -> torch.Tensor:
-        with attention_implementation(self.visual, self.attn_implementation):
+        with attention_implementation(self.visual.config, self.attn_implementation):
             output = self.visual(pixels, grid_thw=None, return_dict=True, **kwargs)
         return self._embeds(output)
 

@@ -1,7 +1,7 @@
 """Token budgets and greedy bin-packing of encoder items. Pure Python: no torch here."""
 
-from encoder_graphs.packing.budgets import generate_budgets, smallest_fitting_budget
 from encoder_graphs.packing.balance import load_balance
+from encoder_graphs.packing.budgets import generate_budgets, smallest_fitting_budget
 from encoder_graphs.packing.greedy import PackItem, SubBatch, greedy_pack
 
 __all__ = [

@@ -12,16 +12,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from encoder_graphs.models.default_model import SPECIAL_TOKENS, default_model_dir
+from encoder_graphs.models.qwen_inputs import QwenVLInputs
 from PIL import Image
 from test_media import write_video, write_zoo
 from transformers import AutoTokenizer, Qwen2VLForConditionalGeneration
 
-from encoder_graphs.cli import main
-from encoder_graphs.media import SAMPLES_DIR, LoadLimits, discover
-from encoder_graphs.models.default_model import SPECIAL_TOKENS, default_model_dir
-from encoder_graphs.models.qwen_inputs import QwenVLInputs
-from encoder_graphs.pipeline import CaptionConfig, Captioner, Pending, RunStats, longest_sequence
-from encoder_graphs.results import ResultsFile, read_records
+from encoder_graphs.app.cli import main
+from encoder_graphs.app.config import CaptionConfig
+from encoder_graphs.app.media import SAMPLES_DIR, LoadLimits, discover
+from encoder_graphs.app.pipeline import Captioner, Pending, RunStats, longest_sequence
+from encoder_graphs.app.results import ResultsFile, read_records
 
 FAST = ["--max-new-tokens", "3", "--quiet"]
 
@@ -219,12 +220,12 @@ def test_a_batch_broken_by_one_item_is_retried_one_by_one(tmp_path):
     files = discover([tmp_path])
     config = CaptionConfig(max_new_tokens=2, batch_size=4)
     captioner = Captioner(model, inputs, config, LoadLimits())
-    batch = [captioner._prepare(file) for file in files]
+    batch = [captioner.prepare(file) for file in files]
     assert all(isinstance(p, Pending) for p in batch)
     # Patches that disagree with their grid make the vision tower raise for the whole batch.
     batch[1].item.pixel_values = batch[1].item.pixel_values[:3]
     stats = RunStats()
-    records = captioner._caption(batch, stats)
+    records = captioner.caption_batch(batch, stats)
     assert [("error" in r) for r in records] == [False, True, False]
     assert records[1]["error_kind"] == "model" and records[1]["path"] == str(files[1].path)
     assert stats.retried_batches == 1 and stats.succeeded == 2 and stats.failures == Counter(model=1)

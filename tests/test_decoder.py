@@ -4,8 +4,6 @@ reloaded for real."""
 
 import pytest
 import torch
-
-from encoder_graphs.decoder import DecoderGraphConfig, DecoderGraphRunner, default_buckets, default_length_tiers
 from encoder_graphs.models.presets import PRESETS, build_model
 from encoder_graphs.models.synthetic_prompts import (
     image_prompt,
@@ -14,7 +12,11 @@ from encoder_graphs.models.synthetic_prompts import (
     random_pixels,
     random_text,
 )
-from encoder_graphs.static_cache import static_decode_attention
+
+from encoder_graphs.decoder.buffers import DecoderGraphConfig, default_buckets, default_length_tiers
+from encoder_graphs.decoder.runner import DecoderGraphRunner
+from encoder_graphs.decoder.static_cache import static_decode_attention
+from encoder_graphs.report import format_decoder_stats
 
 FAMILIES = ["tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl"]
 NEW_TOKENS = 12
@@ -84,7 +86,9 @@ def test_generation_crossing_length_tiers_matches_generate(model):
     assert stats["length_tiers"] == [16, 32, 64]
     assert stats["steps_per_tier"] == {32: 12, 64: 17}
     assert stats["eager_reasons"] == {"no CUDA device": 29} and stats["replays_per_tier"] == {}
-    assert "steps per tier: 32 x12, 64 x17" in runner.format_stats()
+    assert runner.format_stats() == "decoder graphs: off (no CUDA device); sequences 2, decode steps 29, all eager"
+    # The full table (what a GPU run prints) from the same counters.
+    assert "steps per tier: 32 x12, 64 x17" in format_decoder_stats({**stats, "enabled": True})
 
 
 def test_decode_steps_read_only_their_length_tier(model):
@@ -94,7 +98,7 @@ def test_decode_steps_read_only_their_length_tier(model):
     def poisoned_generate(runner):
         # NaN in the slots past tier 64: a step reading them, even masked, turns its logits to
         # NaN (a masked slot still meets a 0 weight, and 0 * NaN is NaN).
-        runner._shared_buffers().store.kv[..., 64:, :] = float("nan")
+        runner.static_buffers().store.kv[..., 64:, :] = float("nan")
         return runner_generate(runner, inputs, eos_token_id=NO_EOS, max_new_tokens=30)
 
     tiered = DecoderGraphRunner(model, max_batch_size=2, max_cache_len=96, length_tiers=[32, 64])
@@ -279,6 +283,6 @@ def test_static_buffer_bytes_counts_every_buffer(model):
     text = model.config.get_text_config(decoder=True)
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     kv = 2 * text.num_hidden_layers * 2 * text.num_key_value_heads * 40 * head_dim * 4  # fp32
-    position_rows = runner._shared_buffers().positions.shape[:-1].numel()
+    position_rows = runner.static_buffers().positions.shape[:-1].numel()
     rest = 2 * 8 + position_rows * 8 + 2 * 40 + 2 * text.vocab_size * 4  # ids, positions, mask, logits
     assert runner.stats()["static_buffer_bytes"] == kv + rest

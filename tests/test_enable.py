@@ -5,11 +5,11 @@ saved and reloaded for real."""
 
 import pytest
 import torch
+from encoder_graphs.models.presets import PRESETS, build_model
 from test_decoder import make_batch
 from transformers import GenerationConfig
 
 from encoder_graphs import DecoderGraphRunner, enable_cuda_graphs
-from encoder_graphs.models.presets import PRESETS, build_model
 
 FAMILIES = ["tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl"]
 NEW_TOKENS = 10
@@ -110,7 +110,7 @@ def test_decoder_false_leaves_generate_alone(model):
 
 
 def test_token_id_list_accepts_what_generation_configs_hold():
-    from encoder_graphs.generation import token_id_list
+    from encoder_graphs.decoder.generation import token_id_list
 
     assert token_id_list(None) == []
     assert token_id_list(7) == [7]

@@ -3,11 +3,12 @@ import random
 
 import pytest
 import torch
+from encoder_graphs.models.toy_vit import GLOBAL, LOCAL, ToyItem, ToyViT, ToyViTConfig
 from toy_items import random_call
 
 from encoder_graphs import EncoderCudaGraphManager
-from encoder_graphs.manager import fill_buffers
-from encoder_graphs.models.toy_vit import GLOBAL, LOCAL, ToyItem, ToyViT, ToyViTConfig
+from encoder_graphs.engine.manager import fill_buffers
+from encoder_graphs.report import format_encoder_stats
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +61,8 @@ def test_stats_say_why_everything_ran_eagerly(model):
     assert stats["paths"][LOCAL]["misses"] == 1  # only one item has tiles
     assert stats["latency_ms"]["calls"] == 2 and stats["latency_ms"]["p99"] > 0
     table = manager.format_stats()
-    assert "off (disabled (enabled=False))" in table and "miss: disabled" in table
+    assert table == "encoder graphs: off (disabled (enabled=False)); calls 2, items 4, all eager"
+    assert "miss: disabled (enabled=False) x4" in format_encoder_stats({**stats, "enabled": True})
     manager.reset_stats()
     assert manager.stats()["items"] == 0
 
@@ -129,7 +131,7 @@ def test_fill_buffers_names_bad_keys(model):
 
 def test_summary_is_logged(model, caplog):
     manager = EncoderCudaGraphManager(model, enabled=False, log_interval_s=0.0)
-    with caplog.at_level(logging.INFO, logger="encoder_graphs.manager"):
+    with caplog.at_level(logging.INFO, logger="encoder_graphs.engine.manager"):
         manager.execute([ToyItem(torch.randn(8, 48))])
         manager.close()
     assert sum("hit rate" in record.message for record in caplog.records) == 2

@@ -5,11 +5,11 @@ import warnings
 
 import pytest
 import torch
+from encoder_graphs.models.toy_vit import GLOBAL, LOCAL, ToyItem, ToyViT, ToyViTConfig
 from toy_items import random_call
 
 from encoder_graphs import EncoderCudaGraphManager
-from encoder_graphs.manager import fill_buffers
-from encoder_graphs.models.toy_vit import GLOBAL, LOCAL, ToyItem, ToyViT, ToyViTConfig
+from encoder_graphs.engine.manager import fill_buffers
 
 pytestmark = [
     pytest.mark.gpu,
@@ -23,12 +23,6 @@ def build(seed: int = 0, **config) -> ToyViT:
     return ToyViT(ToyViTConfig(**config)).to("cuda", torch.bfloat16).eval()
 
 
-def poison_inputs(manager: EncoderCudaGraphManager) -> None:
-    for pool in manager._input_buffers.values():
-        for tensor in pool.values():
-            tensor.fill_(float("nan") if tensor.is_floating_point() else 2**30)
-
-
 def assert_close_bf16(out: torch.Tensor, ref: torch.Tensor) -> None:
     assert out.shape == ref.shape
     assert torch.isfinite(out).all()
@@ -40,7 +34,7 @@ def test_500_random_calls_match_eager_with_poisoned_pool():
     model = build()
     manager = EncoderCudaGraphManager(model, max_items=4, poison_pool_bytes=POISON_BYTES)
     manager.capture()
-    poison_inputs(manager)
+    manager.poison_buffers()
     eager = EncoderCudaGraphManager(model, max_items=4, enabled=False)
     rng = random.Random(0)
     with torch.inference_mode():
@@ -69,7 +63,7 @@ def test_replay_is_bit_identical_to_eager_on_the_same_padded_shapes():
     model = build(seed=1)
     manager = EncoderCudaGraphManager(model, budgets=[256], max_items=4, poison_pool_bytes=POISON_BYTES)
     manager.capture()
-    poison_inputs(manager)
+    manager.poison_buffers()
     items = [ToyItem(torch.randn(40, 48, device="cuda"), frames=2), ToyItem(torch.randn(17, 48, device="cuda"))]
     with torch.inference_mode():
         graphed = manager.execute(items)
@@ -87,7 +81,7 @@ def test_one_path_hits_while_the_other_falls_back():
         poison_pool_bytes=POISON_BYTES,
     )
     manager.capture()
-    poison_inputs(manager)
+    manager.poison_buffers()
     eager = EncoderCudaGraphManager(model, enabled=False)
     items = [ToyItem(torch.randn(50, 48, device="cuda"), tiles=torch.randn(64, 48, device="cuda")),
              ToyItem(torch.randn(30, 48, device="cuda"))]
@@ -108,6 +102,23 @@ class FailingViT(ToyViT):
         if budget == 512:
             raise torch.cuda.OutOfMemoryError("simulated: no memory for budget 512")
         return super().prepare_capture_inputs(budget, max_items, max_frames, path)
+
+
+class BuggyViT(ToyViT):
+    """An adapter bug (not a capture failure) in one budget's forward."""
+
+    def graph_forward(self, buffers, path):
+        if buffers["patches"].shape[0] == 512:
+            raise ValueError("adapter bug at budget 512")
+        return super().graph_forward(buffers, path)
+
+
+def test_an_adapter_bug_during_capture_propagates():
+    torch.manual_seed(4)
+    model = BuggyViT(ToyViTConfig(two_paths=False)).to("cuda", torch.bfloat16).eval()
+    manager = EncoderCudaGraphManager(model, budgets=[128, 512, 1024], max_items=4)
+    with pytest.raises(ValueError, match="adapter bug at budget 512"):
+        manager.capture()
 
 
 def test_failed_capture_drops_that_budget_and_carries_on():

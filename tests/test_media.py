@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from encoder_graphs.media import LoadLimits, MediaError, MediaFile, discover, fit, load, load_image, load_video
+from encoder_graphs.app.media import LoadLimits, MediaError, MediaFile, discover, fit, load, load_image, load_video
 
 av = pytest.importorskip("av")
 

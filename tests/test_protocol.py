@@ -1,7 +1,5 @@
 import pytest
 import torch
-
-from encoder_graphs import EncoderCudaGraphManager
 from encoder_graphs.models.toy_vit import ToyViT
 from encoder_graphs.protocols import (
     PROTOCOL_METHODS,
@@ -10,6 +8,8 @@ from encoder_graphs.protocols import (
     EncoderPathConfig,
     SupportsEncoderCudaGraph,
 )
+
+from encoder_graphs import EncoderCudaGraphManager
 
 
 class HalfModel:

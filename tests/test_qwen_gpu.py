@@ -16,11 +16,11 @@ import random
 
 import pytest
 import torch
-
-from encoder_graphs import EncoderCudaGraphManager, enable_cuda_graphs
 from encoder_graphs.models import VisionBatch, adapter_for
 from encoder_graphs.models.presets import build_model, build_vision_tower
 from encoder_graphs.models.synthetic_prompts import left_pad, mm_token_type_ids, random_pixels, vision_span
+
+from encoder_graphs import EncoderCudaGraphManager, enable_cuda_graphs
 
 pytestmark = [
     pytest.mark.gpu,
@@ -101,12 +101,6 @@ def make_call(items: list, chosen: list[int]) -> VisionBatch:
     return VisionBatch(*part(images), *part(videos)), images + videos
 
 
-def poison_input_buffers(manager: EncoderCudaGraphManager) -> None:
-    for buffers in manager._input_buffers.values():
-        for buffer in buffers.values():
-            buffer.fill_(float("nan") if buffer.is_floating_point() else 2**30)
-
-
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.float() - want.float()).norm() / want.float().norm()).item()
 
@@ -124,7 +118,7 @@ def test_graphs_match_stock_tower_over_random_calls(pool, backend):
     )
     manager.capture()
     assert sorted(manager.graphs["default"]) == BUDGETS, manager.failed_budgets
-    poison_input_buffers(manager)
+    manager.poison_buffers()
 
     rng = random.Random(1)
     small = min(range(len(items)), key=lambda i: items[i][1][1] * items[i][1][2])

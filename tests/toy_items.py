@@ -3,7 +3,6 @@
 import random
 
 import torch
-
 from encoder_graphs.models.toy_vit import ToyItem
 
 

@@ -1,22 +1,24 @@
 """`encoder-graphs caption PATH...`: caption image and video folders into a resumable JSONL file.
 
-Exit status: 0 all files captioned, 1 some files failed, 2 usage error.
+Exit status: 0 all files captioned, 1 some files failed, 2 usage error. `--help` and the usage
+errors that need no model answer before torch or transformers is imported.
 """
 
 import argparse
 import json
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-import torch
+from encoder_graphs.app.config import DEFAULT_PROMPT, CaptionConfig
 
-if TYPE_CHECKING:  # the heavy imports wait until a command needs them: --help and usage errors stay fast
-    from transformers import PretrainedConfig, PreTrainedModel
+if TYPE_CHECKING:  # the heavy imports wait until a command needs them
+    import torch
+    from transformers import PreTrainedModel
 
-    from encoder_graphs.media import MediaFile
-    from encoder_graphs.models.qwen_inputs import QwenVLInputs
-    from encoder_graphs.results import ResultsFile
+    from encoder_graphs.app.media import MediaFile
+    from encoder_graphs.app.results import ResultsFile
+    from encoder_graphs.protocols import CaptionInputs
 
 EXIT_OK, EXIT_FAILURES, EXIT_USAGE = 0, 1, 2
 
@@ -26,8 +28,6 @@ class UsageError(Exception):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from encoder_graphs.pipeline import DEFAULT_PROMPT
-
     parser = argparse.ArgumentParser(prog="encoder-graphs", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     caption = commands.add_parser("caption", help="caption images and videos into a JSONL file")
@@ -89,10 +89,31 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def caption(args: argparse.Namespace) -> int:
-    from encoder_graphs import enable_cuda_graphs
-    from encoder_graphs.media import SAMPLES_DIR, LoadLimits, discover
-    from encoder_graphs.pipeline import CaptionConfig, Captioner, Progress, format_run_stats, longest_sequence
-    from encoder_graphs.results import ResultsFile
+    """Check the request, load the model, caption what is not done yet, report."""
+    files, config, results = _plan(args)
+    todo = sum(not results.is_done(f.path) for f in files)
+    if not todo:
+        failed = sum(results.is_failed(f.path) for f in files)
+        print(f"nothing to do: all {len(files)} files are already in {args.out} ({failed} of them as errors)")
+        return _exit_status(results, files)
+    device = _device(args.device)
+    model, inputs = load_model(args.model, device)
+    summary, graph_stats, graph_table = _run(args, model, inputs, config, files, results, todo)
+    from encoder_graphs.report import format_run_stats
+
+    print(format_run_stats(summary))
+    print(graph_table)
+    if args.stats_json is not None:
+        payload = {"pipeline": summary, **graph_stats, "model": args.model or "default", "device": str(device)}
+        args.stats_json.parent.mkdir(parents=True, exist_ok=True)
+        args.stats_json.write_text(json.dumps(payload, indent=2, sort_keys=True, default=str) + "\n")
+    return _exit_status(results, files)
+
+
+def _plan(args: argparse.Namespace) -> "tuple[list[MediaFile], CaptionConfig, ResultsFile]":
+    """The files, the settings and the results file: every usage error that needs no model."""
+    from encoder_graphs.app.media import SAMPLES_DIR, discover
+    from encoder_graphs.app.results import ResultsFile
 
     paths = args.paths + ([SAMPLES_DIR] if args.samples else [])
     if not paths:
@@ -110,16 +131,9 @@ def caption(args: argparse.Namespace) -> int:
             batch_size=args.batch_size,
             max_batch_tokens=args.max_batch_tokens,
         )
+        results = ResultsFile(args.out)
     except ValueError as error:
         raise UsageError(str(error)) from error
-    if args.device == "auto":
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    else:
-        device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda but CUDA is not available")
-    try:
-        results = ResultsFile(args.out)
     except OSError as error:
         raise UsageError(f"cannot use --out {args.out}: {error}") from error
     if results.repaired_bytes:
@@ -127,17 +141,38 @@ def caption(args: argparse.Namespace) -> int:
             f"encoder-graphs: dropped a half-written last line ({results.repaired_bytes} bytes) of {args.out}",
             file=sys.stderr,
         )
-    todo = sum(not results.is_done(f.path) for f in files)
-    if not todo:
-        failed = sum(results.is_failed(f.path) for f in files)
-        print(f"nothing to do: all {len(files)} files are already in {args.out} ({failed} of them as errors)")
-        return _exit_status(results, files)
-    model, inputs = load_model(args.model, device)
+    return files, config, results
+
+
+def _device(name: str) -> "torch.device":
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda but CUDA is not available")
+    return torch.device(name)
+
+
+def _run(
+    args: argparse.Namespace,
+    model: "PreTrainedModel",
+    inputs: "CaptionInputs",
+    config: CaptionConfig,
+    files: "list[MediaFile]",
+    results: "ResultsFile",
+    todo: int,
+) -> tuple[dict, dict, str]:
+    """Enable the graphs, caption, disable them: the run's and the graphs' statistics."""
+    from encoder_graphs import enable_cuda_graphs
+    from encoder_graphs.app.media import LoadLimits
+    from encoder_graphs.app.pipeline import Captioner, Progress, longest_sequence
+
     limits = LoadLimits(
         max_frames=args.max_frames,
-        min_side=inputs.factor,
-        max_pixels=max(inputs.image_processor.size["longest_edge"], inputs.factor**2),
-        frame_max_pixels=max(inputs.video_max_pixels, inputs.factor**2),
+        min_side=inputs.min_side,
+        max_pixels=inputs.max_image_pixels,
+        frame_max_pixels=inputs.max_frame_pixels,
     )
     try:
         handle = enable_cuda_graphs(
@@ -154,17 +189,9 @@ def caption(args: argparse.Namespace) -> int:
         progress = None if args.quiet else Progress(todo)
         run_stats = Captioner(model, inputs, config, limits).run(files, results, progress)
     finally:
-        graph_stats = handle.stats()
-        graph_table = handle.format_stats()
+        graph_stats, graph_table = handle.stats(), handle.format_stats()
         handle.disable()
-    summary = run_stats.as_dict()
-    print(format_run_stats(summary))
-    print(graph_table)
-    if args.stats_json is not None:
-        payload = {"pipeline": summary, **graph_stats, "model": args.model or "default", "device": str(device)}
-        args.stats_json.parent.mkdir(parents=True, exist_ok=True)
-        args.stats_json.write_text(json.dumps(payload, indent=2, sort_keys=True, default=str) + "\n")
-    return _exit_status(results, files)
+    return run_stats.as_dict(), graph_stats, graph_table
 
 
 def _exit_status(results: "ResultsFile", files: "list[MediaFile]") -> int:
@@ -172,46 +199,67 @@ def _exit_status(results: "ResultsFile", files: "list[MediaFile]") -> int:
     return EXIT_FAILURES if any(results.is_failed(f.path) for f in files) else EXIT_OK
 
 
-def load_model(name: str | None, device: torch.device) -> "tuple[PreTrainedModel, QwenVLInputs]":
+def load_model(name: str | None, device: "torch.device") -> "tuple[PreTrainedModel, CaptionInputs]":
     """(model, inputs) for a checkpoint directory, a preset name, or the embedded default."""
-    from transformers import AutoModelForImageTextToText
+    import torch
     from transformers.utils import logging as hf_logging
 
-    from encoder_graphs.models.default_model import default_model_dir
-    from encoder_graphs.models.presets import PRESETS, build_model, get_config
-    from encoder_graphs.models.qwen_inputs import QwenVLInputs
+    from encoder_graphs.models.presets import PRESETS
 
     hf_logging.disable_progress_bar()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if name is not None and name in PRESETS and not Path(name).exists():
-        inputs = QwenVLInputs.from_pretrained(default_model_dir())
-        try:
-            inputs.check_model(get_config(name))  # before building: a large preset takes GBs
-        except ValueError as error:
-            fitting = [preset for preset in sorted(PRESETS) if _fits(inputs, get_config(preset))]
-            raise UsageError(
-                f"preset {name} has random weights and no tokenizer, and the embedded tiny tokenizer does "
-                f"not fit it ({error}); use a checkpoint directory or one of {', '.join(fitting)}"
-            ) from error
-        return build_model(name, dtype=dtype, device=device), inputs
+        return _load_preset(name, dtype, device)
+    from encoder_graphs.models.default_model import default_model_dir
+
     directory = default_model_dir() if name is None else Path(name)
     if not (directory / "config.json").is_file():
         raise UsageError(
             f"--model {name}: neither a checkpoint directory (no config.json) nor a preset "
             f"({', '.join(sorted(PRESETS))})"
         )
+    return _load_checkpoint(directory, dtype, device)
+
+
+def _load_checkpoint(
+    directory: Path, dtype: "torch.dtype", device: "torch.device"
+) -> "tuple[PreTrainedModel, CaptionInputs]":
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from encoder_graphs.models.registry import family_for_config
+
     try:
-        inputs = QwenVLInputs.from_pretrained(directory)
+        config = AutoConfig.from_pretrained(directory, trust_remote_code=False)
+        inputs = family_for_config(config).inputs.from_pretrained(directory)
+        inputs.check_model(config)  # before loading: a large checkpoint takes GBs
         model = AutoModelForImageTextToText.from_pretrained(
             directory, dtype=dtype, use_safetensors=True, trust_remote_code=False
         )
-        inputs.check_model(model.config)
     except (OSError, ValueError) as error:
         raise UsageError(f"cannot load the model from {directory}: {error}") from error
     return model.to(device).eval(), inputs
 
 
-def _fits(inputs: "QwenVLInputs", config: "PretrainedConfig") -> bool:
+def _load_preset(name: str, dtype: "torch.dtype", device: "torch.device") -> "tuple[PreTrainedModel, CaptionInputs]":
+    """A random-weight preset with the embedded tiny tokenizer, when that tokenizer fits it."""
+    from encoder_graphs.models.default_model import default_model_dir
+    from encoder_graphs.models.presets import PRESETS, build_model, get_config
+    from encoder_graphs.models.registry import family_for_config
+
+    config = get_config(name)
+    inputs = family_for_config(config).inputs.from_pretrained(default_model_dir())
+    try:
+        inputs.check_model(config)  # before building: a large preset takes GBs
+    except ValueError as error:
+        fitting = [preset for preset in sorted(PRESETS) if _fits(inputs, get_config(preset))]
+        raise UsageError(
+            f"preset {name} has random weights and no tokenizer, and the embedded tiny tokenizer does "
+            f"not fit it ({error}); use a checkpoint directory or one of {', '.join(fitting)}"
+        ) from error
+    return build_model(name, dtype=dtype, device=device), inputs
+
+
+def _fits(inputs: "CaptionInputs", config: Any) -> bool:
     try:
         inputs.check_model(config)
     except ValueError:

@@ -94,31 +94,3 @@ def _percentile(sorted_values: list[float], pct: float) -> float:
     low = int(rank)
     high = min(low + 1, len(sorted_values) - 1)
     return sorted_values[low] + (sorted_values[high] - sorted_values[low]) * (rank - low)
-
-
-def format_stats(stats: dict) -> str:
-    """A readable table of `EncoderCudaGraphManager.stats()`."""
-    items = stats["items"]
-    lines = [
-        f"encoder graphs: {'on' if stats['enabled'] else 'off (' + stats['disabled_reason'] + ')'}",
-        f"  calls {stats['calls']}, items {items}, graph items {stats['graph_items']}, "
-        f"eager items {stats['eager_items']}, hit rate {stats['hit_rate_pct']:.1f}%",
-        f"  capture {stats['capture_seconds']:.2f} s, graph memory "
-        f"{stats['graph_memory_bytes'] / 2**20:.1f} MiB",
-    ]
-    latency = stats["latency_ms"]
-    lines.append(
-        f"  latency ms: mean {latency['mean']:.2f}  p50 {latency['p50']:.2f}  p99 {latency['p99']:.2f}"
-    )
-    header = f"  {'path':<10}{'hits':>8}{'misses':>8}{'waste %':>9}  budgets (replays)"
-    lines.append(header)
-    for name, path in stats["paths"].items():
-        replays = ", ".join(f"{b} ({n})" for b, n in path["replays_per_budget"].items()) or "-"
-        lines.append(
-            f"  {name:<10}{path['hits']:>8}{path['misses']:>8}{path['waste_pct']:>9.1f}  {replays}"
-        )
-        for reason, count in path["miss_reasons"].items():
-            lines.append(f"  {'':<10}miss: {reason} x{count}")
-        for budget, reason in stats["failed_budgets"].get(name, {}).items():
-            lines.append(f"  {'':<10}capture of {budget} failed: {reason}")
-    return "\n".join(lines)

@@ -84,7 +84,7 @@ def flashinfer_varlen_attention(
     max_seqlen: int,
     scale: float | None = None,
 ) -> torch.Tensor:
-    from encoder_graphs.flashinfer_attention import cudnn_varlen_attention
+    from encoder_graphs.models.attention.flashinfer import cudnn_varlen_attention
 
     return cudnn_varlen_attention(q, k, v, cu_seqlens, max_seqlen, scale)
 

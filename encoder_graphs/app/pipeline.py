@@ -11,35 +11,17 @@ from typing import TextIO
 import torch
 from transformers import PreTrainedModel
 
-from encoder_graphs.media import LoadLimits, MediaError, MediaFile, load
-from encoder_graphs.models.qwen_inputs import EncodedItem, QwenVLInputs
-from encoder_graphs.results import ResultsFile
-from encoder_graphs.stats import latency_summary
-
-DEFAULT_PROMPT = "Describe this in one sentence."
-PIXEL_KEYS = ("pixel_values", "pixel_values_videos")  # the inputs cast to the model's dtype
-
-
-@dataclass(frozen=True)
-class CaptionConfig:
-    prompt: str = DEFAULT_PROMPT
-    max_new_tokens: int = 32
-    batch_size: int = 8
-    max_batch_tokens: int = 16384  # vision placeholder tokens in one generate call
-    load_workers: int = 4
-
-    def __post_init__(self) -> None:
-        if not self.prompt.strip():
-            raise ValueError("prompt must not be empty")
-        for name in ("max_new_tokens", "batch_size", "max_batch_tokens", "load_workers"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+from encoder_graphs.app.config import CaptionConfig
+from encoder_graphs.app.media import LoadLimits, MediaError, MediaFile, load
+from encoder_graphs.app.results import ResultsFile
+from encoder_graphs.engine.stats import latency_summary
+from encoder_graphs.protocols import CaptionInputs, EncodedMedia
 
 
 @dataclass
 class Pending:
     file: MediaFile
-    item: EncodedItem
+    item: EncodedMedia
     load_ms: float
 
 
@@ -114,7 +96,7 @@ class Captioner:
     def __init__(
         self,
         model: PreTrainedModel,
-        inputs: QwenVLInputs,
+        inputs: CaptionInputs,
         config: CaptionConfig,
         limits: LoadLimits,
     ) -> None:
@@ -143,11 +125,11 @@ class Captioner:
         loading: deque[tuple[MediaFile, Future]] = deque()
         with ThreadPoolExecutor(self.config.load_workers) as pool:
             for file in islice(queue, lookahead):
-                loading.append((file, pool.submit(self._prepare, file)))
+                loading.append((file, pool.submit(self.prepare, file)))
             while loading:
                 file, future = loading.popleft()
                 for next_file in islice(queue, 1):
-                    loading.append((next_file, pool.submit(self._prepare, next_file)))
+                    loading.append((next_file, pool.submit(self.prepare, next_file)))
                 outcome = future.result()
                 stats.by_kind[file.kind] += 1
                 if isinstance(outcome, dict):
@@ -162,14 +144,14 @@ class Captioner:
                     len(batch) == self.config.batch_size
                     or tokens + outcome.item.vision_tokens > self.config.max_batch_tokens
                 ):
-                    write(failures + self._caption(batch, stats))
+                    write(failures + self.caption_batch(batch, stats))
                     batch, failures = [], []
                 batch.append(outcome)
-            write(failures + (self._caption(batch, stats) if batch else []))
+            write(failures + (self.caption_batch(batch, stats) if batch else []))
         stats.wall_s = time.perf_counter() - started
         return stats
 
-    def _prepare(self, file: MediaFile) -> Pending | dict:
+    def prepare(self, file: MediaFile) -> Pending | dict:
         """Load and encode one file; a failure becomes its error record."""
         started = time.perf_counter()
         try:
@@ -183,7 +165,7 @@ class Captioner:
             return _error_record(file, "preprocess", f"{file.path}: {type(error).__name__}: {error}")
         return Pending(file, item, 1000.0 * (time.perf_counter() - started))
 
-    def _caption(self, batch: list[Pending], stats: RunStats) -> list[dict]:
+    def caption_batch(self, batch: list[Pending], stats: RunStats) -> list[dict]:
         try:
             return self._generate(batch, stats)
         except Exception as error:  # noqa: BLE001
@@ -195,12 +177,13 @@ class Captioner:
                 return [record]
         # One item can break a whole batch: retry one by one so only that one fails.
         stats.retried_batches += 1
-        return [record for pending in batch for record in self._caption([pending], stats)]
+        return [record for pending in batch for record in self.caption_batch([pending], stats)]
 
     def _generate(self, batch: list[Pending], stats: RunStats) -> list[dict]:
         started = time.perf_counter()
+        # Pixels (the floating-point inputs) in the model's dtype; ids, masks and grids as they are.
         model_inputs = {
-            name: value.to(self.device, dtype=self.model.dtype if name in PIXEL_KEYS else None)
+            name: value.to(self.device, dtype=self.model.dtype if value.is_floating_point() else None)
             for name, value in self.inputs.batch([p.item for p in batch], self.config.prompt).items()
         }
         prompt_length = model_inputs["input_ids"].shape[1]
@@ -223,7 +206,7 @@ class Captioner:
         for pending, tokens in zip(batch, new_tokens, strict=True):
             if self.inputs.eos_token_id in tokens:
                 tokens = tokens[: tokens.index(self.inputs.eos_token_id)]
-            caption = self.inputs.tokenizer.decode(tokens, skip_special_tokens=True).strip()
+            caption = self.inputs.decode(tokens)
             stats.succeeded += 1
             stats.generated_tokens += len(tokens)
             stats.item_ms.append(pending.load_ms + batch_ms / len(batch))
@@ -249,44 +232,13 @@ class Captioner:
         stats.failures[record["error_kind"]] += 1
 
 
-def longest_sequence(inputs: QwenVLInputs, config: CaptionConfig, limits: LoadLimits) -> int:
-    """The most tokens one sequence can reach here: the chat prompt around the largest image or
-    video the processor lets through, plus `max_new_tokens`. It sizes the decoder graphs' cache; a
-    decode step reads only the smallest length tier holding its batch's sequences, so the size costs
-    cache memory and capture, not per-step reads. A rare longer one (an extreme aspect ratio) runs
-    eagerly."""
-    unit = inputs.factor**2
-    vision_tokens = {
-        "image": inputs.image_processor.size["longest_edge"] // unit,
-        "video": limits.max_frames // inputs.temporal_patch_size * (inputs.video_max_pixels // unit),
-    }
-    longest_prompt = max(
-        len(inputs.tokenizer(inputs.prompt_text(kind, config.prompt, 1)).input_ids) - 1 + tokens
-        for kind, tokens in vision_tokens.items()
-    )
-    return longest_prompt + config.max_new_tokens
+def longest_sequence(inputs: CaptionInputs, config: CaptionConfig, limits: LoadLimits) -> int:
+    """The most tokens one sequence can reach here: the longest prompt plus `max_new_tokens`. It
+    sizes the decoder graphs' cache; a decode step reads only the smallest length tier holding its
+    batch's sequences, so the size costs cache memory and capture, not per-step reads. A rare
+    longer one (an extreme aspect ratio) runs eagerly."""
+    return inputs.longest_prompt(config.prompt, limits.max_frames) + config.max_new_tokens
 
 
 def _error_record(file: MediaFile, kind: str, message: str) -> dict:
     return {"path": str(file.path), "kind": file.kind, "error_kind": kind, "error": message}
-
-
-def format_run_stats(stats: dict) -> str:
-    """A readable table of `RunStats.as_dict()`."""
-    lines = [
-        f"files {stats['files']}: captioned {stats['succeeded']}, failed {stats['failed']}, "
-        f"skipped (already done) {stats['skipped']}",
-        "  kinds: " + (", ".join(f"{kind} {n}" for kind, n in sorted(stats["by_kind"].items())) or "-"),
-        f"  throughput: {stats['items_per_s']:.2f} items/s, {stats['tokens_per_s']:.1f} tokens/s "
-        f"({stats['generated_tokens']} tokens in {stats['wall_s']:.2f} s, {stats['batches']} batches, "
-        f"{stats['retried_batches']} retried one by one)",
-    ]
-    for name in ("batch_latency_ms", "item_latency_ms"):
-        latency = stats[name]
-        lines.append(
-            f"  {name.removesuffix('_ms').replace('_', ' ')} ms: mean {latency['mean']:.1f}  "
-            f"p50 {latency['p50']:.1f}  p99 {latency['p99']:.1f}"
-        )
-    if stats["failures"]:
-        lines.append("  failures: " + ", ".join(f"{kind} {n}" for kind, n in stats["failures"].items()))
-    return "\n".join(lines)

@@ -11,7 +11,8 @@ from typing import Any
 
 import torch
 from transformers import GenerationConfig
-from transformers.generation.configuration_utils import GenerationMode
+
+from encoder_graphs.models.transformers_seam import GenerationMode, prepare_generation_config
 
 # generate() arguments that only the stock loop implements.
 _STOCK_ARGUMENTS = (
@@ -95,8 +96,7 @@ def runner_arguments(
         if _is_set(kwargs.get(name)):
             raise StockOnly(f"argument {name}")
     kwargs = {name: value for name, value in kwargs.items() if name not in _STOCK_ARGUMENTS}
-    config, model_inputs = model._prepare_generation_config(generation_config, **kwargs)
-    model._validate_model_kwargs(dict(model_inputs))  # typos raise as they do in generate
+    config, model_inputs = prepare_generation_config(model, generation_config, kwargs)
 
     mode = config.get_generation_mode()
     if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):

@@ -9,7 +9,8 @@ buckets and tiers share the memory, and attention over a tier reads only its fir
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
-from transformers.cache_utils import Cache, CacheLayerMixin
+
+from encoder_graphs.models.transformers_seam import Cache, CacheLayerMixin
 
 DECODE_ATTENTION = "static_kv_decode"  # no "flash" in the name: transformers treats those specially
 

@@ -5,7 +5,6 @@ The manager knows no model: everything model-specific comes through SupportsEnco
 
 import logging
 import time
-import warnings
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -13,6 +12,8 @@ from typing import Any
 
 import torch
 
+from encoder_graphs.engine.capture import GraphCapture, unavailable_reason
+from encoder_graphs.engine.stats import LatencyRecorder, PathStats
 from encoder_graphs.packing import SubBatch, generate_budgets, greedy_pack
 from encoder_graphs.protocols import (
     CaptureInputs,
@@ -21,7 +22,7 @@ from encoder_graphs.protocols import (
     SupportsEncoderCudaGraph,
     check_supports_encoder_cuda_graph,
 )
-from encoder_graphs.stats import LatencyRecorder, PathStats, format_stats
+from encoder_graphs.report import format_encoder_stats
 
 logger = logging.getLogger(__name__)
 
@@ -91,22 +92,14 @@ class EncoderCudaGraphManager:
         self.log_interval_s = log_interval_s
         self.poison_pool_bytes = poison_pool_bytes
 
-        if not enabled:
-            self.disabled_reason: str | None = "disabled (enabled=False)"
-        elif not torch.cuda.is_available() or self.config.device.type != "cuda":
-            self.disabled_reason = "no CUDA device"
-        else:
-            self.disabled_reason = None
+        self.disabled_reason = unavailable_reason(enabled, self.config.device)
 
         self.graphs: dict[str, dict[int, BudgetGraph]] = {path: {} for path in self.paths}
-        self.failed_budgets: dict[str, dict[int, str]] = {path: {} for path in self.paths}
         # Per path and key, the largest budget's buffer; every graph reads/writes a prefix of it.
         self._input_buffers: dict[str, dict[str, torch.Tensor]] = {}
         self._output_buffers: dict[str, dict[str, torch.Tensor]] = {}
-        self._pool = None
+        self._capture = GraphCapture(self.config.device, "encoder")
         self.captured = False
-        self.capture_seconds = 0.0
-        self.graph_memory_bytes = 0
         self._reset_counters()
 
     def _resolve_budgets(self, budgets) -> dict[str, list[int]]:
@@ -144,42 +137,26 @@ class EncoderCudaGraphManager:
         if self.disabled_reason is not None or self.captured:
             self.captured = True
             return
-        device = self.config.device
-        torch.cuda.synchronize(device)
-        reserved_before = torch.cuda.memory_reserved(device)
-        started = time.perf_counter()
-        self._pool = torch.cuda.graph_pool_handle()
-        poison = self._poison_pool() if self.poison_pool_bytes else None
-        for path in self.paths:
-            for budget in sorted(self.budgets[path], reverse=True):
-                try:
-                    self._capture_budget(path, budget)
-                except (torch.cuda.OutOfMemoryError, RuntimeError) as error:
-                    self.failed_budgets[path][budget] = f"{type(error).__name__}: {error}"[:200]
-                    warnings.warn(
-                        f"encoder graph capture failed for path {path!r} budget {budget}; "
-                        f"that budget runs eagerly: {error}",
-                        stacklevel=2,
-                    )
-                    torch.cuda.synchronize(device)
-                    torch.cuda.empty_cache()
-        del poison  # the real graphs hold the pool now
-        torch.cuda.synchronize(device)
-        self.capture_seconds = time.perf_counter() - started
-        self.graph_memory_bytes = torch.cuda.memory_reserved(device) - reserved_before
+        with self._capture.session():
+            poison = self._poison_pool() if self.poison_pool_bytes else None
+            for path in self.paths:
+                for budget in sorted(self.budgets[path], reverse=True):
+                    with self._capture.or_drop((path, budget), f"path {path!r} budget {budget}"):
+                        self._capture_budget(path, budget)
+            del poison  # the real graphs hold the pool now
         self.captured = True
         logger.info(
             "captured encoder graphs %s in %.2f s, %.1f MiB",
             {path: sorted(graphs) for path, graphs in self.graphs.items()},
-            self.capture_seconds,
-            self.graph_memory_bytes / 2**20,
+            self._capture.seconds,
+            self._capture.memory_bytes / 2**20,
         )
 
     def _poison_pool(self) -> torch.cuda.CUDAGraph:
         """Fill blocks of the graph pool with NaN bits and free them, so that graphs captured
         next reuse NaN memory: a test of rule 1 (no uninitialised rows reach real tokens)."""
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        with torch.cuda.graph(graph, pool=self._capture.pool):
             blocks = [torch.empty(self.poison_pool_bytes, dtype=torch.uint8, device="cuda")]
             blocks += [torch.empty(_SMALL_BLOCK, dtype=torch.uint8, device="cuda") for _ in range(64)]
             for block in blocks:
@@ -193,21 +170,24 @@ class EncoderCudaGraphManager:
         capture = self.model.prepare_capture_inputs(budget, self.max_items, self.max_frames, path)
         inputs = self._input_views(path, capture)
         buffers = {**inputs, **capture.static}
-        # Warm up off the capture stream: lazy inits, autotuning and workspace allocation
-        # must not land inside the graph.
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side), torch.inference_mode():
-            self.model.graph_forward(buffers, path)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.inference_mode(), torch.cuda.graph(graph, pool=self._pool):
+
+        def forward() -> dict[str, torch.Tensor]:
             produced = self.model.graph_forward(buffers, path)
             outputs = self._output_views(path, produced)
             for key, view in outputs.items():
                 view.copy_(produced[key])
-        del produced  # the graph writes these pool blocks; later graphs may reuse them
+            return outputs
+
+        with torch.inference_mode():
+            graph, outputs = self._capture.graph(forward)
         self.graphs[path][budget] = BudgetGraph(budget, graph, inputs, outputs)
+
+    def poison_buffers(self) -> None:
+        """Fill every captured input and output buffer with NaN (integers with 2**30): a test hook.
+        Replay refills every input, so graphed outputs must stay exactly as they were."""
+        for buffers in (*self._input_buffers.values(), *self._output_buffers.values()):
+            for tensor in buffers.values():
+                tensor.fill_(float("nan") if tensor.is_floating_point() else 2**30)
 
     def _input_views(self, path: str, capture: CaptureInputs) -> dict[str, torch.Tensor]:
         largest = self._input_buffers.setdefault(path, {})
@@ -312,16 +292,22 @@ class EncoderCudaGraphManager:
             "paths": {path: stats.as_dict() for path, stats in self.path_stats.items()},
             "budgets": {path: list(values) for path, values in self.budgets.items()},
             "captured_budgets": {path: sorted(graphs) for path, graphs in self.graphs.items()},
-            "failed_budgets": {path: dict(f) for path, f in self.failed_budgets.items() if f},
+            "failed_budgets": self._failed_budgets(),
             "max_items": self.max_items,
             "max_frames": self.max_frames,
-            "capture_seconds": self.capture_seconds,
-            "graph_memory_bytes": self.graph_memory_bytes,
+            "capture_seconds": self._capture.seconds,
+            "graph_memory_bytes": self._capture.memory_bytes,
             "latency_ms": self.latency.summary(),
         }
 
+    def _failed_budgets(self) -> dict[str, dict[int, str]]:
+        failed: dict[str, dict[int, str]] = {}
+        for (path, budget), reason in self._capture.failed.items():
+            failed.setdefault(path, {})[budget] = reason
+        return failed
+
     def format_stats(self) -> str:
-        return format_stats(self.stats())
+        return format_encoder_stats(self.stats())
 
     def reset_stats(self) -> None:
         self._reset_counters()
@@ -348,4 +334,4 @@ class EncoderCudaGraphManager:
         self.graphs = {path: {} for path in self.paths}
         self._input_buffers.clear()
         self._output_buffers.clear()
-        self._pool = None
+        self._capture.pool = None

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from encoder_graphs.results import path_key
+from encoder_graphs.app.results import path_key
 
 IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tiff", ".tif"})
 VIDEO_EXTENSIONS = frozenset({".mp4", ".webm", ".mkv", ".avi"})

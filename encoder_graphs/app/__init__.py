@@ -1,0 +1,1 @@
+"""The captioning application: command line, pipeline, media loading, results file."""

@@ -1,0 +1,316 @@
+"""The language model's decode step captured as CUDA graphs, one per (batch-size bucket, length tier).
+
+Prefill is the model's own forward (eager, dynamic cache, exactly what `generate` runs); its keys
+and values are copied into a static cache, and each decode step then replays the graph of the
+smallest bucket that holds the batch and the smallest length tier that holds its sequences: that
+graph's attention reads only the tier's first slots of the one cache allocation. The tier of each
+step is known on the host (prompt length + step index), so switching tiers needs no sync. Without
+CUDA, with `enabled=False`, or when no graph fits, the same step function runs eagerly over the
+same tiers, so the CPU path exercises the same logic.
+"""
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+from itertools import product
+
+import torch
+
+from encoder_graphs.decoder.buffers import DecodeBuffers, DecoderGraphConfig, TextDims
+from encoder_graphs.decoder.generation import token_id_list
+from encoder_graphs.decoder.sampling import SamplingParams, select_next_tokens
+from encoder_graphs.decoder.static_cache import SlotCache
+from encoder_graphs.decoder.stats import DecodeCounters
+from encoder_graphs.decoder.step import decode_step, prefill
+from encoder_graphs.engine.capture import GraphCapture, unavailable_reason
+from encoder_graphs.models.registry import family_class
+from encoder_graphs.models.transformers_seam import generation_position_ids
+from encoder_graphs.packing import smallest_fitting_budget
+from encoder_graphs.protocols import ModelFamily
+from encoder_graphs.report import format_decoder_stats
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Route:
+    """Where a generate call's decode steps run: `rows` rows of `buffers`; `eager_reason` when no
+    graph can serve any of its steps."""
+
+    buffers: DecodeBuffers
+    rows: int
+    eager_reason: str | None
+
+
+@dataclass
+class _Tier:
+    """How the decode steps whose sequences fit `tier` slots run: a graph, or eagerly over `cache`."""
+
+    tier: int
+    graph: torch.cuda.CUDAGraph | None
+    cache: SlotCache | None
+    eager_reason: str | None
+
+
+class _Tokens:
+    """The new tokens of a batch: finished sequences get `pad_id` after their EOS."""
+
+    def __init__(self, batch: int, max_new_tokens: int, eos_ids: list[int], pad_id: int, device: torch.device):
+        self.eos = torch.tensor(eos_ids, dtype=torch.long, device=device)
+        self.pad_id = pad_id
+        self.ids = torch.full((batch, max_new_tokens), pad_id, dtype=torch.long, device=device)
+        self.unfinished = torch.ones(batch, dtype=torch.bool, device=device)
+        self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
+
+    def emit(self, step: int, chosen: torch.Tensor) -> torch.Tensor:
+        chosen = torch.where(self.unfinished, chosen, self.pad_id)
+        self.ids[:, step] = chosen
+        self.lengths.add_(self.unfinished)
+        self.unfinished.logical_and_(torch.isin(chosen, self.eos, invert=True))
+        return chosen
+
+    def finished(self) -> bool:
+        return not bool(self.unfinished.any())  # a host sync: called every few steps only
+
+    def generated(self) -> torch.Tensor:
+        return self.ids[:, : int(self.lengths.max())]
+
+
+class DecoderGraphRunner:
+    """`generate` for a Hugging Face vision-language model: the model's own prefill, then decode
+    steps replayed from CUDA graphs per (batch bucket, length tier), or run eagerly over the same
+    buffers. `family` adds the model inputs its prefill needs (default: the registered family of
+    `model`, if any)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        max_batch_size: int = 32,
+        batch_sizes: Sequence[int] | None = None,
+        max_cache_len: int = 4096,
+        length_tiers: Sequence[int] | None = None,
+        enabled: bool = True,
+        family: ModelFamily | type[ModelFamily] | None = None,
+    ) -> None:
+        self.model = model
+        self.config = DecoderGraphConfig(
+            max_batch_size, max_cache_len, list(batch_sizes or []), list(length_tiers or [])
+        )
+        text_config = model.config.get_text_config(decoder=True)
+        if any(kind != "full_attention" for kind in getattr(text_config, "layer_types", None) or []):
+            raise ValueError("decoder graphs support full-attention layers only (no sliding window)")
+        self.family = family if family is not None else family_class(model)
+        self._dims = TextDims.of(model)
+        self.device = model.get_output_embeddings().weight.device
+        self.disabled_reason = unavailable_reason(enabled, self.device)
+        self._position_dims: tuple[int, ...] | None = None
+        self._static: DecodeBuffers | None = None
+        self._caches: dict[tuple[int, int], SlotCache] = {}
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (bucket, tier) -> graph
+        self._capture = GraphCapture(self.device, "decoder")
+        self.captured = False
+        self.reset_stats()
+
+    # ----- buffers -------------------------------------------------------------------------
+    def _buffers(self, rows: int, max_cache_len: int) -> DecodeBuffers:
+        return DecodeBuffers(
+            rows=rows,
+            max_cache_len=max_cache_len,
+            position_dims=self._positions_layout(),
+            dims=self._dims,
+            device=self.device,
+        )
+
+    def static_buffers(self) -> DecodeBuffers:
+        """The buffers every graph reads and writes (allocated at the first use)."""
+        if self._static is None:
+            self._static = self._buffers(self.config.max_batch_size, self.config.max_cache_len)
+        return self._static
+
+    def _positions_layout(self) -> tuple[int, ...]:
+        """Leading dims of the model's own generation position ids (probed on one token)."""
+        if self._position_dims is None:
+            probe = torch.zeros(1, 1, dtype=torch.long, device=self.device)
+            positions = generation_position_ids(self.model, probe, {"attention_mask": probe + 1})
+            self._position_dims = tuple(positions.shape[:-2])
+        return self._position_dims
+
+    # ----- capture -------------------------------------------------------------------------
+    def capture(self) -> None:
+        """Capture every (bucket, length tier), largest first, into this runner's own graph pool."""
+        if self.disabled_reason is not None or self.captured:
+            self.captured = True
+            return
+        buffers = self.static_buffers()
+        with self._capture.session():
+            for bucket, tier in sorted(product(self.config.buckets, self.config.length_tiers), reverse=True):
+                with self._capture.or_drop((bucket, tier), f"batch {bucket}, tier {tier}"):
+                    self._capture_graph(buffers, bucket, tier)
+        self.captured = True
+        logger.info(
+            "captured decoder graphs (bucket, tier) %s in %.2f s, %.1f MiB",
+            sorted(self.graphs),
+            self._capture.seconds,
+            self._capture.memory_bytes / 2**20,
+        )
+
+    def _capture_graph(self, buffers: DecodeBuffers, bucket: int, tier: int) -> None:
+        cache = buffers.store.cache(bucket, tier)
+        with torch.inference_mode():
+            buffers.start(
+                batch=0,
+                rows=bucket,
+                prompt_mask=buffers.mask[:0, :0],
+                next_positions=buffers.positions.narrow(-2, 0, 0),
+            )
+            graph, _ = self._capture.graph(lambda: decode_step(self.model, buffers, bucket, tier, cache), warmups=2)
+        self._caches[bucket, tier] = cache  # the graph reads these views: keep them alive
+        self.graphs[bucket, tier] = graph
+
+    # ----- generate ------------------------------------------------------------------------
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        *,
+        max_new_tokens: int,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        eos_token_id: int | Sequence[int] | None = None,
+        pad_token_id: int | None = None,
+        generator: torch.Generator | None = None,
+        stop_check_interval: int = 8,
+        **model_inputs: torch.Tensor,
+    ) -> torch.Tensor:
+        """Prompt ids followed by new ids, [batch, prompt_len + new], as `generate` returns them:
+        left-padded prompts in, finished sequences padded with `pad_token_id` after their EOS."""
+        if max_new_tokens < 1 or stop_check_interval < 1:
+            raise ValueError(f"max_new_tokens ({max_new_tokens}) and stop_check_interval must be >= 1")
+        params = SamplingParams(do_sample, temperature, top_p)
+        eos_ids = token_id_list(self.model.generation_config.eos_token_id if eos_token_id is None else eos_token_id)
+        input_ids = input_ids.to(self.device)
+        mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(self.device)
+        batch, prompt_len = input_ids.shape
+        tokens = _Tokens(batch, max_new_tokens, eos_ids, self._pad_id(pad_token_id, eos_ids), self.device)
+        sample = partial(select_next_tokens, params=params, generator=generator)
+        with torch.inference_mode():
+            inputs = self._model_inputs(input_ids, model_inputs)
+            logits, prefill_kv, positions = prefill(self.model, input_ids, mask, inputs)
+            chosen = tokens.emit(0, sample(logits))
+            if max_new_tokens > 1:
+                route = self._route(batch, prompt_len + max_new_tokens - 1)
+                route.buffers.store.load_prefill(prefill_kv)
+                del prefill_kv
+                route.buffers.start(batch=batch, rows=route.rows, prompt_mask=mask, next_positions=positions)
+                self._decode(route, tokens, chosen, prompt_len, sample, stop_check_interval if eos_ids else 0)
+            new_ids = tokens.generated()
+        self.counters.sequences += batch
+        self.counters.calls += 1
+        return torch.cat([input_ids, new_ids], dim=1)
+
+    def _decode(
+        self,
+        route: _Route,
+        tokens: _Tokens,
+        chosen: torch.Tensor,
+        prompt_len: int,
+        sample: Callable[[torch.Tensor], torch.Tensor],
+        stop_check_interval: int,
+    ) -> None:
+        """Decode steps 1 .. max_new_tokens - 1, stopping early once every sequence has ended
+        (checked every `stop_check_interval` steps; 0: never, when there is no EOS)."""
+        batch, max_new_tokens = tokens.ids.shape
+        tier = None
+        started = self.counters.timer.start(self.device.type == "cuda")
+        steps = 0
+        for step in range(1, max_new_tokens):
+            if stop_check_interval and step % stop_check_interval == 0 and tokens.finished():
+                break
+            # This step writes slot prompt_len + step - 1 and attends over every slot up to it.
+            if tier is None or prompt_len + step > tier.tier:
+                tier = self._tier(route, prompt_len + step)
+            route.buffers.input_ids[:batch, 0].copy_(chosen)
+            if tier.graph is not None:
+                tier.graph.replay()
+            else:
+                decode_step(self.model, route.buffers, route.rows, tier.tier, tier.cache)
+            chosen = tokens.emit(step, sample(route.buffers.logits[:batch]))
+            self.counters.count_step(route.rows, batch, tier.tier, tier.eager_reason)
+            steps += 1
+        self.counters.timer.stop(started, steps)
+
+    def _route(self, batch: int, needed_slots: int) -> _Route:
+        if needed_slots > self.config.max_cache_len:
+            reason = f"sequence longer than max_cache_len {self.config.max_cache_len}"
+            return _Route(self._buffers(batch, needed_slots), batch, reason)
+        bucket = next((b for b in self.config.buckets if b >= batch), None)
+        if bucket is None:
+            reason = f"batch larger than largest bucket {self.config.buckets[-1]}"
+            if batch > self.config.max_batch_size:
+                return _Route(self._buffers(batch, self.config.max_cache_len), batch, reason)
+            return _Route(self.static_buffers(), batch, reason)
+        # Eager steps take the same padded bucket as a replay would: one code path everywhere.
+        return _Route(self.static_buffers(), bucket, None)
+
+    def _tier(self, route: _Route, needed_slots: int) -> _Tier:
+        """The smallest length tier holding `needed_slots`; past the last one (a route's own longer
+        buffers), all of the route's slots."""
+        tier = smallest_fitting_budget(self.config.length_tiers, needed_slots) or route.buffers.max_cache_len
+        graph = self.graphs.get((route.rows, tier)) if route.eager_reason is None else None
+        if graph is not None:
+            return _Tier(tier, graph, None, None)
+        reason = route.eager_reason or self._eager_reason(route.rows, tier)
+        return _Tier(tier, None, route.buffers.store.cache(route.rows, tier), reason)
+
+    def _eager_reason(self, bucket: int, tier: int) -> str:
+        if self.disabled_reason is not None:
+            return self.disabled_reason
+        if not self.captured:
+            return "capture() not called"
+        return f"capture of batch {bucket}, tier {tier} failed"
+
+    def _model_inputs(self, input_ids: torch.Tensor, model_inputs: dict) -> dict:
+        inputs = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in model_inputs.items()}
+        if self.family is None:
+            return inputs
+        return self.family.decoder_inputs(self.model.config, input_ids, inputs)
+
+    def _pad_id(self, pad_token_id: int | None, eos_ids: list[int]) -> int:
+        if pad_token_id is None:
+            pad_token_id = self.model.generation_config.pad_token_id
+        if pad_token_id is None:
+            pad_token_id = eos_ids[0] if eos_ids else 0  # what generate falls back to
+        return int(pad_token_id)
+
+    # ----- statistics ----------------------------------------------------------------------
+    def reset_stats(self) -> None:
+        self.counters = DecodeCounters()
+
+    def stats(self) -> dict:
+        return {
+            "enabled": self.disabled_reason is None,
+            "disabled_reason": self.disabled_reason,
+            **self.counters.as_dict(),
+            "buckets": list(self.config.buckets),
+            "length_tiers": list(self.config.length_tiers),
+            "captured_graphs": [list(key) for key in sorted(self.graphs)],
+            "failed_graphs": {f"batch {b}, tier {t}": reason for (b, t), reason in sorted(self._capture.failed.items())},
+            "max_cache_len": self.config.max_cache_len,
+            "capture_seconds": self._capture.seconds,
+            "graph_memory_bytes": self._capture.memory_bytes,
+            "static_buffer_bytes": self._static.nbytes if self._static is not None else 0,
+        }
+
+    def format_stats(self) -> str:
+        return format_decoder_stats(self.stats())
+
+    def close(self) -> None:
+        """Free the graphs, their pool and the static buffers."""
+        self.graphs.clear()
+        self._caches.clear()
+        self._static = None
+        self._capture.pool = None
+        self.captured = False

@@ -1,0 +1,86 @@
+"""Readable tables of the statistics: encoder graphs, decoder graphs, and a captioning run.
+
+Each function takes the plain dict its owner's `stats()` returns, so reports can also be made from
+a saved `--stats-json`. Graphs that are off get one line saying so and why.
+"""
+
+
+def format_encoder_stats(stats: dict) -> str:
+    """`EncoderCudaGraphManager.stats()` as a table."""
+    calls = f"calls {stats['calls']}, items {stats['items']}"
+    if not stats["enabled"]:
+        return f"encoder graphs: off ({stats['disabled_reason']}); {calls}, all eager"
+    latency = stats["latency_ms"]
+    lines = [
+        "encoder graphs: on",
+        f"  {calls}, graph items {stats['graph_items']}, eager items {stats['eager_items']}, "
+        f"hit rate {stats['hit_rate_pct']:.1f}%",
+        f"  capture {stats['capture_seconds']:.2f} s, graph memory {stats['graph_memory_bytes'] / 2**20:.1f} MiB",
+        f"  latency ms: mean {latency['mean']:.2f}  p50 {latency['p50']:.2f}  p99 {latency['p99']:.2f}",
+        f"  {'path':<10}{'hits':>8}{'misses':>8}{'waste %':>9}  budgets (replays)",
+    ]
+    for name, path in stats["paths"].items():
+        replays = ", ".join(f"{b} ({n})" for b, n in path["replays_per_budget"].items()) or "-"
+        lines.append(f"  {name:<10}{path['hits']:>8}{path['misses']:>8}{path['waste_pct']:>9.1f}  {replays}")
+        lines += [f"  {'':<10}miss: {reason} x{count}" for reason, count in path["miss_reasons"].items()]
+        failed = stats["failed_budgets"].get(name, {})
+        lines += [f"  {'':<10}capture of {budget} failed: {reason}" for budget, reason in failed.items()]
+    return "\n".join(lines)
+
+
+def format_decoder_stats(stats: dict | None) -> str:
+    """`DecoderGraphRunner.stats()` as a table (None: the decoder was not graphed)."""
+    if stats is None:
+        return "decoder graphs: off (decoder=False)"
+    steps = f"sequences {stats['sequences']}, decode steps {stats['steps']}"
+    if not stats["enabled"]:
+        return f"decoder graphs: off ({stats['disabled_reason']}); {steps}, all eager"
+    timing = stats["decode_ms_per_step"]
+    lines = [
+        "decoder graphs: on",
+        f"  {steps}, graph steps {stats['graph_steps']}, eager steps {stats['eager_steps']}, "
+        f"lane waste {stats['lane_waste_pct']:.1f}%",
+        f"  capture {stats['capture_seconds']:.2f} s, graph memory {stats['graph_memory_bytes'] / 2**20:.1f} MiB, "
+        f"static buffers {stats['static_buffer_bytes'] / 2**20:.1f} MiB",
+        f"  decode ms/step: mean {timing['mean']:.2f}  p50 {timing['p50']:.2f}",
+        "  replays per bucket: " + (", ".join(f"{b} x{n}" for b, n in stats["replays_per_bucket"].items()) or "-"),
+        f"  length tiers {stats['length_tiers']}; steps per tier: "
+        + (", ".join(f"{t} x{n}" for t, n in stats["steps_per_tier"].items()) or "-"),
+    ]
+    lines += [f"  eager: {reason} x{count}" for reason, count in stats["eager_reasons"].items()]
+    lines += [f"  capture of {graph} failed: {reason}" for graph, reason in stats["failed_graphs"].items()]
+    return "\n".join(lines)
+
+
+def format_graph_stats(stats: dict) -> str:
+    """`EncoderGraphsHandle.stats()`: encoder, decoder, and the generate calls sent to stock."""
+    fallbacks = sorted(stats["generate_fallbacks"].items(), key=lambda item: -item[1])
+    return "\n".join(
+        [
+            format_encoder_stats(stats["encoder"]),
+            format_decoder_stats(stats["decoder"]),
+            "generate calls sent to stock generate: "
+            + (", ".join(f"{reason} x{n}" for reason, n in fallbacks) or "-"),
+        ]
+    )
+
+
+def format_run_stats(stats: dict) -> str:
+    """`RunStats.as_dict()` of a captioning run as a table."""
+    lines = [
+        f"files {stats['files']}: captioned {stats['succeeded']}, failed {stats['failed']}, "
+        f"skipped (already done) {stats['skipped']}",
+        "  kinds: " + (", ".join(f"{kind} {n}" for kind, n in sorted(stats["by_kind"].items())) or "-"),
+        f"  throughput: {stats['items_per_s']:.2f} items/s, {stats['tokens_per_s']:.1f} tokens/s "
+        f"({stats['generated_tokens']} tokens in {stats['wall_s']:.2f} s, {stats['batches']} batches, "
+        f"{stats['retried_batches']} retried one by one)",
+    ]
+    for name in ("batch_latency_ms", "item_latency_ms"):
+        latency = stats[name]
+        lines.append(
+            f"  {name.removesuffix('_ms').replace('_', ' ')} ms: mean {latency['mean']:.1f}  "
+            f"p50 {latency['p50']:.1f}  p99 {latency['p99']:.1f}"
+        )
+    if stats["failures"]:
+        lines.append("  failures: " + ", ".join(f"{kind} {n}" for kind, n in stats["failures"].items()))
+    return "\n".join(lines)

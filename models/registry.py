@@ -1,0 +1,123 @@
+"""Which family adapter serves a transformers model: a registry keyed on transformers classes.
+
+Each entry names the family's config class, its model classes (the *ForConditionalGeneration and
+the inner *Model), its vision tower class and the attribute that holds the tower, the adapter
+(`SupportsEncoderCudaGraph` + `ModelFamily`) and the caption inputs builder (`CaptionInputs`).
+The table is built at the first lookup, so importing this module loads no adapter.
+"""
+
+from dataclasses import dataclass
+from functools import cache
+from typing import Any
+
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Family:
+    config_class: type
+    model_classes: tuple[type, ...]
+    tower_class: type
+    tower_attribute: str
+    adapter: type
+    inputs: type
+
+    @property
+    def architecture(self) -> str:
+        return self.model_classes[0].__name__
+
+
+@cache
+def families() -> tuple[Family, ...]:
+    from encoder_graphs.models.qwen2_5_vl import Qwen2_5_VLAdapter
+    from encoder_graphs.models.qwen2_vl import Qwen2VLAdapter
+    from encoder_graphs.models.qwen3_vl import Qwen3VLAdapter
+    from encoder_graphs.models.qwen_inputs import QwenVLInputs
+    from transformers import (
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2_5_VLModel,
+        Qwen2VLConfig,
+        Qwen2VLForConditionalGeneration,
+        Qwen2VLModel,
+        Qwen3VLConfig,
+        Qwen3VLForConditionalGeneration,
+        Qwen3VLModel,
+    )
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
+
+    return (
+        Family(
+            Qwen2VLConfig,
+            (Qwen2VLForConditionalGeneration, Qwen2VLModel),
+            Qwen2VisionTransformerPretrainedModel,
+            "visual",
+            Qwen2VLAdapter,
+            QwenVLInputs,
+        ),
+        Family(
+            Qwen2_5_VLConfig,
+            (Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLModel),
+            Qwen2_5_VisionTransformerPretrainedModel,
+            "visual",
+            Qwen2_5_VLAdapter,
+            QwenVLInputs,
+        ),
+        Family(
+            Qwen3VLConfig,
+            (Qwen3VLForConditionalGeneration, Qwen3VLModel),
+            Qwen3VLVisionModel,
+            "visual",
+            Qwen3VLAdapter,
+            QwenVLInputs,
+        ),
+    )
+
+
+def supported_architectures() -> list[str]:
+    return [family.architecture for family in families()]
+
+
+def _find(model: nn.Module) -> tuple[Family, nn.Module] | None:
+    """The family of a *ForConditionalGeneration, its inner *Model, or a bare vision tower; and
+    the tower."""
+    for family in families():
+        if isinstance(model, family.tower_class):
+            return family, model
+        if isinstance(model, family.model_classes):
+            inner = getattr(model, "model", None)
+            for owner in (model, inner):
+                tower = getattr(owner, family.tower_attribute, None)
+                if isinstance(tower, family.tower_class):
+                    return family, tower
+    return None
+
+
+def family_class(model: nn.Module) -> type | None:
+    """The adapter class of `model`'s family (its `decoder_inputs`), or None when unregistered."""
+    found = _find(model)
+    return found[0].adapter if found is not None else None
+
+
+def family_for_config(config: Any) -> Family:
+    """The family of a checkpoint's config; ValueError naming the supported ones otherwise."""
+    for family in families():
+        if isinstance(config, family.config_class):
+            return family
+    raise ValueError(_unsupported(type(config).__name__))
+
+
+def adapter_for(model: nn.Module, *, attn_backend: str | None = None, **options: Any) -> Any:
+    """The family adapter over `model`'s own vision tower. `options` go to the adapter
+    (`max_frames_per_item`, `budget_range`)."""
+    found = _find(model)
+    if found is None:
+        raise ValueError(_unsupported(type(model).__name__))
+    family, tower = found
+    return family.adapter(tower, attn_backend=attn_backend, **options)
+
+
+def _unsupported(name: str) -> str:
+    return f"{name} is not supported by encoder_graphs; supported architectures: {', '.join(supported_architectures())}"

@@ -1,0 +1,147 @@
+"""Every private or version-sensitive use of transformers, in one place.
+
+The rest of the package reaches transformers' internals only through this module, so a new
+transformers release is checked (and, where needed, mended) here. Each entry says which versions
+it was checked on; `TESTED_RANGE` is the range CI runs (both ends) and `pyproject.toml` allows.
+"""
+
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import transformers
+from encoder_graphs.models.attention import get_attention_backend
+from packaging.version import Version
+from transformers import AttentionInterface, DynamicCache, GenerationConfig, PretrainedConfig, PreTrainedModel
+from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.generation.configuration_utils import GenerationMode
+
+# Checked on 5.17.0 and 5.23.0: the vision helpers Qwen-VL forwards call on their grids.
+from transformers.vision_utils import (
+    get_vision_cu_seqlens,
+    get_vision_interpolation_indices_and_weights,
+    get_vision_position_ids,
+    get_vision_window_index,
+)
+
+TESTED_RANGE = ("5.17.0", "5.23.0")
+_VARLEN_PREFIX = "encoder_graphs_flash_"
+_warned: list[str] = []
+
+__all__ = [
+    "Cache",
+    "CacheLayerMixin",
+    "GenerationMode",
+    "TESTED_RANGE",
+    "attention_implementation",
+    "check_version",
+    "deepstack_output",
+    "dynamic_cache",
+    "from_config",
+    "generation_position_ids",
+    "get_vision_cu_seqlens",
+    "get_vision_interpolation_indices_and_weights",
+    "get_vision_position_ids",
+    "get_vision_window_index",
+    "layer_key_values",
+    "prepare_generation_config",
+    "register_varlen_attention",
+]
+
+
+def check_version(version: str = transformers.__version__) -> bool:
+    """Warn once when transformers is outside the tested range; True when inside it."""
+    low, high = (Version(v) for v in TESTED_RANGE)
+    tested = low <= Version(version) and Version(version).release[:2] <= high.release[:2]
+    if not tested and version not in _warned:
+        _warned.append(version)
+        warnings.warn(
+            f"encoder-graphs was tested with transformers {TESTED_RANGE[0]} to {TESTED_RANGE[1][:-2]}.x; "
+            f"{version} is untested: graphs may fail or differ from stock outputs",
+            stacklevel=2,
+        )
+    return tested
+
+
+# 5.17.0, 5.23.0: the implementation name lives in the private `config._attn_implementation`, and
+# attention modules read it at every forward, so setting it switches kernels without a rebuild.
+@contextmanager
+def attention_implementation(config: PretrainedConfig, name: str) -> Iterator[None]:
+    """Run modules configured by `config` with attention implementation `name`, then restore it."""
+    original = config._attn_implementation
+    config._attn_implementation = name
+    try:
+        yield
+    finally:
+        config._attn_implementation = original
+
+
+# 5.17.0, 5.23.0: Qwen vision attention takes its cu_seqlens (varlen) branch only when the
+# implementation's name contains "flash", and there passes a host-int `max_length_q`: what graph
+# capture needs. (No "flash" in a name: transformers then treats it as an ordinary kernel.)
+def register_varlen_attention(backend: str) -> str:
+    """Register varlen backend `backend` with transformers (once); the implementation name to use."""
+    attention = get_attention_backend(backend)
+    name = _VARLEN_PREFIX + backend
+
+    def varlen_attention_forward(
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        scaling: float | None = None,
+        cu_seq_lens_q: torch.Tensor | None = None,
+        max_length_q: int | None = None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, None]:
+        # transformers passes [1, heads, tokens, head_dim] and expects [1, tokens, heads, head_dim].
+        q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
+        out = attention(q, k, v, cu_seq_lens_q, max_length_q, scale=scaling)
+        return out.unsqueeze(0), None
+
+    AttentionInterface.register(name, varlen_attention_forward)
+    return name
+
+
+# 5.17.0, 5.23.0: `generate` resolves its settings (arguments > generation_config argument >
+# model.generation_config > defaults) and checks model kwargs in these private methods.
+def prepare_generation_config(
+    model: PreTrainedModel, generation_config: GenerationConfig | None, kwargs: dict[str, Any]
+) -> tuple[GenerationConfig, dict[str, Any]]:
+    """The settings and model inputs `model.generate(generation_config=..., **kwargs)` would use;
+    unknown model kwargs raise as they do in `generate`."""
+    config, model_kwargs = model._prepare_generation_config(generation_config, **kwargs)
+    model._validate_model_kwargs(dict(model_kwargs))
+    return config, model_kwargs
+
+
+# 5.17.0, 5.23.0: the position ids `generate` gives the first forward (M-RoPE for Qwen-VL).
+def generation_position_ids(
+    model: PreTrainedModel, input_ids: torch.Tensor, model_kwargs: dict[str, Any]
+) -> torch.Tensor:
+    return model._prepare_position_ids_for_generation(input_ids, model_kwargs)
+
+
+# 5.17.0, 5.23.0: DynamicCache(config=...) builds one layer per decoder layer; each layer holds
+# `keys` and `values` [batch, kv_heads, length, head_dim].
+def dynamic_cache(config: PretrainedConfig) -> Cache:
+    return DynamicCache(config=config)
+
+
+def layer_key_values(cache: Cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+# 5.17.0, 5.23.0: `_from_config` builds a model from a config without loading weights.
+def from_config(model_class: type[PreTrainedModel], config: PretrainedConfig, dtype: torch.dtype) -> PreTrainedModel:
+    return model_class._from_config(config, dtype=dtype)
+
+
+# 5.17.0, 5.23.0: Qwen3-VL's get_*_features output type lives in its modeling module.
+def deepstack_output(pooler_output: tuple[torch.Tensor, ...], deepstack_features: list[torch.Tensor]) -> Any:
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
+
+    return BaseModelOutputWithDeepstackFeatures(pooler_output=pooler_output, deepstack_features=deepstack_features)

@@ -1,0 +1,99 @@
+"""What the rest of the package needs from one model family, beyond graphing its encoder.
+
+A family adapter in `models/` implements `ModelFamily` (and `SupportsEncoderCudaGraph`), and its
+`CaptionInputs` builds prompts and pixels for the caption command. `enable_cuda_graphs`, the
+decoder runner and the command line speak only these protocols: adding a family touches `models/`
+(an adapter, an inputs builder, a registry entry, a preset) and nothing else.
+"""
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+
+@runtime_checkable
+class ModelFamily(Protocol):
+    """How `enable_cuda_graphs` routes a stock model's feature methods through the encoder
+    manager, and which inputs the decoder's prefill needs."""
+
+    # The model methods that encode images or videos (patched on the instance, restored by disable()).
+    feature_methods: tuple[str, ...]
+
+    def feature_inputs(self, method: str, args: tuple, kwargs: dict[str, Any]) -> Any | None:
+        """The manager's inputs for one call of `method`, or None when only the stock method
+        can answer it (e.g. per-layer outputs asked for)."""
+        ...
+
+    def feature_output(self, method: str, items: list[torch.Tensor], kwargs: dict[str, Any]) -> Any:
+        """What the stock `method` returns, built from the manager's per-item outputs."""
+        ...
+
+    def align_weights(self) -> None:
+        """Reshape weights for faster kernels, exactly (no-op where nothing is misaligned)."""
+        ...
+
+    def restore_weights(self) -> None:
+        """Undo `align_weights`."""
+        ...
+
+    @classmethod
+    def decoder_inputs(cls, config: Any, input_ids: torch.Tensor, inputs: dict[str, Any]) -> dict[str, Any]:
+        """`inputs` completed with what the model's forward needs that a caller may leave out
+        (e.g. Qwen-VL's token types); called before the prefill."""
+        ...
+
+
+class EncodedMedia(Protocol):
+    """One image or video, preprocessed, ready to join a batch."""
+
+    kind: str  # "image" | "video"
+    vision_tokens: int  # placeholder tokens in the prompt = encoder output tokens
+
+
+class CaptionInputs(Protocol):
+    """Prompts and pixels for one family's checkpoints, built without torchvision."""
+
+    @classmethod
+    def from_pretrained(cls, directory: str | Path) -> "CaptionInputs": ...
+
+    @property
+    def eos_token_id(self) -> int: ...
+
+    @property
+    def pad_token_id(self) -> int: ...
+
+    @property
+    def min_side(self) -> int:
+        """Smallest image side the processor takes (smaller ones are grown to it)."""
+        ...
+
+    @property
+    def max_image_pixels(self) -> int:
+        """Pixels an image is shrunk to before processing (more would be resized away)."""
+        ...
+
+    @property
+    def max_frame_pixels(self) -> int: ...
+
+    def check_model(self, config: Any) -> None:
+        """Raise ValueError when these inputs' token ids or patch sizes do not fit the model."""
+        ...
+
+    def encode_image(self, image: Any) -> EncodedMedia: ...
+
+    def encode_video(self, frames: Sequence[Any]) -> EncodedMedia: ...
+
+    def batch(self, items: Sequence[EncodedMedia], prompt: str) -> dict[str, torch.Tensor]:
+        """Left-padded inputs for `model.generate(**batch)`; items keep their order."""
+        ...
+
+    def decode(self, tokens: Sequence[int]) -> str:
+        """Caption text of new token ids (special tokens dropped)."""
+        ...
+
+    def longest_prompt(self, prompt: str, max_frames: int) -> int:
+        """The most tokens one prompt can reach: `prompt` around the largest image or video
+        (of `max_frames` frames) the processor lets through."""
+        ...
