@@ -8,6 +8,7 @@ hands the calls the decoder runner supports to `DecoderGraphRunner.generate` and
 the original. `disable()` puts the originals back.
 """
 
+import inspect
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -174,13 +175,29 @@ def _graphed_generate(handle: EncoderGraphsHandle, runner: DecoderGraphRunner, o
 
 def _graphed_features(handle: EncoderGraphsHandle, name: str, original: Callable) -> Callable:
     adapter = handle.adapter
+    # The replacement keeps the original's signature: generate (transformers >= 5.18) passes the
+    # inputs whose names that signature lists, by keyword.
+    signature = inspect.signature(original)
 
     def features(*args, **kwargs):
-        inputs = adapter.feature_inputs(name, args, kwargs)
+        arguments = _named_arguments(signature, args, kwargs)  # a wrong call raises TypeError here
+        inputs = adapter.feature_inputs(name, arguments)
         if inputs is None:
             return original(*args, **kwargs)
-        return adapter.feature_output(name, handle.manager.execute(inputs), kwargs)
+        return adapter.feature_output(name, handle.manager.execute(inputs), arguments)
 
     features.__name__ = name
+    features.__signature__ = signature
     features.__doc__ = f"{name} through encoder CUDA graphs (encoder_graphs.enable_cuda_graphs)."
     return features
+
+
+def _named_arguments(signature: inspect.Signature, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """Every argument of a call by its parameter name, `**kwargs` spread out."""
+    named: dict[str, Any] = {}
+    for key, value in signature.bind(*args, **kwargs).arguments.items():
+        if signature.parameters[key].kind is inspect.Parameter.VAR_KEYWORD:
+            named.update(value)
+        else:
+            named[key] = value
+    return named

@@ -49,8 +49,7 @@ class Qwen3VLAdapter(QwenVisionAdapter):
 
     def _feature_output(self, items: list[torch.Tensor]) -> Any:
         main, *deepstack = self.split_deepstack(torch.cat(items))
-        sizes = [item.shape[0] for item in items]
-        return deepstack_output(tuple(torch.split(main, sizes)), [level.contiguous() for level in deepstack])
+        return deepstack_output(main, deepstack, [item.shape[0] for item in items])
 
     def split_deepstack(self, embeds: torch.Tensor) -> list[torch.Tensor]:
         """[tokens, hidden * (1 + levels)] -> main features, then one tensor per deepstack level."""

@@ -129,7 +129,9 @@ class QwenVLInputs:
         if len(frames) % temporal:
             raise ValueError(f"{len(frames)} frames is not a multiple of the temporal patch {temporal}")
         out = self.image_processor(
-            images=frames, min_pixels=self.min_pixels, max_pixels=self.video_max_pixels, return_tensors="np"
+            images=frames,
+            size={"shortest_edge": self.min_pixels, "longest_edge": self.video_max_pixels},
+            return_tensors="np",
         )
         _, grid_h, grid_w = (int(v) for v in out["image_grid_thw"][0])
         # Per frame the processor repeats the frame over the temporal axis:

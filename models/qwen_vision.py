@@ -36,6 +36,11 @@ BUDGET_STEPS_PER_DOUBLING = 4
 Grid = tuple[int, int, int]
 # Requests for per-layer vision outputs that only the stock forward can answer.
 _STOCK_ONLY_KWARGS = ("output_hidden_states", "output_attentions")
+# The stock feature methods' names for their inputs, which are VisionBatch's field names too.
+_FEATURE_ARGUMENTS = {
+    "get_image_features": ("pixel_values", "image_grid_thw"),
+    "get_video_features": ("pixel_values_videos", "video_grid_thw"),
+}
 
 
 @dataclass(eq=False)
@@ -143,24 +148,21 @@ class QwenVisionAdapter:
         self.budget_range = budget_range
 
     # ----- ModelFamily: transformers' get_image_features / get_video_features, decoder inputs ---
-    feature_methods = ("get_image_features", "get_video_features")
+    feature_methods = tuple(_FEATURE_ARGUMENTS)
 
-    def feature_inputs(self, method: str, args: tuple, kwargs: dict) -> VisionBatch | None:
-        """A VisionBatch for `get_*_features(pixel_values, grid_thw, ...)`; None when the call asks
-        for per-layer outputs, which only the stock forward has."""
-        if any(kwargs.get(key) for key in _STOCK_ONLY_KWARGS):
+    def feature_inputs(self, method: str, arguments: dict) -> VisionBatch | None:
+        """A VisionBatch for `get_*_features`; None when the call asks for per-layer outputs,
+        which only the stock forward has."""
+        if any(arguments.get(key) for key in _STOCK_ONLY_KWARGS):
             return None
-        named = dict(zip(("pixel_values", "grid_thw"), args)) | kwargs
-        pixels, grid = named["pixel_values"], named.get("grid_thw")
-        if method == "get_video_features":
-            return VisionBatch(pixel_values_videos=pixels, video_grid_thw=grid)
-        return VisionBatch(pixel_values=pixels, image_grid_thw=grid)
+        pixels, grid = _FEATURE_ARGUMENTS[method]
+        return VisionBatch(**{pixels: arguments[pixels], grid: arguments.get(grid)})
 
-    def feature_output(self, method: str, items: list[torch.Tensor], kwargs: dict) -> Any:
+    def feature_output(self, method: str, items: list[torch.Tensor], arguments: dict) -> Any:
         """The object transformers' get_*_features returns, `pooler_output` one tensor per item.
         `last_hidden_state` (the unmerged patch states) is not kept by the graphs: None."""
         output = self._feature_output(items)
-        return output if kwargs.get("return_dict", True) else output.to_tuple()
+        return output if arguments.get("return_dict", True) else output.to_tuple()
 
     def _feature_output(self, items: list[torch.Tensor]) -> Any:
         return BaseModelOutputWithPooling(pooler_output=tuple(items))

@@ -140,8 +140,19 @@ def from_config(model_class: type[PreTrainedModel], config: PretrainedConfig, dt
     return model_class._from_config(config, dtype=dtype)
 
 
-# 5.17.0, 5.23.0: Qwen3-VL's get_*_features output type lives in its modeling module.
-def deepstack_output(pooler_output: tuple[torch.Tensor, ...], deepstack_features: list[torch.Tensor]) -> Any:
+# Qwen3-VL's get_*_features output type lives in its modeling module (5.17.0, 5.23.0). Its
+# deepstack levels: 5.17 returns one tensor per level; 5.18 to 5.23 split each level per item,
+# as pooler_output, and the model's forward concatenates them again.
+_DEEPSTACK_PER_ITEM = Version(transformers.__version__).release[:2] >= (5, 18)
+
+
+def deepstack_output(main: torch.Tensor, levels: list[torch.Tensor], sizes: list[int]) -> Any:
+    """Qwen3-VL's get_*_features output from all items' main features and deepstack levels
+    (rows of every item in order; `sizes` rows each)."""
     from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
 
-    return BaseModelOutputWithDeepstackFeatures(pooler_output=pooler_output, deepstack_features=deepstack_features)
+    levels = [level.contiguous() for level in levels]
+    return BaseModelOutputWithDeepstackFeatures(
+        pooler_output=tuple(torch.split(main, sizes)),
+        deepstack_features=[torch.split(level, sizes) for level in levels] if _DEEPSTACK_PER_ITEM else levels,
+    )

@@ -21,13 +21,14 @@ class ModelFamily(Protocol):
     # The model methods that encode images or videos (patched on the instance, restored by disable()).
     feature_methods: tuple[str, ...]
 
-    def feature_inputs(self, method: str, args: tuple, kwargs: dict[str, Any]) -> Any | None:
-        """The manager's inputs for one call of `method`, or None when only the stock method
-        can answer it (e.g. per-layer outputs asked for)."""
+    def feature_inputs(self, method: str, arguments: dict[str, Any]) -> Any | None:
+        """The manager's inputs for one call of `method` (`arguments` by the stock method's
+        parameter names), or None when only the stock method can answer it (e.g. per-layer
+        outputs asked for)."""
         ...
 
-    def feature_output(self, method: str, items: list[torch.Tensor], kwargs: dict[str, Any]) -> Any:
-        """What the stock `method` returns, built from the manager's per-item outputs."""
+    def feature_output(self, method: str, items: list[torch.Tensor], arguments: dict[str, Any]) -> Any:
+        """What the stock `method` returns for `arguments`, built from the manager's per-item outputs."""
         ...
 
     def align_weights(self) -> None:

@@ -68,7 +68,8 @@ def reference_items(model, batch: VisionBatch) -> list[torch.Tensor]:
             deepstack = getattr(output, "deepstack_features", None)
             if deepstack:
                 sizes = [m.shape[0] for m in main]
-                levels = [torch.split(level, sizes) for level in deepstack]
+                # One tensor per level (transformers 5.17) or already one per item (>= 5.18).
+                levels = [torch.split(level, sizes) if torch.is_tensor(level) else level for level in deepstack]
                 main = [torch.cat([m, *(level[i] for level in levels)], -1) for i, m in enumerate(main)]
             items += main
     return items

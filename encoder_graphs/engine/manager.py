@@ -185,9 +185,10 @@ class EncoderCudaGraphManager:
     def poison_buffers(self) -> None:
         """Fill every captured input and output buffer with NaN (integers with 2**30): a test hook.
         Replay refills every input, so graphed outputs must stay exactly as they were."""
-        for buffers in (*self._input_buffers.values(), *self._output_buffers.values()):
-            for tensor in buffers.values():
-                tensor.fill_(float("nan") if tensor.is_floating_point() else 2**30)
+        with torch.inference_mode():  # the buffers are inference tensors
+            for buffers in (*self._input_buffers.values(), *self._output_buffers.values()):
+                for tensor in buffers.values():
+                    tensor.fill_(float("nan") if tensor.is_floating_point() else 2**30)
 
     def _input_views(self, path: str, capture: CaptureInputs) -> dict[str, torch.Tensor]:
         largest = self._input_buffers.setdefault(path, {})
