@@ -9,7 +9,7 @@ def format_encoder_stats(stats: dict) -> str:
     """`EncoderCudaGraphManager.stats()` as a table."""
     calls = f"calls {stats['calls']}, items {stats['items']}"
     if not stats["enabled"]:
-        return f"encoder graphs: off ({stats['disabled_reason']}); {calls}, all eager"
+        return _off("encoder", stats, calls)
     latency = stats["latency_ms"]
     lines = [
         "encoder graphs: on",
@@ -34,7 +34,7 @@ def format_decoder_stats(stats: dict | None) -> str:
         return "decoder graphs: off (decoder=False)"
     steps = f"sequences {stats['sequences']}, decode steps {stats['steps']}"
     if not stats["enabled"]:
-        return f"decoder graphs: off ({stats['disabled_reason']}); {steps}, all eager"
+        return _off("decoder", stats, steps)
     timing = stats["decode_ms_per_step"]
     lines = [
         "decoder graphs: on",
@@ -50,6 +50,11 @@ def format_decoder_stats(stats: dict | None) -> str:
     lines += [f"  eager: {reason} x{count}" for reason, count in stats["eager_reasons"].items()]
     lines += [f"  capture of {graph} failed: {reason}" for graph, reason in stats["failed_graphs"].items()]
     return "\n".join(lines)
+
+
+def _off(what: str, stats: dict, counts: str) -> str:
+    """The one line for graphs that are off: why, and what ran eagerly instead."""
+    return f"{what} graphs: off ({stats['disabled_reason']}); {counts}, all eager"
 
 
 def format_graph_stats(stats: dict) -> str:
