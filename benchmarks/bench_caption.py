@@ -23,14 +23,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from encoder_graphs.models.presets import build_model
-from encoder_graphs.models.synthetic_prompts import Grid, image_prompt, left_pad, mm_token_type_ids
 from PIL import Image
 from timing import copy_bandwidth_gbps, environment, markdown_table, write_json
 from transformers import PretrainedConfig, PreTrainedModel, Qwen2VLImageProcessorPil
 
 from encoder_graphs import enable_cuda_graphs
 from encoder_graphs.engine.stats import latency_summary
+from encoder_graphs.models.presets import build_model
+from encoder_graphs.models.synthetic_prompts import Grid, image_prompt, left_pad, mm_token_type_ids
 
 Batch = dict[str, torch.Tensor]
 DECODE_BATCHES = (1, 8)

@@ -11,12 +11,12 @@ import argparse
 import random
 
 import torch
-from encoder_graphs.models import VisionBatch, adapter_for
-from encoder_graphs.models.presets import build_vision_tower
-from encoder_graphs.models.transformers_seam import attention_implementation, register_varlen_attention
 from timing import environment, markdown_table, matmul_tflops, time_calls, write_json
 
 from encoder_graphs import EncoderCudaGraphManager
+from encoder_graphs.models import VisionBatch, adapter_for
+from encoder_graphs.models.presets import build_vision_tower
+from encoder_graphs.models.transformers_seam import attention_implementation, register_varlen_attention
 
 Grid = tuple[int, int, int]
 

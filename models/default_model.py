@@ -15,9 +15,10 @@ import tempfile
 from pathlib import Path
 
 import torch
+from transformers import GenerationConfig, Qwen2Tokenizer, Qwen2VLForConditionalGeneration
+
 from encoder_graphs.models.presets import get_config
 from encoder_graphs.models.transformers_seam import from_config
-from transformers import GenerationConfig, Qwen2Tokenizer, Qwen2VLForConditionalGeneration
 
 VERSION = 1
 PRESET = "tiny-qwen2-vl"

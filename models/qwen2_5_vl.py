@@ -5,6 +5,7 @@ merger; `cu_window_seqlens` cuts the permuted rows into windows of at most `wind
 """
 
 import torch
+
 from encoder_graphs.models.aligned_mlp import align_gated_mlps, set_gated_mlp_width
 from encoder_graphs.models.qwen_vision import Layout, QwenVisionAdapter, pad_offsets
 from encoder_graphs.models.transformers_seam import get_vision_window_index

@@ -7,6 +7,7 @@ Each item's output row is [main features | deepstack level 0 | level 1 | ...] on
 from typing import Any
 
 import torch
+
 from encoder_graphs.models.qwen_vision import Layout, QwenVisionAdapter, pad_rows
 from encoder_graphs.models.transformers_seam import deepstack_output, get_vision_interpolation_indices_and_weights
 

@@ -13,6 +13,8 @@ from functools import cached_property
 from typing import Any
 
 import torch
+from transformers.modeling_outputs import BaseModelOutputWithPooling
+
 from encoder_graphs.models.attention import default_attention_backend
 from encoder_graphs.models.transformers_seam import (
     attention_implementation,
@@ -27,7 +29,6 @@ from encoder_graphs.protocols import (
     EncoderPathConfig,
     ReplayBuffers,
 )
-from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 PATH = "default"
 # Budgets grow by 2**(1/4): at most ~16% padding instead of doubling's 50%. At large budgets the

@@ -1,7 +1,8 @@
 """Which family adapter serves a transformers model: a registry keyed on transformers classes.
 
 Each entry names the family's config class, its model classes (the *ForConditionalGeneration and
-the inner *Model), its vision tower class and the attribute that holds the tower, the adapter
+the inner *Model), the class of the module its adapter wraps (the vision tower, or for InternVL
+the inner model) and the attribute that holds it, the adapter
 (`SupportsEncoderCudaGraph` + `ModelFamily`) and the caption inputs builder (`CaptionInputs`).
 The table is built at the first lookup, so importing this module loads no adapter.
 """
@@ -29,11 +30,10 @@ class Family:
 
 @cache
 def families() -> tuple[Family, ...]:
-    from encoder_graphs.models.qwen2_5_vl import Qwen2_5_VLAdapter
-    from encoder_graphs.models.qwen2_vl import Qwen2VLAdapter
-    from encoder_graphs.models.qwen3_vl import Qwen3VLAdapter
-    from encoder_graphs.models.qwen_inputs import QwenVLInputs
     from transformers import (
+        InternVLConfig,
+        InternVLForConditionalGeneration,
+        InternVLModel,
         Qwen2_5_VLConfig,
         Qwen2_5_VLForConditionalGeneration,
         Qwen2_5_VLModel,
@@ -47,6 +47,13 @@ def families() -> tuple[Family, ...]:
     from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
     from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
     from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
+
+    from encoder_graphs.models.internvl import InternVLAdapter
+    from encoder_graphs.models.internvl_inputs import InternVLInputs
+    from encoder_graphs.models.qwen2_5_vl import Qwen2_5_VLAdapter
+    from encoder_graphs.models.qwen2_vl import Qwen2VLAdapter
+    from encoder_graphs.models.qwen3_vl import Qwen3VLAdapter
+    from encoder_graphs.models.qwen_inputs import QwenVLInputs
 
     return (
         Family(
@@ -73,6 +80,9 @@ def families() -> tuple[Family, ...]:
             Qwen3VLAdapter,
             QwenVLInputs,
         ),
+        # The InternVL adapter graphs InternVLModel's whole get_image_features (tower, pixel
+        # shuffle, projector), so the module it wraps is the inner model.
+        Family(InternVLConfig, (InternVLForConditionalGeneration,), InternVLModel, "model", InternVLAdapter, InternVLInputs),
     )
 
 

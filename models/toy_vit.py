@@ -9,6 +9,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from torch import nn
+
 from encoder_graphs.models.attention import default_attention_backend, get_attention_backend
 from encoder_graphs.protocols import (
     CaptureInputs,
@@ -17,7 +19,6 @@ from encoder_graphs.protocols import (
     EncoderPathConfig,
     ReplayBuffers,
 )
-from torch import nn
 
 GLOBAL, LOCAL = "global", "local"
 

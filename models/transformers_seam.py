@@ -12,7 +12,6 @@ from typing import Any
 
 import torch
 import transformers
-from encoder_graphs.models.attention import get_attention_backend
 from packaging.version import Version
 from transformers import AttentionInterface, DynamicCache, GenerationConfig, PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -25,6 +24,8 @@ from transformers.vision_utils import (
     get_vision_position_ids,
     get_vision_window_index,
 )
+
+from encoder_graphs.models.attention import get_attention_backend
 
 TESTED_RANGE = ("5.17.0", "5.23.0")
 _VARLEN_PREFIX = "encoder_graphs_flash_"
@@ -47,7 +48,9 @@ __all__ = [
     "get_vision_window_index",
     "layer_key_values",
     "prepare_generation_config",
+    "register_dense_attention",
     "register_varlen_attention",
+    "static_rope",
 ]
 
 
@@ -106,6 +109,35 @@ def register_varlen_attention(backend: str) -> str:
     return name
 
 
+# 5.17.0, 5.23.0: attention modules that batch whole sequences (InternViT: one tile per row, no
+# mask) call the implementation named in their config with q, k, v [batch, heads, tokens, dim].
+def register_dense_attention(backend: str) -> str:
+    """Register varlen backend `backend` for dense, unmasked, non-causal attention over a batch of
+    equal-length sequences (each row of the batch one segment); the implementation name to use."""
+    attention = get_attention_backend(backend)
+    name = f"encoder_graphs_dense_{backend}"
+
+    def dense_attention_forward(
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        scaling: float | None = None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, None]:
+        if attention_mask is not None:
+            raise ValueError(f"{name} takes no attention mask")
+        batch, heads, tokens, dim = query.shape
+        q, k, v = (x.transpose(1, 2).reshape(batch * tokens, heads, dim) for x in (query, key, value))
+        cu_seqlens = torch.arange(0, (batch + 1) * tokens, tokens, dtype=torch.int32, device=query.device)
+        out = attention(q, k, v, cu_seqlens, tokens, scale=scaling)
+        return out.view(batch, tokens, heads, dim), None
+
+    AttentionInterface.register(name, dense_attention_forward)
+    return name
+
+
 # 5.17.0, 5.23.0: `generate` resolves its settings (arguments > generation_config argument >
 # model.generation_config > defaults) and checks model kwargs in these private methods.
 def prepare_generation_config(
@@ -133,6 +165,31 @@ def dynamic_cache(config: PretrainedConfig) -> Cache:
 
 def layer_key_values(cache: Cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+# 5.17.0, 5.23.0: a "dynamic" rotary embedding (InternVL3's language models) syncs with the host
+# on every call to compare the largest position with its cached length, which a graph capture
+# forbids. Below `original_max_seq_len` it never changes the frequencies, so while no position
+# reaches that, reading its rope type as plain gives the same result without the sync.
+@contextmanager
+def static_rope(model: torch.nn.Module, max_positions: int) -> Iterator[None]:
+    """Within the block, dynamic rotary embeddings that `max_positions` cannot grow skip their
+    host-side length check."""
+    modules = [
+        module
+        for module in model.modules()
+        if isinstance(getattr(module, "rope_type", None), str)
+        and "dynamic" in module.rope_type
+        and max_positions <= getattr(module, "original_max_seq_len", 0)
+    ]
+    saved = [module.rope_type for module in modules]
+    for module in modules:
+        module.rope_type = "default"
+    try:
+        yield
+    finally:
+        for module, rope_type in zip(modules, saved):
+            module.rope_type = rope_type
 
 
 # 5.17.0, 5.23.0: `_from_config` builds a model from a config without loading weights.

@@ -57,6 +57,9 @@ class EncoderCudaGraphConfig:
     max_frames_per_item: int = 1
     dtype: torch.dtype = torch.float32
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    # The most items one sub-batch may hold by default (None: the manager's own default, kept
+    # small for varlen attention, whose kernels launch blocks for every segment slot).
+    max_items: int | None = None
 
     def __post_init__(self) -> None:
         if not self.paths:
@@ -66,6 +69,8 @@ class EncoderCudaGraphConfig:
             raise ValueError(f"path names repeat: {names}")
         if self.max_frames_per_item < 1:
             raise ValueError(f"max_frames_per_item must be >= 1, got {self.max_frames_per_item}")
+        if self.max_items is not None and self.max_items < 1:
+            raise ValueError(f"max_items must be >= 1, got {self.max_items}")
 
     @property
     def path_names(self) -> list[str]:

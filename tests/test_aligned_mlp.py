@@ -1,8 +1,8 @@
 import torch
-from encoder_graphs.models import Qwen2_5_VLAdapter, VisionBatch
-from encoder_graphs.models.presets import build_model, build_vision_tower, get_config
 
 from encoder_graphs import enable_cuda_graphs
+from encoder_graphs.models import Qwen2_5_VLAdapter, VisionBatch
+from encoder_graphs.models.presets import build_model, build_vision_tower, get_config
 
 
 def test_aligned_mlp_is_exact_and_restorable():

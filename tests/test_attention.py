@@ -3,6 +3,7 @@ import random
 
 import pytest
 import torch
+
 from encoder_graphs.models.attention import get_attention_backend, sdpa_varlen_attention
 
 

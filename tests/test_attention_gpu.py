@@ -3,8 +3,9 @@ import random
 
 import pytest
 import torch
-from encoder_graphs.models.attention import get_attention_backend, sdpa_varlen_attention
 from test_attention import random_layout
+
+from encoder_graphs.models.attention import get_attention_backend, sdpa_varlen_attention
 
 pytestmark = [
     pytest.mark.gpu,

@@ -12,8 +12,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from encoder_graphs.models.default_model import SPECIAL_TOKENS, default_model_dir
-from encoder_graphs.models.qwen_inputs import QwenVLInputs
 from PIL import Image
 from test_media import write_video, write_zoo
 from transformers import AutoTokenizer, Qwen2VLForConditionalGeneration
@@ -23,6 +21,8 @@ from encoder_graphs.app.config import CaptionConfig
 from encoder_graphs.app.media import SAMPLES_DIR, LoadLimits, discover
 from encoder_graphs.app.pipeline import Captioner, Pending, RunStats, longest_sequence
 from encoder_graphs.app.results import ResultsFile, read_records
+from encoder_graphs.models.default_model import SPECIAL_TOKENS, default_model_dir
+from encoder_graphs.models.qwen_inputs import QwenVLInputs
 
 FAST = ["--max-new-tokens", "3", "--quiet"]
 

@@ -4,6 +4,10 @@ reloaded for real."""
 
 import pytest
 import torch
+
+from encoder_graphs.decoder.buffers import DecoderGraphConfig, default_buckets, default_length_tiers
+from encoder_graphs.decoder.runner import DecoderGraphRunner
+from encoder_graphs.decoder.static_cache import static_decode_attention
 from encoder_graphs.models.presets import PRESETS, build_model
 from encoder_graphs.models.synthetic_prompts import (
     image_prompt,
@@ -12,10 +16,6 @@ from encoder_graphs.models.synthetic_prompts import (
     random_pixels,
     random_text,
 )
-
-from encoder_graphs.decoder.buffers import DecoderGraphConfig, default_buckets, default_length_tiers
-from encoder_graphs.decoder.runner import DecoderGraphRunner
-from encoder_graphs.decoder.static_cache import static_decode_attention
 from encoder_graphs.report import format_decoder_stats
 
 FAMILIES = ["tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl"]

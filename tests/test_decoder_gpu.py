@@ -16,10 +16,10 @@ import gc
 
 import pytest
 import torch
-from encoder_graphs.models.presets import build_model
-from encoder_graphs.models.synthetic_prompts import image_prompt, left_pad, mm_token_type_ids, random_pixels
 
 from encoder_graphs import DecoderGraphRunner, enable_cuda_graphs
+from encoder_graphs.models.presets import build_model
+from encoder_graphs.models.synthetic_prompts import image_prompt, left_pad, mm_token_type_ids, random_pixels
 
 pytestmark = [
     pytest.mark.gpu,

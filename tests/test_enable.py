@@ -5,11 +5,11 @@ saved and reloaded for real."""
 
 import pytest
 import torch
-from encoder_graphs.models.presets import PRESETS, build_model
 from test_decoder import make_batch
 from transformers import GenerationConfig
 
 from encoder_graphs import DecoderGraphRunner, enable_cuda_graphs
+from encoder_graphs.models.presets import PRESETS, build_model
 
 FAMILIES = ["tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl"]
 NEW_TOKENS = 10

@@ -1,14 +1,15 @@
 from dataclasses import dataclass, field
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from encoder_graphs.packing import (
     generate_budgets,
     greedy_pack,
     load_balance,
     smallest_fitting_budget,
 )
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 
 @dataclass

@@ -2,9 +2,10 @@
 
 import pytest
 import torch
+from transformers import AutoConfig, AutoModelForImageTextToText
+
 from encoder_graphs.models import adapter_for, supported_architectures
 from encoder_graphs.models.presets import PRESETS, build_model, build_vision_tower, get_config
-from transformers import AutoConfig, AutoModelForImageTextToText
 
 # Key fields of Qwen/Qwen2-VL-2B-Instruct, Qwen/Qwen2.5-VL-{3B,7B}-Instruct, Qwen/Qwen3-VL-2B-Instruct.
 PUBLIC = {
@@ -44,6 +45,28 @@ PUBLIC = {
         tie=True,
     ),
 }
+# OpenGVLab/InternVL3-1B-hf and InternVL3_5-2B-HF config.json, and the 6B tower of InternVL3-38B-hf
+# (OpenGVLab's internvl_custom2hf.py writes the same tower values).
+INTERNVIT_300M = dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096,
+                      norm_type="layer_norm", use_qk_norm=False, image_size=[448, 448], patch_size=[14, 14])
+PUBLIC_INTERNVL = {
+    "internvl3-1b": dict(
+        text=dict(model_type="qwen2", hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
+                  num_key_value_heads=2, intermediate_size=4864, vocab_size=151674, max_position_embeddings=32768),
+        vision=INTERNVIT_300M, image_token_id=151667, rope="dynamic", tie=True,
+    ),
+    "internvl3.5-2b": dict(
+        text=dict(model_type="qwen3", hidden_size=2048, num_hidden_layers=28, num_attention_heads=16,
+                  num_key_value_heads=8, head_dim=128, intermediate_size=6144, vocab_size=151936),
+        vision=INTERNVIT_300M, image_token_id=151671, rope="default", tie=True,
+    ),
+    "internvl3-38b-vision": dict(
+        text=dict(model_type="qwen2", hidden_size=5120, num_hidden_layers=1, vocab_size=151674),
+        vision=dict(hidden_size=3200, num_hidden_layers=45, num_attention_heads=25, intermediate_size=12800,
+                    norm_type="rms_norm", use_qk_norm=True, image_size=[448, 448], patch_size=[14, 14]),
+        image_token_id=151667, rope="dynamic", tie=False,
+    ),
+}
 TINY = [name for name in PRESETS if name.startswith("tiny-")]
 
 
@@ -61,8 +84,23 @@ def test_real_preset_matches_public_config(name):
     assert (config.image_token_id, config.video_token_id) == (151655, 151656)
 
 
+@pytest.mark.parametrize("name", sorted(PUBLIC_INTERNVL))
+def test_real_internvl_preset_matches_public_config(name):
+    config = get_config(name)
+    expected = PUBLIC_INTERNVL[name]
+    for part in ("text", "vision"):
+        for key, value in expected[part].items():
+            got = getattr(getattr(config, f"{part}_config"), key)
+            assert (list(got) if isinstance(got, tuple) else got) == value, key
+    assert config.image_token_id == expected["image_token_id"]
+    assert config.text_config.rope_parameters["rope_type"] == expected["rope"]
+    assert config.tie_word_embeddings is expected["tie"]
+    assert (config.image_seq_length, config.downsample_ratio, config.vision_feature_layer) == (256, 0.5, -1)
+    assert config.vision_feature_select_strategy == "default"
+
+
 def test_every_preset_is_a_supported_architecture():
-    assert set(PUBLIC) | set(TINY) == set(PRESETS)
+    assert set(PUBLIC) | set(PUBLIC_INTERNVL) | set(TINY) == set(PRESETS)
     for name in PRESETS:
         assert PRESETS[name].model_class.__name__ in supported_architectures()
 
@@ -86,7 +124,10 @@ def test_tiny_preset_round_trips(name, tmp_path):
     model = build_model(name, seed=3)
     assert not model.training
     config = model.config.vision_config
-    assert config.spatial_merge_size == 2 and config.temporal_patch_size == 2
+    if "internvl" in name:
+        assert model.config.image_seq_length == (config.image_size[0] // config.patch_size[0] // 2) ** 2
+    else:
+        assert config.spatial_merge_size == 2 and config.temporal_patch_size == 2
     model.save_pretrained(tmp_path)
     assert type(AutoConfig.from_pretrained(tmp_path)) is type(model.config)
     loaded = AutoModelForImageTextToText.from_pretrained(tmp_path, dtype=torch.float32)

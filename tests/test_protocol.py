@@ -1,5 +1,7 @@
 import pytest
 import torch
+
+from encoder_graphs import EncoderCudaGraphManager
 from encoder_graphs.models.toy_vit import ToyViT
 from encoder_graphs.protocols import (
     PROTOCOL_METHODS,
@@ -8,8 +10,6 @@ from encoder_graphs.protocols import (
     EncoderPathConfig,
     SupportsEncoderCudaGraph,
 )
-
-from encoder_graphs import EncoderCudaGraphManager
 
 
 class HalfModel:

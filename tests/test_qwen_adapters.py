@@ -9,15 +9,15 @@ import random
 
 import pytest
 import torch
+from transformers import AutoModelForImageTextToText, LlamaConfig, LlamaForCausalLM
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+from encoder_graphs import EncoderCudaGraphManager, enable_cuda_graphs
 from encoder_graphs.models import VisionBatch, adapter_for, supported_architectures
 from encoder_graphs.models.presets import build_model
 from encoder_graphs.models.qwen_vision import pad_offsets
 from encoder_graphs.models.synthetic_prompts import left_pad, mm_token_type_ids, random_pixels, vision_span
 from encoder_graphs.protocols import SupportsEncoderCudaGraph
-from transformers import AutoModelForImageTextToText, LlamaConfig, LlamaForCausalLM
-from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
-
-from encoder_graphs import EncoderCudaGraphManager, enable_cuda_graphs
 
 FAMILIES = ["tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl"]
 ODD_SIZES = [(37, 211), (333, 97), (501, 499), (64, 64), (120, 450), (29, 29)]

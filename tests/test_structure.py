@@ -7,9 +7,9 @@ import warnings
 
 import pytest
 import torch
-from encoder_graphs.models.transformers_seam import TESTED_RANGE, check_version
 
 from encoder_graphs.engine.capture import is_capture_failure
+from encoder_graphs.models.transformers_seam import TESTED_RANGE, check_version
 
 
 def loaded_after(code: str) -> set[str]:

@@ -3,6 +3,7 @@
 import random
 
 import torch
+
 from encoder_graphs.models.toy_vit import ToyItem
 
 

@@ -8,7 +8,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from encoder_graphs.app.config import DEFAULT_PROMPT, CaptionConfig
 
@@ -241,30 +241,36 @@ def _load_checkpoint(
 
 
 def _load_preset(name: str, dtype: "torch.dtype", device: "torch.device") -> "tuple[PreTrainedModel, CaptionInputs]":
-    """A random-weight preset with the embedded tiny tokenizer, when that tokenizer fits it."""
-    from encoder_graphs.models.default_model import default_model_dir
-    from encoder_graphs.models.presets import PRESETS, build_model, get_config
-    from encoder_graphs.models.registry import family_for_config
+    """A random-weight preset with the embedded tiny model's tokenizer, when that tokenizer fits it."""
+    from encoder_graphs.models.presets import PRESETS, build_model
 
-    config = get_config(name)
-    inputs = family_for_config(config).inputs.from_pretrained(default_model_dir())
-    try:
-        inputs.check_model(config)  # before building: a large preset takes GBs
-    except ValueError as error:
-        fitting = [preset for preset in sorted(PRESETS) if _fits(inputs, get_config(preset))]
+    inputs = _embedded_inputs(name)
+    if inputs is None:
+        fitting = [preset for preset in sorted(PRESETS) if _embedded_inputs(preset) is not None]
         raise UsageError(
             f"preset {name} has random weights and no tokenizer, and the embedded tiny tokenizer does "
-            f"not fit it ({error}); use a checkpoint directory or one of {', '.join(fitting)}"
-        ) from error
+            f"not fit it; use a checkpoint directory or one of {', '.join(fitting)}"
+        )
     return build_model(name, dtype=dtype, device=device), inputs
 
 
-def _fits(inputs: "CaptionInputs", config: Any) -> bool:
+def _embedded_inputs(preset: str) -> "CaptionInputs | None":
+    """The embedded tiny model's tokenizer and processor, when they fit `preset` (checked before
+    building: a large preset takes GBs)."""
+    from encoder_graphs.models.default_model import PRESET, default_model_dir
+    from encoder_graphs.models.presets import get_config
+    from encoder_graphs.models.registry import family_for_config
+
+    config = get_config(preset)
+    family = family_for_config(config)
+    if family.inputs is not family_for_config(get_config(PRESET)).inputs:
+        return None
+    inputs = family.inputs.from_pretrained(default_model_dir())
     try:
         inputs.check_model(config)
     except ValueError:
-        return False
-    return True
+        return None
+    return inputs
 
 
 def _positive_int(text: str) -> int:

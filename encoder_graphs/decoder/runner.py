@@ -25,7 +25,7 @@ from encoder_graphs.decoder.stats import DecodeCounters
 from encoder_graphs.decoder.step import decode_step, prefill
 from encoder_graphs.engine.capture import GraphCapture, unavailable_reason
 from encoder_graphs.models.registry import family_class
-from encoder_graphs.models.transformers_seam import generation_position_ids
+from encoder_graphs.models.transformers_seam import generation_position_ids, static_rope
 from encoder_graphs.packing import smallest_fitting_budget
 from encoder_graphs.protocols import ModelFamily
 from encoder_graphs.report import format_decoder_stats
@@ -165,7 +165,8 @@ class DecoderGraphRunner:
                 prompt_mask=buffers.mask[:0, :0],
                 next_positions=buffers.positions.narrow(-2, 0, 0),
             )
-            graph, _ = self._capture.graph(lambda: decode_step(self.model, buffers, bucket, tier, cache), warmups=2)
+            with static_rope(self.model, tier):  # positions stay below `tier`: no host check needed
+                graph, _ = self._capture.graph(lambda: decode_step(self.model, buffers, bucket, tier, cache), warmups=2)
         self._caches[bucket, tier] = cache  # the graph reads these views: keep them alive
         self.graphs[bucket, tier] = graph
 

@@ -83,7 +83,7 @@ class EncoderCudaGraphManager:
         # Attention kernels launch (segment slots x max_seqlen blocks) whether or not a slot is
         # used, so the caps are kept small rather than sized for the worst case of every budget.
         if max_items is None:
-            max_items = min(DEFAULT_MAX_ITEMS, max(1, largest // smallest))
+            max_items = self.config.max_items or min(DEFAULT_MAX_ITEMS, max(1, largest // smallest))
         if max_frames is None:
             max_frames = max(max_items, self.config.max_frames_per_item)
         self.max_items, self.max_frames = max_items, max_frames
