@@ -80,24 +80,25 @@ def build_default_model(target: Path) -> None:
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def build_tokenizer() -> Qwen2Tokenizer:
-    """Byte-level tokenizer with no merges: one token per byte, special tokens at fixed ids.
+def build_tokenizer(
+    special_tokens: dict[str, int] = SPECIAL_TOKENS, named_tokens: dict[str, str] | None = None
+) -> Qwen2Tokenizer:
+    """Byte-level tokenizer with no merges: one token per byte, `special_tokens` at fixed ids
+    (`<|endoftext|>` pads, `<|im_end|>` ends); `named_tokens` become named attributes
+    (`tokenizer.context_image_token` ...), as InternVL's processor reads them.
 
-    256 ids cannot hold 256 bytes and 7 specials, so the 7 rarest bytes (control bytes 0x01-0x07)
+    256 ids cannot hold 256 bytes and the specials, so the rarest bytes (control bytes from 0x01)
     have no token and are dropped when encoding.
     """
-    free_ids = [i for i in range(VOCAB_SIZE) if i not in SPECIAL_TOKENS.values()]
-    dropped = set(range(1, 1 + len(SPECIAL_TOKENS)))
+    free_ids = [i for i in range(VOCAB_SIZE) if i not in special_tokens.values()]
+    dropped = set(range(1, 1 + len(special_tokens)))
     kept_bytes = [b for b in range(256) if b not in dropped]
     byte_chars = _bytes_to_unicode()
     vocab = {byte_chars[b]: i for b, i in zip(kept_bytes, free_ids, strict=True)}
-    vocab.update(SPECIAL_TOKENS)
+    vocab.update(special_tokens)
+    extra = named_tokens or [t for t in special_tokens if t not in ("<|endoftext|>", "<|im_end|>")]
     tokenizer = Qwen2Tokenizer(
-        vocab=vocab,
-        merges=[],
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        additional_special_tokens=[t for t in SPECIAL_TOKENS if t not in ("<|endoftext|>", "<|im_end|>")],
+        vocab=vocab, merges=[], eos_token="<|im_end|>", pad_token="<|endoftext|>", extra_special_tokens=extra
     )
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
@@ -143,7 +144,7 @@ def _write_processor_configs(directory: Path) -> None:
     # Written as JSON rather than through the processor classes: Qwen2VLVideoProcessor (and so
     # Qwen2VLProcessor) cannot be built without torchvision, but loading them where torchvision
     # exists must still work.
-    _write_json(
+    write_json(
         directory / "preprocessor_config.json",
         dict(
             image_processor_type="Qwen2VLImageProcessor",
@@ -153,7 +154,7 @@ def _write_processor_configs(directory: Path) -> None:
             **normalize,
         ),
     )
-    _write_json(
+    write_json(
         directory / "video_preprocessor_config.json",
         dict(
             video_processor_type="Qwen2VLVideoProcessor",
@@ -164,11 +165,11 @@ def _write_processor_configs(directory: Path) -> None:
             **normalize,
         ),
     )
-    _write_json(directory / "processor_config.json", dict(processor_class="Qwen2VLProcessor"))
+    write_json(directory / "processor_config.json", dict(processor_class="Qwen2VLProcessor"))
     (directory / "chat_template.jinja").write_text(CHAT_TEMPLATE)
 
 
-def _write_json(path: Path, payload: dict) -> None:
+def write_json(path: Path, payload: dict) -> None:
     path.write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
 
 

@@ -55,7 +55,8 @@ class QwenVLInputs:
             raise ValueError("the tokenizer has no chat template")
 
     @classmethod
-    def from_pretrained(cls, directory: str | Path) -> "QwenVLInputs":
+    def from_pretrained(cls, directory: str | Path, *, max_tiles: int | None = None) -> "QwenVLInputs":
+        """`max_tiles` is ignored: Qwen-VL sizes its grid to the image, it does not tile."""
         directory = Path(directory)
         tokenizer = AutoTokenizer.from_pretrained(directory)
         image_processor = Qwen2VLImageProcessorPil.from_pretrained(directory)

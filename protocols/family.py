@@ -57,7 +57,10 @@ class CaptionInputs(Protocol):
     """Prompts and pixels for one family's checkpoints, built without torchvision."""
 
     @classmethod
-    def from_pretrained(cls, directory: str | Path) -> "CaptionInputs": ...
+    def from_pretrained(cls, directory: str | Path, *, max_tiles: int | None = None) -> "CaptionInputs":
+        """The tokenizer and processor of a checkpoint directory. `max_tiles`: tiles per image for
+        families that tile images (None: the checkpoint's); others ignore it."""
+        ...
 
     @property
     def eos_token_id(self) -> int: ...

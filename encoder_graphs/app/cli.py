@@ -58,6 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-frames", type=_even_int, default=16, help="frames sampled per video, even (default: %(default)s)"
     )
     caption.add_argument(
+        "--max-tiles",
+        type=_positive_int,
+        default=None,
+        help="tiles per image for tiling models (InternVL; default: the checkpoint's); others ignore it",
+    )
+    caption.add_argument(
         "--out",
         type=Path,
         default=Path("captions.jsonl"),
@@ -97,7 +103,7 @@ def caption(args: argparse.Namespace) -> int:
         print(f"nothing to do: all {len(files)} files are already in {args.out} ({failed} of them as errors)")
         return _exit_status(results, files)
     device = _device(args.device)
-    model, inputs = load_model(args.model, device)
+    model, inputs = load_model(args.model, device, max_tiles=args.max_tiles)
     summary, graph_stats, graph_table = _run(args, model, inputs, config, files, results, todo)
     from encoder_graphs.report import format_run_stats
 
@@ -199,7 +205,9 @@ def _exit_status(results: "ResultsFile", files: "list[MediaFile]") -> int:
     return EXIT_FAILURES if any(results.is_failed(f.path) for f in files) else EXIT_OK
 
 
-def load_model(name: str | None, device: "torch.device") -> "tuple[PreTrainedModel, CaptionInputs]":
+def load_model(
+    name: str | None, device: "torch.device", *, max_tiles: int | None = None
+) -> "tuple[PreTrainedModel, CaptionInputs]":
     """(model, inputs) for a checkpoint directory, a preset name, or the embedded default."""
     import torch
     from transformers.utils import logging as hf_logging
@@ -209,7 +217,7 @@ def load_model(name: str | None, device: "torch.device") -> "tuple[PreTrainedMod
     hf_logging.disable_progress_bar()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if name is not None and name in PRESETS and not Path(name).exists():
-        return _load_preset(name, dtype, device)
+        return _load_preset(name, dtype, device, max_tiles)
     from encoder_graphs.models.default_model import default_model_dir
 
     directory = default_model_dir() if name is None else Path(name)
@@ -218,11 +226,11 @@ def load_model(name: str | None, device: "torch.device") -> "tuple[PreTrainedMod
             f"--model {name}: neither a checkpoint directory (no config.json) nor a preset "
             f"({', '.join(sorted(PRESETS))})"
         )
-    return _load_checkpoint(directory, dtype, device)
+    return _load_checkpoint(directory, dtype, device, max_tiles)
 
 
 def _load_checkpoint(
-    directory: Path, dtype: "torch.dtype", device: "torch.device"
+    directory: Path, dtype: "torch.dtype", device: "torch.device", max_tiles: int | None
 ) -> "tuple[PreTrainedModel, CaptionInputs]":
     from transformers import AutoConfig, AutoModelForImageTextToText
 
@@ -230,7 +238,7 @@ def _load_checkpoint(
 
     try:
         config = AutoConfig.from_pretrained(directory, trust_remote_code=False)
-        inputs = family_for_config(config).inputs.from_pretrained(directory)
+        inputs = family_for_config(config).inputs.from_pretrained(directory, max_tiles=max_tiles)
         inputs.check_model(config)  # before loading: a large checkpoint takes GBs
         model = AutoModelForImageTextToText.from_pretrained(
             directory, dtype=dtype, use_safetensors=True, trust_remote_code=False
@@ -240,13 +248,15 @@ def _load_checkpoint(
     return model.to(device).eval(), inputs
 
 
-def _load_preset(name: str, dtype: "torch.dtype", device: "torch.device") -> "tuple[PreTrainedModel, CaptionInputs]":
+def _load_preset(
+    name: str, dtype: "torch.dtype", device: "torch.device", max_tiles: int | None
+) -> "tuple[PreTrainedModel, CaptionInputs]":
     """A random-weight preset with the embedded tiny model's tokenizer, when that tokenizer fits it."""
     from encoder_graphs.models.presets import PRESETS, build_model
 
-    inputs = _embedded_inputs(name)
+    inputs = _embedded_inputs(name, max_tiles)
     if inputs is None:
-        fitting = [preset for preset in sorted(PRESETS) if _embedded_inputs(preset) is not None]
+        fitting = [preset for preset in sorted(PRESETS) if _embedded_inputs(preset, max_tiles) is not None]
         raise UsageError(
             f"preset {name} has random weights and no tokenizer, and the embedded tiny tokenizer does "
             f"not fit it; use a checkpoint directory or one of {', '.join(fitting)}"
@@ -254,7 +264,7 @@ def _load_preset(name: str, dtype: "torch.dtype", device: "torch.device") -> "tu
     return build_model(name, dtype=dtype, device=device), inputs
 
 
-def _embedded_inputs(preset: str) -> "CaptionInputs | None":
+def _embedded_inputs(preset: str, max_tiles: int | None) -> "CaptionInputs | None":
     """The embedded tiny model's tokenizer and processor, when they fit `preset` (checked before
     building: a large preset takes GBs)."""
     from encoder_graphs.models.default_model import PRESET, default_model_dir
@@ -265,7 +275,7 @@ def _embedded_inputs(preset: str) -> "CaptionInputs | None":
     family = family_for_config(config)
     if family.inputs is not family_for_config(get_config(PRESET)).inputs:
         return None
-    inputs = family.inputs.from_pretrained(default_model_dir())
+    inputs = family.inputs.from_pretrained(default_model_dir(), max_tiles=max_tiles)
     try:
         inputs.check_model(config)
     except ValueError:
