@@ -6,10 +6,11 @@ is captioned in folder order at a fixed batch size, exactly `--new-tokens` token
 EOS id outside the vocabulary), first by the stock `model.generate`, then by the same call after
 `enable_cuda_graphs(model)` on the same model. Inputs are built before timing (presets have no
 tokenizer: random text ids around the image placeholders, pixels from the Qwen2-VL image
-processor), so the timed part is `generate` alone. Then decode ms/token at batch 1 and 8, derived
+processor, or for InternVL the tiles of its own tiling processor), so the timed part is `generate`
+alone. Then decode ms/token at batch 1 and 8, derived
 the same way on both sides as (generate of 1 + N tokens - generate of 1 token) / N, against the
 weight-bytes floor (text-stack and lm_head weights read once per step at the measured copy rate).
-    python3 benchmarks/bench_caption.py [--preset qwen2.5-vl-3b] [--quick] [--json out.json]
+    python3 benchmarks/bench_caption.py [--preset qwen2.5-vl-3b | internvl3.5-2b] [--quick] [--json out.json]
     python3 benchmarks/bench_caption.py --preset tiny-qwen2-vl --images 8 --device cpu   # smoke run
 """
 
@@ -25,12 +26,12 @@ import numpy as np
 import torch
 from PIL import Image
 from timing import copy_bandwidth_gbps, environment, markdown_table, write_json
-from transformers import PretrainedConfig, PreTrainedModel, Qwen2VLImageProcessorPil
+from transformers import GotOcr2ImageProcessorPil, PretrainedConfig, PreTrainedModel, Qwen2VLImageProcessorPil
 
 from encoder_graphs import enable_cuda_graphs
 from encoder_graphs.engine.stats import latency_summary
 from encoder_graphs.models.presets import build_model
-from encoder_graphs.models.synthetic_prompts import Grid, image_prompt, left_pad, mm_token_type_ids
+from encoder_graphs.models.synthetic_prompts import Grid, image_prompt, left_pad, mm_token_type_ids, tile_prompt
 
 Batch = dict[str, torch.Tensor]
 DECODE_BATCHES = (1, 8)
@@ -89,6 +90,32 @@ class PromptBuilder:
         batch["mm_token_type_ids"] = mm_token_type_ids(batch["input_ids"], self.config)
         batch["pixel_values"] = torch.cat(pixels).to(self.dtype)
         batch["image_grid_thw"] = torch.tensor(grids)
+        return {key: value.to(self.device) for key, value in batch.items()}
+
+
+class TilePromptBuilder:
+    """InternVL inputs by hand: random text ids around `image_seq_length` image tokens per tile;
+    tiles from the processor's own tiling (up to 12 and a thumbnail, ImageNet normalisation)."""
+
+    def __init__(self, config: PretrainedConfig, device: torch.device, dtype: torch.dtype, seed: int = 0) -> None:
+        self.config = config
+        self.device = device
+        self.dtype = dtype
+        side = config.vision_config.image_size[0]
+        self.processor = GotOcr2ImageProcessorPil(
+            size={"height": side, "width": side},
+            crop_to_patches=True,
+            max_patches=12,
+            image_mean=[0.485, 0.456, 0.406],
+            image_std=[0.229, 0.224, 0.225],
+        )
+        self.rng = torch.Generator().manual_seed(seed)
+
+    def batch(self, images: list[Image.Image]) -> Batch:
+        """Left-padded (token 0, mask 0), on the device; every tile of the batch in prompt order."""
+        tiles = [self.processor(images=[image.convert("RGB")], return_tensors="pt")["pixel_values"] for image in images]
+        batch = left_pad([tile_prompt(self.config, len(t), 8, 12, self.rng) for t in tiles])
+        batch["pixel_values"] = torch.cat(tiles).to(self.dtype)
         return {key: value.to(self.device) for key, value in batch.items()}
 
 
@@ -246,7 +273,8 @@ def main() -> None:
     started = time.perf_counter()
     model = build_model(args.preset, dtype=dtype, device=device)
     build_s = time.perf_counter() - started
-    builder = PromptBuilder(model.config, device, dtype)
+    tiled = model.config.model_type == "internvl"
+    builder = (TilePromptBuilder if tiled else PromptBuilder)(model.config, device, dtype)
     with tempfile.TemporaryDirectory() as folder:
         images = [Image.open(path) for path in write_images(Path(folder), count)]
         batches = [builder.batch(images[i : i + args.batch_size]) for i in range(0, count, args.batch_size)]

@@ -1,10 +1,12 @@
 """Vision-tower latency: stock transformers vs encoder-graphs, on real-size configs with random weights.
 
 Columns: stock transformers (its default attention), stock transformers through our varlen
-attention, ours with graphs, ours with graphs off, the FLOP floor at the measured matmul rate, and
-the padding waste of the graphed run. Both "ours" columns run with the adapter's exact weight
-alignment (Qwen2.5-VL's MLP padded from 3420 to 3424); both "stock" columns on the original weights. Run on a CUDA machine:
-    python3 benchmarks/bench_encoder.py [--preset qwen2.5-vl-7b] [--quick] [--json out.json]
+attention (InternVL: our dense FA2), ours with graphs, ours with graphs off, the FLOP floor at the
+measured matmul rate, and the padding waste of the graphed run. Both "ours" columns run with the
+adapter's exact weight alignment (Qwen2.5-VL's MLP padded from 3420 to 3424); both "stock" columns
+on the original weights. InternVL rows time the whole `get_image_features` (InternViT, pixel
+shuffle, projector) over tiles. Run on a CUDA machine:
+    python3 benchmarks/bench_encoder.py [--preset qwen2.5-vl-7b] [--internvl internvl3-1b] [--quick] [--json out.json]
 """
 
 import argparse
@@ -15,8 +17,12 @@ from timing import environment, markdown_table, matmul_tflops, time_calls, write
 
 from encoder_graphs import EncoderCudaGraphManager
 from encoder_graphs.models import VisionBatch, adapter_for
-from encoder_graphs.models.presets import build_vision_tower
-from encoder_graphs.models.transformers_seam import attention_implementation, register_varlen_attention
+from encoder_graphs.models.presets import build_model, build_vision_tower
+from encoder_graphs.models.transformers_seam import (
+    attention_implementation,
+    register_dense_attention,
+    register_varlen_attention,
+)
 
 Grid = tuple[int, int, int]
 
@@ -61,20 +67,96 @@ def flops(tower: torch.nn.Module, grids: list[Grid]) -> float:
     return total
 
 
+def internvl_workloads() -> dict[str, list[int]]:
+    """Tiles per item: an image is 1..12 tiles plus a thumbnail, a video frame one tile."""
+    rng = random.Random(0)
+    return {
+        "1 image, 1 tile": [1],
+        "1 image, 13 tiles": [13],
+        "8 images, mixed tiles": [rng.choice([1, 3, 5, 7, 9, 13]) for _ in range(8)],
+        "1 video, 16 frames": [1] * 16,
+    }
+
+
+def internvl_flops(model: torch.nn.Module, tiles: int) -> float:
+    """Matmul FLOPs of get_image_features: every InternViT linear on every token (CLS + patches),
+    attention within each tile, the projector on the shuffled tokens."""
+    vision = model.config.vision_config
+    tokens = (vision.image_size[0] // vision.patch_size[0]) ** 2 + 1
+    tower = model.model.vision_tower
+    layer_params = sum(m.weight.numel() for m in tower.encoder.modules() if isinstance(m, torch.nn.Linear))
+    embed = tower.embeddings.patch_embeddings.projection.weight.numel()
+    projector = sum(m.weight.numel() for m in model.model.multi_modal_projector.modules() if isinstance(m, torch.nn.Linear))
+    attention = 4 * tokens**2 * vision.hidden_size * vision.num_hidden_layers
+    return tiles * (2 * tokens * (layer_params + embed) + attention + 2 * model.config.image_seq_length * projector)
+
+
+def run_internvl(preset: str, rate: float, warmup: int, iters: int) -> tuple[list[list[str]], dict]:
+    model = build_model(preset, dtype=torch.bfloat16, device="cuda")
+    inner = model.model
+    side = model.config.vision_config.image_size[0]
+    stock = lambda pixels: type(inner).get_image_features(inner, pixels, return_dict=True)  # noqa: E731
+    dense = register_dense_attention("torch")
+    managers = {"graphs": EncoderCudaGraphManager(adapter_for(model)),
+                "graphs_fa2": EncoderCudaGraphManager(adapter_for(model, attn_backend="torch")),
+                "graphs_off": EncoderCudaGraphManager(adapter_for(model), enabled=False)}
+    for manager in managers.values():
+        manager.capture()
+    rows, results = [], []
+    for name, items in internvl_workloads().items():
+        pixels = torch.randn(sum(items), 3, side, side, device="cuda", dtype=torch.bfloat16)
+        with torch.inference_mode():
+            ms = {"stock": time_calls(lambda: stock(pixels), warmup, iters)}
+            with attention_implementation(model.config.vision_config, dense):
+                ms["stock_varlen"] = time_calls(lambda: stock(pixels), warmup, iters)
+            for key, manager in managers.items():
+                ms[key] = time_calls(lambda: manager.execute(pixels), warmup, iters)
+            managers["graphs"].reset_stats()
+            managers["graphs"].execute(pixels)
+        stats = managers["graphs"].stats()
+        floor_ms = internvl_flops(model, sum(items)) / (rate * 1e12) * 1000
+        waste = stats["paths"]["tiles"]["waste_pct"]
+        results.append({"workload": name, "tiles": sum(items), "ms": ms, "floor_ms": floor_ms, "waste_pct": waste,
+                        "graph_items": stats["graph_items"], "items": stats["items"]})
+        rows.append([name, *(f"{ms[k]['mean']:.1f} / {ms[k]['p50']:.1f} / {ms[k]['p99']:.1f}"
+                             for k in ("stock", "stock_varlen", "graphs", "graphs_fa2", "graphs_off")),
+                     f"{floor_ms:.1f}", f"{waste:.0f}%", f"{ms['stock']['mean'] / ms['graphs']['mean']:.1f}x"])
+    capture = managers["graphs"].stats()
+    summary = {"preset": preset, "results": results,
+               "capture": {k: capture[k] for k in ("capture_seconds", "graph_memory_bytes", "captured_budgets")}}
+    return rows, summary
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--preset", default="qwen2.5-vl-7b")
+    parser.add_argument("--preset", default="qwen2.5-vl-7b", help="Qwen-VL preset for the patch rows ('' for none)")
+    parser.add_argument("--internvl", default="internvl3-1b", help="InternVL preset for the tile rows ('' for none)")
     parser.add_argument("--quick", action="store_true", help="fewer iterations")
     parser.add_argument("--json", help="write results here")
     args = parser.parse_args()
     warmup, iters = (5, 20) if args.quick else (10, 100)
+    rate = matmul_tflops()
+    payload = run_qwen(args.preset, rate, warmup, iters) if args.preset else {"matmul_tflops": rate}
+    torch.cuda.empty_cache()
+    if args.internvl:
+        internvl_rows, payload["internvl"] = run_internvl(args.internvl, rate, warmup, iters)
+        capture = payload["internvl"]["capture"]
+        print(f"\n{args.internvl} get_image_features, bf16, random weights | capture {capture['capture_seconds']:.1f} s, "
+              f"{capture['graph_memory_bytes'] / 2**30:.2f} GiB, budgets (tiles) {capture['captured_budgets']['tiles']}")
+        print(markdown_table(
+            ["workload", "stock HF ms (mean/p50/p99)", "stock HF + dense FA2", "ours, graphs (sdpa)",
+             "ours, graphs (dense FA2)", "ours, graphs off", "FLOP floor ms", "padding waste", "graphs vs stock"],
+            internvl_rows))
+    write_json(args.json, payload)
 
-    tower = build_vision_tower(args.preset, dtype=torch.bfloat16, device="cuda")
+
+def run_qwen(preset: str, rate: float, warmup: int, iters: int) -> dict:
+    """The Qwen-VL rows: prints their table, returns the JSON payload."""
+    tower = build_vision_tower(preset, dtype=torch.bfloat16, device="cuda")
     config = tower.config
     unit = config.patch_size * config.spatial_merge_size
     patch_dim = config.in_channels * config.temporal_patch_size * config.patch_size**2
     varlen = register_varlen_attention("torch")
-    rate = matmul_tflops()
     cases = {}
     for name, grids in workloads(unit, config.patch_size).items():
         patches = sum(t * h * w for t, h, w in grids)
@@ -116,15 +198,15 @@ def main() -> None:
                      f"{floor_ms:.1f}", f"{waste:.0f}%", f"{speedup:.1f}x"])
     env = environment()
     capture = graphs.stats()
-    print(f"\n{args.preset} vision tower, bf16, random weights | {env} | matmul {rate:.0f} TFLOP/s | "
+    print(f"\n{preset} vision tower, bf16, random weights | {env} | matmul {rate:.0f} TFLOP/s | "
           f"capture {capture['capture_seconds']:.1f} s, {capture['graph_memory_bytes'] / 2**30:.2f} GiB, "
           f"budgets {capture['captured_budgets']['default']}")
     print(markdown_table(
         ["workload", "stock HF ms (mean/p50/p99)", "stock HF + varlen", "ours, graphs", "ours, graphs off",
          "FLOP floor ms", "padding waste", "graphs vs stock"], rows))
-    write_json(args.json, {"preset": args.preset, "environment": env, "matmul_tflops": rate,
-                           "capture": {k: capture[k] for k in ("capture_seconds", "graph_memory_bytes", "captured_budgets")},
-                           "results": results})
+    return {"preset": preset, "environment": env, "matmul_tflops": rate,
+            "capture": {k: capture[k] for k in ("capture_seconds", "graph_memory_bytes", "captured_budgets")},
+            "results": results}
 
 
 if __name__ == "__main__":

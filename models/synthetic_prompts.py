@@ -1,4 +1,4 @@
-"""Qwen-VL model inputs built without a tokenizer (random-weight presets have none)."""
+"""Qwen-VL and InternVL model inputs built without a tokenizer (random-weight presets have none)."""
 
 import torch
 from transformers import PretrainedConfig
@@ -53,3 +53,12 @@ def left_pad(prompts: list[list[int]]) -> dict[str, torch.Tensor]:
 def mm_token_type_ids(input_ids: torch.Tensor, config: PretrainedConfig) -> torch.Tensor:
     """1 on image pads, 2 on video pads, 0 elsewhere (what the Qwen-VL processors return)."""
     return (input_ids == config.image_token_id).long() + 2 * (input_ids == config.video_token_id).long()
+
+
+def tile_prompt(config: PretrainedConfig, tiles: int, before: int, after: int, generator: torch.Generator) -> list[int]:
+    """An InternVL prompt: `before` random text ids, `image_seq_length` image tokens per tile,
+    `after` random text ids (ids from 2 to below the image token)."""
+    before_ids, after_ids = (
+        torch.randint(2, config.image_token_id, (length,), generator=generator).tolist() for length in (before, after)
+    )
+    return before_ids + [config.image_token_id] * (config.image_seq_length * tiles) + after_ids
