@@ -1,24 +1,57 @@
-"""`generate` inputs for Qwen-VL checkpoints, built from the tokenizer and the PIL image processor.
+"""`generate` inputs for Qwen-VL checkpoints (Qwen2-VL, Qwen2.5-VL, Qwen3-VL), equal to what the
+checkpoint's own `AutoProcessor` returns, built without torchvision.
 
-Why not `AutoProcessor`: in transformers 5.17 `Qwen2VLProcessor` cannot be built without
-torchvision (its video processor imports it), and CPU machines often lack torchvision. The image
-processor's PIL backend has no such need, and a video is the same patch layout with `temporal`
-frames stacked instead of one frame repeated, so both kinds are built here, one way everywhere.
+Why not `AutoProcessor`: in transformers 5.17 the Qwen video processors (and so the processors)
+cannot be built without torchvision, and CPU machines often lack it. This module reads the same
+config files and takes the same steps with torch alone; tests/test_processors.py compares the two
+wherever torchvision is installed. What the processors do, and so what is done here:
+
+- pixels: their torchvision backend resizes uint8 pixels with antialiased bicubic `interpolate`
+  (PIL's bicubic, the PIL backend's, differs by up to a few levels wherever a side grows), then
+  rescales and normalizes in float32 with the fused mean and std;
+- video sizes: Qwen2VLVideoProcessor (Qwen2-VL, Qwen2.5-VL) bounds each frame's pixels,
+  Qwen3VLVideoProcessor the whole clip's (frames x height x width); a clip of an odd frame count
+  is padded with its last frame;
+- video timing: Qwen2_5_VLProcessor adds `second_per_grid_ts` (temporal patch / sampled fps),
+  which M-RoPE spaces the video's temporal positions by; Qwen3VLProcessor writes each temporal
+  patch's mean time ("<1.5 seconds>") and its own vision start and end tokens before its tokens.
+  Both come from the video's metadata (fps, frame indices), 24 fps and consecutive frames without;
+- the prompt is rendered with the processor's chat template (chat_template.json, else
+  chat_template.jinja), which need not be the tokenizer's.
 """
 
 import json
-from dataclasses import dataclass
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 from PIL import Image
 from transformers import AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase, Qwen2VLImageProcessorPil
 
+from encoder_graphs.models.qwen_pixels import (
+    VIDEO_DEFAULTS,
+    VIDEO_PROCESSOR_OF_MODEL,
+    PixelSettings,
+    normalize,
+    patchify,
+    resize,
+    smart_resize,
+    uint8_pixels,
+    video_size,
+    video_timing,
+)
+
 IMAGE_PAD = "<|image_pad|>"
 VIDEO_PAD = "<|video_pad|>"
 VISION_START = "<|vision_start|>"
+VISION_END = "<|vision_end|>"
 MM_TOKEN_TYPE = {"image": 1, "video": 2}
+# Qwen3-VL writes a time before each temporal patch; `longest_prompt` assumes none is longer than this.
+LONGEST_TIMESTAMP = 99999.9
 
 
 @dataclass
@@ -29,6 +62,10 @@ class EncodedItem:
     pixel_values: np.ndarray  # (patches, channels * temporal * patch * patch)
     grid_thw: tuple[int, int, int]
     vision_tokens: int  # placeholder tokens in the prompt = encoder output tokens
+    # Videos: seconds per temporal patch (Qwen2.5-VL's second_per_grid_ts) and each temporal
+    # patch's mean time in seconds (Qwen3-VL's prompt).
+    second_per_grid_t: float | None = None
+    timestamps: tuple[float, ...] = field(default_factory=tuple)
 
 
 class QwenVLInputs:
@@ -38,35 +75,60 @@ class QwenVLInputs:
         self,
         tokenizer: PreTrainedTokenizerBase,
         image_processor: Qwen2VLImageProcessorPil,
-        video_max_pixels: int,
+        video: PixelSettings | None = None,
+        *,
+        model_type: str = "qwen2_vl",
+        chat_template: str | None = None,
     ) -> None:
+        """`video`: the video processor's settings (default: the image processor's, per frame);
+        `model_type`: the checkpoint's config.model_type (qwen2_vl, qwen2_5_vl, qwen3_vl);
+        `chat_template`: the processor's (default: the tokenizer's)."""
         self.tokenizer = tokenizer
         self.tokenizer.padding_side = "left"
         self.image_processor = image_processor
-        self.video_max_pixels = video_max_pixels
-        self.merge_size = image_processor.merge_size
-        self.temporal_patch_size = image_processor.temporal_patch_size
-        self.min_pixels = image_processor.size["shortest_edge"]
-        self.factor = image_processor.patch_size * self.merge_size
-        self.token_ids = {
-            t: tokenizer.convert_tokens_to_ids(t) for t in (IMAGE_PAD, VIDEO_PAD, VISION_START)
-        }
-        if tokenizer.chat_template is None:
-            raise ValueError("the tokenizer has no chat template")
+        self.image = PixelSettings.of_image_processor(image_processor)
+        self.video = video if video is not None else self.image
+        self.model_type = model_type
+        self.chat_template = chat_template if chat_template is not None else tokenizer.chat_template
+        if self.chat_template is None:
+            raise ValueError("neither the processor nor the tokenizer has a chat template")
+        self.merge_size = self.image.merge_size
+        self.temporal_patch_size = self.image.temporal_patch_size
+        self.factor = self.image.factor
+        self.video_max_pixels = self.video.max_pixels
+        self.token_ids = {t: tokenizer.convert_tokens_to_ids(t) for t in (IMAGE_PAD, VIDEO_PAD, VISION_START)}
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, *, max_tiles: int | None = None) -> "QwenVLInputs":
-        """`max_tiles` is ignored: Qwen-VL sizes its grid to the image, it does not tile."""
+        """`max_tiles` is ignored: Qwen-VL sizes its grid to the image, it does not tile.
+
+        Reads what `AutoProcessor.from_pretrained(directory)` reads: the image processor config,
+        the video processor config (processor_config.json's `video_processor`, else
+        video_preprocessor_config.json, else preprocessor_config.json, over the video processor
+        class's defaults), the chat template, and config.json's model type."""
         directory = Path(directory)
         tokenizer = AutoTokenizer.from_pretrained(directory)
         image_processor = Qwen2VLImageProcessorPil.from_pretrained(directory)
-        video_max_pixels = image_processor.size["longest_edge"]
-        video_config = directory / "video_preprocessor_config.json"
-        if video_config.is_file():
-            video_max_pixels = (
-                json.loads(video_config.read_text()).get("size", {}).get("longest_edge", video_max_pixels)
-            )
-        return cls(tokenizer, image_processor, video_max_pixels)
+        model_type = _read_json(directory / "config.json").get("model_type", "qwen2_vl")
+        video_config = (
+            _read_json(directory / "processor_config.json").get("video_processor")
+            or _read_json(directory / "video_preprocessor_config.json")
+            or _read_json(directory / "preprocessor_config.json")
+        )
+        video_class = video_config.get("video_processor_type")
+        if video_class not in VIDEO_DEFAULTS:
+            video_class = VIDEO_PROCESSOR_OF_MODEL.get(model_type, "Qwen2VLVideoProcessor")
+        video = PixelSettings.from_config(
+            video_config, VIDEO_DEFAULTS[video_class], clip_budget=video_class == "Qwen3VLVideoProcessor"
+        )
+        return cls(
+            tokenizer, image_processor, video, model_type=model_type, chat_template=_processor_chat_template(directory)
+        )
+
+    @property
+    def timestamped_video(self) -> bool:
+        """Qwen3-VL prompts write each temporal patch's time before its tokens."""
+        return self.model_type.startswith("qwen3_vl")
 
     @property
     def eos_token_id(self) -> int:
@@ -82,26 +144,36 @@ class QwenVLInputs:
 
     @property
     def max_image_pixels(self) -> int:
-        return max(self.image_processor.size["longest_edge"], self.factor**2)
+        return max(self.image.max_pixels, self.factor**2)
 
     @property
     def max_frame_pixels(self) -> int:
-        return max(self.video_max_pixels, self.factor**2)
+        # With a whole-clip budget a frame is largest in the shortest clip, one temporal patch.
+        per_frame = self.video.max_pixels // (self.video.temporal_patch_size if self.video.clip_budget else 1)
+        return max(per_frame, self.video.factor**2)
 
     def decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=True).strip()
 
     def longest_prompt(self, prompt: str, max_frames: int) -> int:
-        unit = self.factor**2
-        vision_tokens = {
-            "image": self.image_processor.size["longest_edge"] // unit,
-            "video": max_frames // self.temporal_patch_size * (self.video_max_pixels // unit),
-        }
-        # The template's single pad token is replaced by the vision tokens: hence the -1.
-        return max(
-            len(self.tokenizer(self.prompt_text(kind, prompt, 1)).input_ids) - 1 + tokens
-            for kind, tokens in vision_tokens.items()
-        )
+        def length(kind: str, groups: int, tokens_per_group: int) -> int:
+            # One pad token per group in the text, the rest counted: no need to tokenize thousands.
+            timestamps = (LONGEST_TIMESTAMP,) * groups if kind == "video" else ()
+            text = self.prompt_text(kind, prompt, groups, timestamps)
+            return len(self.tokenizer(text).input_ids) + groups * (tokens_per_group - 1)
+
+        lengths = [length("image", 1, self.image.max_pixels // self.factor**2)]
+        temporal, unit = self.video.temporal_patch_size, self.video.factor**2
+        for frames in range(temporal, max_frames + 1, temporal):
+            frame_pixels = self.max_frame_pixels
+            if self.video.clip_budget:
+                frame_pixels = min(frame_pixels, self.video.max_pixels // frames)
+            groups = frames // temporal
+            if self.timestamped_video:
+                lengths.append(length("video", groups, frame_pixels // unit))
+            else:
+                lengths.append(length("video", 1, groups * (frame_pixels // unit)))
+        return max(lengths)
 
     def check_model(self, config: PretrainedConfig) -> None:
         """Raise ValueError when this tokenizer's ids do not fit the model."""
@@ -117,44 +189,68 @@ class QwenVLInputs:
             if self.token_ids[token] != model_id:
                 raise ValueError(f"tokenizer maps {token} to {self.token_ids[token]}, the model expects {model_id}")
         patch_size = config.vision_config.patch_size
-        if patch_size != self.image_processor.patch_size:
-            raise ValueError(f"processor patch size {self.image_processor.patch_size}, model {patch_size}")
+        for kind, settings in (("image", self.image), ("video", self.video)):
+            if settings.patch_size != patch_size:
+                raise ValueError(f"{kind} processor patch size {settings.patch_size}, model {patch_size}")
 
     def encode_image(self, image: Image.Image) -> EncodedItem:
-        out = self.image_processor(images=[image], return_tensors="np")
-        grid = tuple(int(v) for v in out["image_grid_thw"][0])
-        return EncodedItem("image", out["pixel_values"], grid, int(np.prod(grid)) // self.merge_size**2)
+        settings = self.image
+        pixels = uint8_pixels([image])
+        if settings.do_resize:
+            pixels = resize(pixels, *smart_resize(*pixels.shape[-2:], settings, settings.max_pixels))
+        # One image is a temporal patch of `temporal_patch_size` copies of itself.
+        pixels = normalize(pixels, settings).expand(settings.temporal_patch_size, -1, -1, -1)
+        pixel_values, grid = patchify(pixels, settings)
+        return EncodedItem("image", pixel_values, grid, math.prod(grid) // settings.merge_size**2)
 
-    def encode_video(self, frames: list[Image.Image]) -> EncodedItem:
-        temporal = self.temporal_patch_size
-        if len(frames) % temporal:
-            raise ValueError(f"{len(frames)} frames is not a multiple of the temporal patch {temporal}")
-        out = self.image_processor(
-            images=frames,
-            size={"shortest_edge": self.min_pixels, "longest_edge": self.video_max_pixels},
-            return_tensors="np",
+    def encode_video(self, frames: Sequence[Image.Image], metadata: Any = None) -> EncodedItem:
+        """`frames`: equally sized images, any count (an odd one gets its last frame repeated, as
+        the processors do). `metadata`: where they come from, as transformers' `VideoMetadata`
+        (or a mapping with its keys): `fps` of the source, `frames_indices` of these frames in
+        it, `total_num_frames` it has. Without it, `frames.metadata` when `frames` has one (as
+        `app.media.load_video`'s frames do), else the processors' default for frames given
+        without metadata: 24 fps, frames consecutive from 0. It sets Qwen2.5-VL's
+        second_per_grid_ts and Qwen3-VL's timestamps; Qwen2-VL ignores it."""
+        settings = self.video
+        if metadata is None:
+            metadata = getattr(frames, "metadata", None)
+        pixels = uint8_pixels(frames)
+        if settings.do_resize:
+            pixels = resize(pixels, *video_size(pixels.shape, settings))
+        pixel_values, grid = patchify(normalize(pixels, settings), settings)
+        second_per_grid_t, timestamps = video_timing(metadata, len(frames), settings.temporal_patch_size)
+        return EncodedItem(
+            "video",
+            pixel_values,
+            grid,
+            math.prod(grid) // settings.merge_size**2,
+            second_per_grid_t=second_per_grid_t,
+            timestamps=timestamps,
         )
-        _, grid_h, grid_w = (int(v) for v in out["image_grid_thw"][0])
-        # Per frame the processor repeats the frame over the temporal axis:
-        # (frames, patches, C, temporal, p, p). Keep one copy and stack `temporal` frames instead.
-        patch = self.image_processor.patch_size
-        per_frame = out["pixel_values"].reshape(len(frames), grid_h * grid_w, 3, temporal, patch, patch)[:, :, :, 0]
-        grouped = per_frame.reshape(len(frames) // temporal, temporal, grid_h * grid_w, 3, patch, patch)
-        pixel_values = grouped.transpose(0, 2, 3, 1, 4, 5).reshape(-1, 3 * temporal * patch * patch)
-        grid = (len(frames) // temporal, grid_h, grid_w)
-        return EncodedItem("video", np.ascontiguousarray(pixel_values), grid, int(np.prod(grid)) // self.merge_size**2)
 
-    def prompt_text(self, kind: str, prompt: str, vision_tokens: int) -> str:
+    def prompt_text(self, kind: str, prompt: str, vision_tokens: int, timestamps: Sequence[float] = ()) -> str:
+        """The chat-templated prompt with its pad token expanded to `vision_tokens`; for a Qwen3-VL
+        video, split over its temporal patches, each after its time (`timestamps`, one per patch)."""
         message = [{"role": "user", "content": [{"type": kind}, {"type": "text", "text": prompt}]}]
-        text = self.tokenizer.apply_chat_template(message, add_generation_prompt=True, tokenize=False)
+        text = self.tokenizer.apply_chat_template(
+            message, chat_template=self.chat_template, add_generation_prompt=True, tokenize=False
+        )
         pad = IMAGE_PAD if kind == "image" else VIDEO_PAD
         if text.count(pad) != 1:
             raise ValueError(f"chat template produced {text.count(pad)} {pad} tokens, expected 1")
+        if kind == "video" and self.timestamped_video:
+            # Qwen3VLProcessor.replace_video_token: the template's own start and end tokens stay.
+            if not timestamps or vision_tokens % len(timestamps):
+                raise ValueError(f"{vision_tokens} video tokens cannot be split over {len(timestamps)} timestamps")
+            per_patch = pad * (vision_tokens // len(timestamps))
+            return text.replace(
+                pad, "".join(f"<{t:.1f} seconds>{VISION_START}{per_patch}{VISION_END}" for t in timestamps)
+            )
         return text.replace(pad, pad * vision_tokens)
 
     def batch(self, items: list[EncodedItem], prompt: str) -> dict[str, torch.Tensor]:
         """Left-padded inputs for `model.generate(**batch)`; items keep their order."""
-        texts = [self.prompt_text(item.kind, prompt, item.vision_tokens) for item in items]
+        texts = [self.prompt_text(item.kind, prompt, item.vision_tokens, item.timestamps) for item in items]
         encoded = self.tokenizer(texts, padding=True, return_tensors="pt")
         batch = {"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"]}
         mm_types = torch.zeros_like(batch["input_ids"])
@@ -169,4 +265,21 @@ class QwenVLInputs:
             if chosen:
                 batch[pixels_key] = torch.from_numpy(np.concatenate([item.pixel_values for item in chosen]))
                 batch[grid_key] = torch.tensor([item.grid_thw for item in chosen], dtype=torch.long)
+        videos = [item for item in items if item.kind == "video"]
+        if videos and self.model_type == "qwen2_5_vl":
+            # Float32, as the processor's; Qwen2.5-VL's M-RoPE spaces temporal positions by it.
+            batch["second_per_grid_ts"] = torch.tensor([item.second_per_grid_t for item in videos])
         return batch
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _processor_chat_template(directory: Path) -> str | None:
+    """The processor's chat template, found as ProcessorMixin.from_pretrained finds it."""
+    legacy = _read_json(directory / "chat_template.json").get("chat_template")
+    if legacy is not None:
+        return legacy
+    raw = directory / "chat_template.jinja"
+    return raw.read_text() if raw.is_file() else None

@@ -37,6 +37,17 @@ class MediaFile:
     kind: str  # "image" | "video"
 
 
+class VideoFrames(list):
+    """A video's frames (RGB images) and `metadata` on where they come from, with the keys of
+    transformers' `VideoMetadata`: `fps` of the stream (None when unknown), `frames_indices` of
+    these frames in it, `total_num_frames` decoded. Qwen2.5-VL and Qwen3-VL inputs time the
+    video by it (`QwenVLInputs.encode_video`)."""
+
+    def __init__(self, frames: list[Image.Image], metadata: dict) -> None:
+        super().__init__(frames)
+        self.metadata = metadata
+
+
 @dataclass(frozen=True)
 class LoadLimits:
     max_pixels: int = 1280 * 28 * 28  # decoded images are shrunk to this before processing
@@ -90,7 +101,7 @@ def _walk(root: Path) -> list[Path]:
     return files
 
 
-def load(file: MediaFile, limits: LoadLimits) -> Image.Image | list[Image.Image]:
+def load(file: MediaFile, limits: LoadLimits) -> Image.Image | VideoFrames:
     """An RGB image, or an even number of equally sized RGB video frames."""
     if file.kind == "image":
         return load_image(file.path, limits)
@@ -126,8 +137,9 @@ def load_image(path: Path, limits: LoadLimits) -> Image.Image:
     return fit(rgb, limits.max_pixels, limits.min_side)
 
 
-def load_video(path: Path, limits: LoadLimits) -> list[Image.Image]:
-    """Up to `limits.max_frames` frames, evenly spaced, an even count (the temporal patch is 2).
+def load_video(path: Path, limits: LoadLimits) -> VideoFrames:
+    """Up to `limits.max_frames` frames, evenly spaced, an even count (the temporal patch is 2),
+    with their stream indices and the stream's frame rate (`VideoFrames.metadata`).
 
     The whole stream is decoded once while a bounded set of candidates is kept (every `stride`-th
     frame, the stride doubling when the set fills), because many containers do not say how many
@@ -139,15 +151,19 @@ def load_video(path: Path, limits: LoadLimits) -> list[Image.Image]:
     except ImportError as error:
         raise MediaError(path, "unsupported", "video needs PyAV: pip install 'encoder-graphs[video]'") from error
     keep = 4 * limits.max_frames
-    candidates: list[Image.Image] = []
+    candidates: list[Image.Image] = []  # candidates[i] is the stream's frame i * stride
     stride = 1
+    decoded = 0
+    fps = None
     try:
         with av.open(str(path)) as container:
             if not container.streams.video:
                 raise MediaError(path, "no_frames", "no video stream")
             stream = container.streams.video[0]
             stream.thread_type = "AUTO"
+            fps = float(stream.average_rate) if stream.average_rate else None
             for index, frame in enumerate(container.decode(stream)):
+                decoded = index + 1
                 if index % stride:
                     continue
                 candidates.append(fit(frame.to_image().convert("RGB"), limits.frame_max_pixels, limits.min_side))
@@ -166,7 +182,9 @@ def load_video(path: Path, limits: LoadLimits) -> list[Image.Image]:
     count = max(2, count - count % 2)
     picks = np.linspace(0, len(candidates) - 1, count).round().astype(int)
     size = candidates[0].size
-    return [candidates[i] if candidates[i].size == size else candidates[i].resize(size) for i in picks]
+    frames = [candidates[i] if candidates[i].size == size else candidates[i].resize(size) for i in picks]
+    indices = [int(i) * stride for i in picks]
+    return VideoFrames(frames, {"fps": fps, "frames_indices": indices, "total_num_frames": decoded})
 
 
 def fit(image: Image.Image, max_pixels: int, min_side: int) -> Image.Image:

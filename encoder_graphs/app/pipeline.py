@@ -181,9 +181,10 @@ class Captioner:
 
     def _generate(self, batch: list[Pending], stats: RunStats) -> list[dict]:
         started = time.perf_counter()
-        # Pixels (the floating-point inputs) in the model's dtype; ids, masks and grids as they are.
+        # Pixels in the model's dtype; ids, masks, grids and Qwen2.5-VL's second_per_grid_ts (float32
+        # as the processor gives it: M-RoPE multiplies temporal positions by it) as they are.
         model_inputs = {
-            name: value.to(self.device, dtype=self.model.dtype if value.is_floating_point() else None)
+            name: value.to(self.device, dtype=self.model.dtype if name.startswith("pixel_values") else None)
             for name, value in self.inputs.batch([p.item for p in batch], self.config.prompt).items()
         }
         prompt_length = model_inputs["input_ids"].shape[1]
