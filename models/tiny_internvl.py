@@ -55,25 +55,21 @@ def write_tiny_internvl(directory: str | Path, *, seed: int = 0, max_tiles: int 
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(directory)
     side = config.vision_config.image_size[0]
-    write_json(
-        directory / "preprocessor_config.json",
-        dict(
-            image_processor_type="GotOcr2ImageProcessor",
-            processor_class="InternVLProcessor",
-            size={"height": side, "width": side},
-            crop_to_patches=False,  # the processor turns it on for images
-            min_patches=1,
-            max_patches=max_tiles,
-            do_resize=True,
-            do_rescale=True,
-            rescale_factor=1 / 255,
-            do_normalize=True,
-            image_mean=[0.485, 0.456, 0.406],
-            image_std=[0.229, 0.224, 0.225],
-            do_convert_rgb=True,
-            resample=3,
-        ),
+    pixels = dict(
+        processor_class="InternVLProcessor",
+        size={"height": side, "width": side},
+        do_resize=True,
+        do_rescale=True,
+        rescale_factor=1 / 255,
+        do_normalize=True,
+        image_mean=[0.485, 0.456, 0.406],
+        image_std=[0.229, 0.224, 0.225],
+        do_convert_rgb=True,
+        resample=3,  # bicubic
     )
+    tiling = dict(crop_to_patches=False, min_patches=1, max_patches=max_tiles)  # the processor crops images
+    write_json(directory / "preprocessor_config.json", dict(image_processor_type="GotOcr2ImageProcessor", **pixels, **tiling))
+    write_json(directory / "video_preprocessor_config.json", dict(video_processor_type="InternVLVideoProcessor", **pixels))
     write_json(
         directory / "processor_config.json",
         dict(processor_class="InternVLProcessor", image_seq_length=config.image_seq_length),
