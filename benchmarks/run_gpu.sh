@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: install, run every GPU test, run the quick benchmarks, print a table.
+# One call on the GPU machine: install, run every GPU test (and the processor comparisons, which
+# need the torchvision that machine has), run the quick benchmarks, print a table.
 # Usage (from the repo root, on the device): bash benchmarks/run_gpu.sh [pytest -k expression]
 # BENCHMARKS picks benchmarks (default: both; "" for none); BENCH_FLAGS="" runs them in full;
 # a -k expression that matches nothing runs the benchmarks alone.
@@ -25,7 +26,7 @@ import torch, transformers
 print(f"device {torch.cuda.get_device_name()} | torch {torch.__version__} | transformers {transformers.__version__}")
 PY
 log="$OUT/gpu_tests-transformers-$version.log"
-python3 -m pytest -q -m gpu -s -rs ${1:+-k "$1"} tests/ 2>&1 | tee "$log"
+python3 -m pytest -q -m "gpu or torchvision" -s -rs ${1:+-k "$1"} tests/ 2>&1 | tee "$log"
 tests_rc=${PIPESTATUS[0]}
 for bench in ${BENCHMARKS-bench_encoder.py bench_caption.py}; do
   python3 "benchmarks/$bench" ${BENCH_FLAGS---quick} --json "$OUT/${bench%.py}.json" 2>&1 | tee "$OUT/${bench%.py}.log"

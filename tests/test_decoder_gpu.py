@@ -108,6 +108,24 @@ def divergence_report(generate, inputs, got, expected, new_tokens):
     return "\n".join(lines)
 
 
+def assert_parts_only_at_close_logits(what: str, got: torch.Tensor, stock, prompt_len: int) -> None:
+    """Our tokens equal the stock generate's (`stock`: with scores) up to where, per row, they
+    part, and there ours is one of generate's own near-top choices."""
+    sequences, scores = stock.sequences, stock.scores
+    matched = first_differences(got, sequences, prompt_len)
+    compared = min(got.shape[1], sequences.shape[1]) - prompt_len
+    print(f"{what}: new tokens matching generate per row {matched} of {compared}")
+    for row, step in enumerate(matched):
+        # The first token comes from the shared prefill: it must match.
+        assert step >= 1, f"{what} row {row}: the prefill token differs"
+        if step < compared:
+            # A logic bug picks an arbitrary token, about 5 logits below the top here.
+            ours = int(got[row, prompt_len + step])
+            gap = float(scores[step][row].max() - scores[step][row, ours])
+            print(f"  row {row} parts at {step}: ours is {gap:.3f} below generate's top logit")
+            assert gap <= CLOSE_LOGIT_GAP, f"{what} row {row}: ours is {gap:.3f} below the top"
+
+
 @pytest.mark.parametrize("name", PRESETS)
 def test_fp32_greedy_tokens_identical_to_generate(name):
     model = build_model(name, dtype=torch.float32, device="cuda")
@@ -178,18 +196,4 @@ def test_bf16_replay_equals_eager_steps_and_parts_from_generate_only_at_close_lo
     assert decoder["decode_ms_per_step"]["mean"] > 0
 
     for case, inputs in cases.items():
-        prompt_len = inputs["input_ids"].shape[1]
-        sequences, scores = stock[case].sequences, stock[case].scores
-        matched = first_differences(got[case], sequences, prompt_len)
-        compared = min(got[case].shape[1], sequences.shape[1]) - prompt_len
-        print(f"{name} {case}: new tokens matching generate per row {matched} of {compared}")
-        for row, step in enumerate(matched):
-            # The first token comes from the shared prefill: it must match.
-            assert step >= 1, f"{name} {case} row {row}: the prefill token differs"
-            if step < compared:
-                # Where the paths part, ours must be one of generate's own near-top choices: a
-                # logic bug picks an arbitrary token, about 5 logits below the top here.
-                ours = int(got[case][row, prompt_len + step])
-                gap = float(scores[step][row].max() - scores[step][row, ours])
-                print(f"  row {row} parts at {step}: ours is {gap:.3f} below generate's top logit")
-                assert gap <= CLOSE_LOGIT_GAP, f"{name} {case} row {row}: ours is {gap:.3f} below the top"
+        assert_parts_only_at_close_logits(f"{name} {case}", got[case], stock[case], inputs["input_ids"].shape[1])

@@ -12,7 +12,7 @@ import random
 
 import pytest
 import torch
-from test_decoder_gpu import CLOSE_LOGIT_GAP, first_differences
+from test_decoder_gpu import assert_parts_only_at_close_logits
 
 from encoder_graphs import DecoderGraphRunner, EncoderCudaGraphManager, enable_cuda_graphs
 from encoder_graphs.models import adapter_for
@@ -180,14 +180,4 @@ def test_bf16_replay_equals_eager_steps_and_parts_from_generate_only_at_close_lo
     assert torch.equal(got["batch of 3, left padded"], eager_tokens)
     assert_all_replayed(stats)
     for case, inputs in cases.items():
-        prompt_len = inputs["input_ids"].shape[1]
-        sequences, scores = stock[case].sequences, stock[case].scores
-        matched = first_differences(got[case], sequences, prompt_len)
-        compared = min(got[case].shape[1], sequences.shape[1]) - prompt_len
-        print(f"{name} {case}: new tokens matching generate per row {matched} of {compared}")
-        for row, step in enumerate(matched):
-            assert step >= 1, f"{name} {case} row {row}: the prefill token differs"
-            if step < compared:
-                ours = int(got[case][row, prompt_len + step])
-                gap = float(scores[step][row].max() - scores[step][row, ours])
-                assert gap <= CLOSE_LOGIT_GAP, f"{name} {case} row {row}: ours is {gap:.3f} below the top"
+        assert_parts_only_at_close_logits(f"{name} {case}", got[case], stock[case], inputs["input_ids"].shape[1])

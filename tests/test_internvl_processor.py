@@ -12,6 +12,7 @@ from encoder_graphs.models.internvl_inputs import InternVLInputs
 from encoder_graphs.models.tiny_internvl import write_tiny_internvl
 
 pytest.importorskip("torchvision")
+pytestmark = pytest.mark.torchvision
 from transformers import AutoProcessor  # noqa: E402
 
 # PIL's and torchvision's bicubic resampling (antialiased when shrinking) differ by a few levels of

@@ -21,6 +21,7 @@ from encoder_graphs.models.presets import get_config
 from encoder_graphs.models.qwen_inputs import QwenVLInputs
 
 pytest.importorskip("torchvision")
+pytestmark = pytest.mark.torchvision
 
 from transformers import AutoProcessor
 from transformers.video_utils import VideoMetadata
