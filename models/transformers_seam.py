@@ -14,7 +14,13 @@ import torch
 import transformers
 from packaging.version import Version
 from transformers import AttentionInterface, DynamicCache, GenerationConfig, PretrainedConfig, PreTrainedModel
+
+# 5.17.0, 5.23.0: the cache layer API the decoder's static cache implements (update, lazy init,
+# mask sizes, sequence length; is_compileable / is_sliding / is_initialized), and a Cache built
+# from a list of layers.
 from transformers.cache_utils import Cache, CacheLayerMixin
+
+# 5.17.0, 5.23.0: the generation modes `GenerationConfig.get_generation_mode()` returns.
 from transformers.generation.configuration_utils import GenerationMode
 
 # Checked on 5.17.0 and 5.23.0: the vision helpers Qwen-VL forwards call on their grids.
