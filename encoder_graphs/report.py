@@ -74,11 +74,13 @@ def format_run_stats(stats: dict) -> str:
     """`RunStats.as_dict()` of a captioning run as a table."""
     lines = [
         f"files {stats['files']}: captioned {stats['succeeded']}, failed {stats['failed']}, "
-        f"skipped (already done) {stats['skipped']}",
+        f"skipped (already done) {stats['skipped']}" + (", interrupted" if stats.get("interrupted") else ""),
         "  kinds: " + (", ".join(f"{kind} {n}" for kind, n in sorted(stats["by_kind"].items())) or "-"),
         f"  throughput: {stats['items_per_s']:.2f} items/s, {stats['tokens_per_s']:.1f} tokens/s "
         f"({stats['generated_tokens']} tokens in {stats['wall_s']:.2f} s, {stats['batches']} batches, "
         f"{stats['retried_batches']} retried one by one)",
+        f"  batch size {stats.get('batch_size', '-')}; the model waited {stats.get('input_wait_s', 0.0):.2f} s for "
+        f"files still loading; sidecars written {stats.get('sidecars', 0)}",
     ]
     for name in ("batch_latency_ms", "item_latency_ms"):
         latency = stats[name]

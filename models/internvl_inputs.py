@@ -9,6 +9,7 @@ tokens per tile + `</img>`; a video is one line `FrameN: <img>...</img>` per fra
 """
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -135,9 +136,11 @@ class InternVLInputs:
             return f"{start}{context * self.image_seq_length * tiles}{end}"
         return "\n".join(f"Frame{i + 1}: {start}{context * self.image_seq_length}{end}" for i in range(tiles))
 
-    def batch(self, items: list[EncodedTiles], prompt: str) -> dict[str, torch.Tensor]:
-        """Left-padded inputs for `model.generate(**batch)`; tiles of all items in prompt order."""
-        texts = [self.prompt_text(item, prompt) for item in items]
+    def batch(self, items: list[EncodedTiles], prompts: str | Sequence[str]) -> dict[str, torch.Tensor]:
+        """Left-padded inputs for `model.generate(**batch)`; tiles of all items in prompt order.
+        `prompts`: one for every item, or one per item."""
+        prompts = [prompts] * len(items) if isinstance(prompts, str) else prompts
+        texts = [self.prompt_text(item, prompt) for item, prompt in zip(items, prompts, strict=True)]
         encoded = self.tokenizer(texts, padding=True, return_tensors="pt")
         batch = {"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"]}
         if items:

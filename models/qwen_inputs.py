@@ -248,9 +248,14 @@ class QwenVLInputs:
             )
         return text.replace(pad, pad * vision_tokens)
 
-    def batch(self, items: list[EncodedItem], prompt: str) -> dict[str, torch.Tensor]:
-        """Left-padded inputs for `model.generate(**batch)`; items keep their order."""
-        texts = [self.prompt_text(item.kind, prompt, item.vision_tokens, item.timestamps) for item in items]
+    def batch(self, items: list[EncodedItem], prompts: str | Sequence[str]) -> dict[str, torch.Tensor]:
+        """Left-padded inputs for `model.generate(**batch)`; items keep their order. `prompts`:
+        one for every item, or one per item."""
+        prompts = [prompts] * len(items) if isinstance(prompts, str) else prompts
+        texts = [
+            self.prompt_text(item.kind, prompt, item.vision_tokens, item.timestamps)
+            for item, prompt in zip(items, prompts, strict=True)
+        ]
         encoded = self.tokenizer(texts, padding=True, return_tensors="pt")
         batch = {"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"]}
         mm_types = torch.zeros_like(batch["input_ids"])

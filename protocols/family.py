@@ -89,8 +89,9 @@ class CaptionInputs(Protocol):
 
     def encode_video(self, frames: Sequence[Any]) -> EncodedMedia: ...
 
-    def batch(self, items: Sequence[EncodedMedia], prompt: str) -> dict[str, torch.Tensor]:
-        """Left-padded inputs for `model.generate(**batch)`; items keep their order."""
+    def batch(self, items: Sequence[EncodedMedia], prompts: str | Sequence[str]) -> dict[str, torch.Tensor]:
+        """Left-padded inputs for `model.generate(**batch)`; items keep their order. `prompts`:
+        one for every item, or one per item."""
         ...
 
     def decode(self, tokens: Sequence[int]) -> str:

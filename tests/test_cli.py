@@ -208,6 +208,7 @@ def test_results_file_keeps_foreign_lines_and_repairs_only_the_tail(tmp_path):
     assert results.done == {"/a.png", "/b.png"} and results.failed == {"/b.png"}
     assert results.repaired_bytes == len(b'{"path": "/c')
     results.append([{"path": "/c.png", "caption": "y"}, {"path": "/b.png", "caption": "z"}])
+    results.close()
     assert path.read_bytes().startswith(b'{"path": "/a.png", "caption": "x"}\nnot json\n')
     assert [r["path"] for r in read_records(path)] == ["/a.png", "/b.png", "/c.png", "/b.png"]
     assert ResultsFile(path).failed == set()

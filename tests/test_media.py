@@ -143,6 +143,92 @@ def test_discover_gives_absolute_paths_and_one_entry_per_real_file(tmp_path, mon
     assert file.path == tmp_path / "a.png" and file.path.is_absolute()
 
 
+def touch(root: Path, *names: str) -> None:
+    for name in names:
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_bytes(b"x")
+
+
+def test_discover_follows_symlinked_folders(tmp_path):
+    touch(tmp_path, "elsewhere/deep/a.png", "data/b.png")
+    os.symlink(tmp_path / "elsewhere", tmp_path / "data" / "linked")
+    files = discover([tmp_path / "data"])
+    assert [f.path for f in files] == [tmp_path / "data/b.png", tmp_path / "data/linked/deep/a.png"]
+
+
+def test_discover_symlink_loop_terminates_and_lists_each_file_once(tmp_path):
+    touch(tmp_path, "data/a.png", "data/sub/b.jpg")
+    os.symlink(tmp_path / "data", tmp_path / "data" / "sub" / "up")  # a link to an ancestor
+    os.symlink("..", tmp_path / "data" / "sub" / "parent")  # a relative one too
+    os.symlink(".", tmp_path / "data" / "self")
+    files = discover([tmp_path / "data"])
+    assert [f.path for f in files] == [tmp_path / "data/a.png", tmp_path / "data/sub/b.jpg"]
+
+
+def test_discover_lists_a_file_reachable_through_two_links_once(tmp_path):
+    touch(tmp_path, "real/a.png")
+    (tmp_path / "data").mkdir()
+    os.symlink(tmp_path / "real", tmp_path / "data" / "one")
+    os.symlink(tmp_path / "real", tmp_path / "data" / "two")
+    os.symlink(tmp_path / "real" / "a.png", tmp_path / "data" / "three.png")
+    files = discover([tmp_path / "data", tmp_path / "real"])
+    assert len(files) == 1 and files[0].kind == "image"
+    assert os.path.realpath(files[0].path) == os.path.realpath(tmp_path / "real" / "a.png")
+
+
+def test_discover_skips_hidden_files_and_folders_unless_asked(tmp_path):
+    touch(tmp_path, "a.png", ".b.png", ".cache/c.png", "sub/.d.jpg", "sub/e.jpg")
+
+    def names(files: list[MediaFile]) -> list[str]:
+        return [f.path.relative_to(tmp_path).as_posix() for f in files]
+
+    assert names(discover([tmp_path])) == ["a.png", "sub/e.jpg"]
+    assert names(discover([tmp_path], include_hidden=True)) == [
+        ".b.png",
+        ".cache/c.png",
+        "a.png",
+        "sub/.d.jpg",
+        "sub/e.jpg",
+    ]
+    # a hidden path given explicitly is used
+    assert names(discover([tmp_path / ".cache", tmp_path / ".b.png"])) == [".b.png", ".cache/c.png"]
+
+
+def test_unreadable_folder_becomes_an_error_entry(tmp_path, monkeypatch):
+    touch(tmp_path, "a.png", "locked/b.png", "locked/inner/c.png")
+    locked = tmp_path / "locked"
+    real_scandir = os.scandir
+
+    def scandir(path):
+        # chmod 000 does not stop root (tests run as root here): refuse the listing instead.
+        if os.path.realpath(path) == os.path.realpath(locked):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_scandir(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    files = discover([tmp_path])
+    assert [(f.path, f.kind) for f in files] == [(tmp_path / "a.png", "image"), (locked, "folder")]
+    assert files[1] == MediaFile(path=locked, kind="folder")
+    with pytest.raises(MediaError, match="cannot list this folder: permission denied") as error:
+        load(files[1], LIMITS)
+    assert error.value.kind == "unreadable" and str(locked) in str(error.value)
+    # the reason is found again for a folder entry made elsewhere (e.g. by hand)
+    with pytest.raises(MediaError, match="permission denied") as error:
+        load(MediaFile(path=locked, kind="folder"), LIMITS)
+    assert error.value.kind == "unreadable"
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root lists any folder: chmod 000 does not lock it")
+def test_chmod_000_folder_becomes_an_error_entry(tmp_path):
+    touch(tmp_path, "a.png", "locked/b.png")
+    (tmp_path / "locked").chmod(0)
+    try:
+        files = discover([tmp_path])
+    finally:
+        (tmp_path / "locked").chmod(0o755)
+    assert [(f.path.name, f.kind) for f in files] == [("a.png", "image"), ("locked", "folder")]
+
+
 def test_every_input_kind_gets_its_outcome(zoo):
     folder, expected = zoo
     files = {f.path.name: f for f in discover([folder])}

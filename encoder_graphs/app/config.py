@@ -1,9 +1,13 @@
 """The caption run's settings: plain Python, so the command line can check them before it loads
 torch or a model."""
 
+import string
 from dataclasses import dataclass
 
 DEFAULT_PROMPT = "Describe this in one sentence."
+# What a prompt template may name: the file's name without its extension, its folder's name, and
+# the image's size in pixels (a video's frame size as decoded).
+PROMPT_FIELDS = ("name", "folder", "width", "height")
 
 
 @dataclass(frozen=True)
@@ -13,6 +17,10 @@ class CaptionConfig:
     batch_size: int = 8
     max_batch_tokens: int = 16384  # vision placeholder tokens in one generate call
     load_workers: int = 4
+    prefix: str = ""  # put before the caption in sidecars and the record's "text" (trigger words)
+    suffix: str = ""
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
 
     def __post_init__(self) -> None:
         if not self.prompt.strip():
@@ -20,3 +28,26 @@ class CaptionConfig:
         for name in ("max_new_tokens", "batch_size", "max_batch_tokens", "load_workers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        unknown = sorted({field for _, field, _, _ in string.Formatter().parse(self.prompt) if field} - set(PROMPT_FIELDS))
+        if unknown:
+            raise ValueError(f"the prompt names {', '.join('{' + f + '}' for f in unknown)}; it may use {PROMPT_FIELDS}")
+
+    def prompt_for(self, name: str, folder: str, width: int, height: int) -> str:
+        """The prompt of one file: the template with its fields filled in."""
+        return self.prompt.format(name=name, folder=folder, width=width, height=height)
+
+    def text(self, caption: str) -> str:
+        """The caption with the prefix and suffix around it."""
+        return f"{self.prefix}{caption}{self.suffix}"
+
+    @property
+    def sampling(self) -> dict:
+        """`generate` settings: greedy, or temperature / top-p sampling through the decoder graphs
+        (top_k=0: transformers' default top-k of 50 is not in the graphs)."""
+        if self.temperature == 0:
+            return {"do_sample": False}
+        return {"do_sample": True, "temperature": self.temperature, "top_p": self.top_p, "top_k": 0}

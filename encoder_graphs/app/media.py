@@ -7,7 +7,7 @@ pipeline can record it and go on.
 import math
 import os
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -34,7 +34,8 @@ class MediaError(Exception):
 @dataclass(frozen=True)
 class MediaFile:
     path: Path
-    kind: str  # "image" | "video"
+    kind: str  # "image" | "video" | "folder" (one that could not be listed: `load` raises)
+    reason: str = field(default="", compare=False)  # why a "folder" could not be listed
 
 
 class VideoFrames(list):
@@ -74,38 +75,95 @@ def media_kind(path: Path) -> str | None:
     return None
 
 
-def discover(paths: list[str | Path]) -> list[MediaFile]:
+def discover(paths: list[str | Path], *, include_hidden: bool = False) -> list[MediaFile]:
     """Media files under `paths` (files or folders, walked recursively), sorted, each once.
 
     Paths are made absolute (symlinks kept): a results file written from one working directory
     resumes from any other. Raises FileNotFoundError for a path that does not exist; files of other
-    types are skipped.
+    types are skipped. Symlinked folders are followed, each real folder walked once (so a link to
+    an ancestor cannot loop) and each real file listed once (`path_key`). Hidden files and folders
+    (name starting with ".") are skipped unless `include_hidden`; a path given in `paths` is always
+    used. A folder that cannot be listed is not dropped silently: it is listed as a
+    `MediaFile(kind="folder")`, which `load` reports as an "unreadable" `MediaError`.
     """
     found: dict[str, MediaFile] = {}
+    visited: set[tuple[int, int]] = set()  # (st_dev, st_ino) of every folder walked
     for root in map(Path, paths):
         if not root.exists() and not root.is_symlink():
             raise FileNotFoundError(f"no such file or directory: {root}")
-        candidates = _walk(root) if root.is_dir() else [root]
-        for path in candidates:
-            kind = media_kind(path)
+        candidates = _walk(root, visited, include_hidden) if root.is_dir() else [(root, None)]
+        for path, reason in candidates:
+            kind = "folder" if reason is not None else media_kind(path)
             if kind is not None:
-                found.setdefault(path_key(path), MediaFile(Path(os.path.abspath(path)), kind))
+                found.setdefault(path_key(path), MediaFile(Path(os.path.abspath(path)), kind, reason or ""))
     return sorted(found.values(), key=lambda f: str(f.path))
 
 
-def _walk(root: Path) -> list[Path]:
-    files = []
-    for folder, subfolders, names in os.walk(root):
-        subfolders.sort()
-        files.extend(Path(folder) / name for name in sorted(names))
-    return files
+def _walk(root: Path, visited: set[tuple[int, int]], include_hidden: bool) -> list[tuple[Path, str | None]]:
+    """(path, None) for every file under `root`, following symlinked folders but never into a
+    folder already in `visited`; (folder, why) for every folder that cannot be listed."""
+    found: list[tuple[Path, str | None]] = []
+    stack = [root]  # depth first, without recursion: deep trees do not hit the recursion limit
+    while stack:
+        folder = stack.pop()
+        try:
+            info = os.stat(folder)
+            identity = (info.st_dev, info.st_ino)
+            if identity in visited:
+                continue
+            visited.add(identity)
+            entries = _list_folder(folder)
+        except OSError as error:
+            found.append((folder, _reason(error)))
+            continue
+        subfolders = []
+        for name, is_dir in entries:
+            if not include_hidden and name.startswith("."):
+                continue
+            if is_dir:
+                subfolders.append(folder / name)
+            else:
+                found.append((folder / name, None))
+        stack.extend(reversed(subfolders))
+    return found
+
+
+def _list_folder(folder: Path) -> list[tuple[str, bool]]:
+    """(name, is a folder (symlinks followed)) for each entry, by name. Raises OSError."""
+    with os.scandir(folder) as entries:
+        listed = []
+        for entry in entries:
+            try:
+                is_dir = entry.is_dir()  # follows symlinks; False for a dangling one
+            except OSError:
+                is_dir = False
+            listed.append((entry.name, is_dir))
+    return sorted(listed)
+
+
+def _reason(error: OSError) -> str:
+    if isinstance(error, PermissionError):
+        return f"permission denied ({error.strerror})" if error.strerror else "permission denied"
+    return error.strerror or str(error)
 
 
 def load(file: MediaFile, limits: LoadLimits) -> Image.Image | VideoFrames:
     """An RGB image, or an even number of equally sized RGB video frames."""
+    if file.kind == "folder":
+        reason = file.reason or _folder_reason(file.path)
+        raise MediaError(file.path, "unreadable", f"cannot list this folder: {reason}")
     if file.kind == "image":
         return load_image(file.path, limits)
     return load_video(file.path, limits)
+
+
+def _folder_reason(path: Path) -> str:
+    """Why a folder entry made without a `reason` cannot be listed (now)."""
+    try:
+        _list_folder(path)
+    except OSError as error:
+        return _reason(error)
+    return "it could not be listed when the files were gathered"
 
 
 def load_image(path: Path, limits: LoadLimits) -> Image.Image:

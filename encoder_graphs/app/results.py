@@ -2,10 +2,26 @@
 
 A kill can leave at most one half-written last line; opening the file cuts it off (that file is
 then redone), so every line before it stays byte-for-byte as it was.
+
+A path may have several records (an error, then a caption from a later run, or the reverse): the
+LATEST record of a path wins. `is_done` is true once a path has any record (with `retry_failed`,
+only when its latest record is not an error); `is_failed` is true when its latest record is an
+error.
+
+One run at a time per results file: `ResultsFile` holds an exclusive `flock` on `<out>.lock` from
+construction to `close()` (or the end of a `with` block), and the lock file names the holder's pid
+and host. The kernel drops the lock when the holder dies, so a lock file left by a killed run is
+taken over, not obeyed.
 """
 
+import contextlib
+import errno
+import fcntl
 import json
 import os
+import socket
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 
@@ -14,15 +30,122 @@ def path_key(path: str | Path) -> str:
     return os.path.realpath(path)
 
 
-class ResultsFile:
-    def __init__(self, path: str | Path) -> None:
+@dataclass(frozen=True)
+class LockHolder:
+    """Who holds a results file, as its lock file says (None where it could not be read)."""
+
+    pid: int | None
+    host: str | None
+
+    def __str__(self) -> str:
+        if self.pid is None:
+            return "another process"
+        return f"process {self.pid} on {self.host or 'an unknown host'}"
+
+
+class ResultsLocked(Exception):
+    """Another live `ResultsFile` (this process or another) holds the results file."""
+
+    def __init__(self, path: str | Path, holder: LockHolder) -> None:
         self.path = Path(path)
-        self.done: set[str] = set()
-        self.failed: set[str] = set()  # the subset of `done` recorded as errors
+        self.holder = holder
+        super().__init__(f"{self.path} is in use by {holder}; wait for it or use another --out")
+
+
+class ResultsFile:
+    """The results of a caption run; take it with `with ResultsFile(out) as results:`.
+
+    Construction creates the parent folder, takes the lock (`ResultsLocked` if another run holds
+    it), checks the file can be appended to (`OSError` otherwise), repairs a half-written last line
+    and reads what earlier runs recorded. Nothing is created but the folder and `<out>.lock`.
+    """
+
+    def __init__(self, path: str | Path, *, retry_failed: bool = False) -> None:
+        self.path = Path(path)
+        self.retry_failed = retry_failed
+        self.lock_path = Path(os.path.realpath(self.path) + ".lock")
+        self.done: set[str] = set()  # every path with a record
+        self.failed: set[str] = set()  # the subset of `done` whose latest record is an error
         self.repaired_bytes = 0
-        self._read_existing()
+        self._lock_fd: int | None = None
         # Here, not at the first append: a bad --out fails before any model loads or batch runs.
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock()
+        try:
+            self._check_writable()
+            self._read_existing()  # under the lock: the tail we cut cannot be another run's batch
+        except BaseException:
+            self.close()
+            raise
+
+    # -- the lock ---------------------------------------------------------------------------------
+
+    def _lock(self) -> None:
+        while True:
+            try:
+                fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            except OSError as error:
+                raise OSError(error.errno, f"cannot create the lock file {self.lock_path}: {error.strerror}") from error
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _read_holder(fd)
+                os.close(fd)
+                raise ResultsLocked(self.path, holder) from None
+            except BaseException:
+                os.close(fd)
+                raise
+            # The holder before us unlinks the lock file before it lets go: if we locked that
+            # unlinked file, the lock file at the path is another one (or none): try again on it.
+            if _same_file(fd, self.lock_path):
+                break
+            os.close(fd)
+        try:  # a stale pid left by a killed run is overwritten
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, (json.dumps({"pid": os.getpid(), "host": socket.gethostname()}) + "\n").encode(), 0)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._lock_fd = fd
+
+    @property
+    def closed(self) -> bool:
+        return self._lock_fd is None
+
+    def close(self) -> None:
+        """Let go of the lock (and remove the lock file while it is still ours). Idempotent."""
+        fd, self._lock_fd = self._lock_fd, None
+        if fd is None:
+            return
+        try:
+            if _same_file(fd, self.lock_path):  # unlink before unlocking: see `_lock`
+                os.unlink(self.lock_path)
+        except OSError:
+            pass  # a lock file we cannot remove is harmless: the next run takes it over
+        finally:
+            os.close(fd)
+
+    def __enter__(self) -> "ResultsFile":  # noqa: PYI034 (typing.Self needs 3.11)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:  # a safety net only: the lock is released with the object
+        with contextlib.suppress(OSError, AttributeError):  # AttributeError: __init__ failed early
+            self.close()
+
+    # -- the records ------------------------------------------------------------------------------
+
+    def _check_writable(self) -> None:
+        try:
+            if self.path.exists():
+                with open(self.path, "ab"):
+                    pass
+            elif not os.access(self.path.parent, os.W_OK | os.X_OK):
+                raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+        except OSError as error:
+            raise OSError(error.errno, f"cannot append to the results file {self.path}: {error.strerror}") from error
 
     def _read_existing(self) -> None:
         if not self.path.exists():
@@ -35,19 +158,24 @@ class ResultsFile:
                 handle.truncate(len(data) - self.repaired_bytes)
                 os.fsync(handle.fileno())
         # A damaged line elsewhere is not ours to delete: it is kept and marks nothing done.
-        for record in filter(None, map(_parse, lines)):
+        for record in filter(None, map(_parse, lines)):  # in file order: the latest record wins
             self._mark(record)
 
     def is_done(self, path: str | Path) -> bool:
-        return path_key(path) in self.done
+        """Recorded already, so not to be captioned again (with `retry_failed`: and not an error)."""
+        key = path_key(path)
+        return key in self.done and not (self.retry_failed and key in self.failed)
 
     def is_failed(self, path: str | Path) -> bool:
+        """The latest record of `path` is an error."""
         return path_key(path) in self.failed
 
     def append(self, records: list[dict]) -> None:
         """Write `records` and make them durable before returning."""
         if not records:
             return
+        if self.closed:
+            raise ValueError(f"{self.path} is closed: its lock is no longer held")
         # ASCII escapes keep undecodable file names (surrogates) writable and the file valid UTF-8.
         payload = "".join(json.dumps(record) + "\n" for record in records)
         with open(self.path, "a", encoding="ascii") as handle:
@@ -58,6 +186,7 @@ class ResultsFile:
             self._mark(record)
 
     def _mark(self, record: dict) -> None:
+        """Record `record` as the latest of its path: a caption clears an earlier error and vice versa."""
         key = path_key(record["path"])
         self.done.add(key)
         if "error" in record:
@@ -70,6 +199,31 @@ def read_records(path: str | Path) -> list[dict]:
     """Every complete, well-formed record in a results file."""
     with open(path, "rb") as handle:
         return [record for line in handle if (record := _parse(line)) is not None]
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        here, there = os.fstat(fd), os.stat(path)
+    except FileNotFoundError:
+        return False
+    return (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)
+
+
+def _read_holder(fd: int) -> LockHolder:
+    # The holder writes its pid just after locking: give it a moment if the file is still empty.
+    for _ in range(20):
+        try:
+            data = os.pread(fd, 4096, 0)
+        except OSError:
+            break
+        if data.endswith(b"\n"):
+            try:
+                info = json.loads(data)
+                return LockHolder(int(info["pid"]), str(info["host"]))
+            except (ValueError, KeyError, TypeError):
+                break
+        time.sleep(0.005)
+    return LockHolder(None, None)
 
 
 def _parse(line: bytes) -> dict | None:

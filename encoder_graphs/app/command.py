@@ -1,0 +1,244 @@
+"""`encoder-graphs caption`: check the request and every output before a model loads, caption
+what is not done yet, write records, sidecars and metadata, report. Ctrl-C stops after the
+current batch (a second one at once); a rerun of the same command resumes."""
+
+import argparse
+import json
+import signal
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from encoder_graphs.app.config import CaptionConfig
+from encoder_graphs.app.errors import EXIT_FAILURES, EXIT_INTERRUPTED, EXIT_OK, UsageError
+from encoder_graphs.app.outputs import SidecarPolicy, unwritable
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel
+
+    from encoder_graphs.app.media import MediaFile
+    from encoder_graphs.app.results import ResultsFile
+    from encoder_graphs.protocols import CaptionInputs
+
+RESUME_HINT = "rerun the same command to resume"
+AUTO_BATCH_DEFAULT = 8  # without CUDA, where memory does not bound the batch
+AUTO_BATCH_MAX = 64
+
+
+@dataclass
+class Plan:
+    """What a run will do, settled before any model loads."""
+
+    roots: list[Path]
+    files: "list[MediaFile]"
+    todo: "list[MediaFile]"
+    config: CaptionConfig
+    sidecars: SidecarPolicy
+    results: "ResultsFile"
+
+
+def caption(args: argparse.Namespace) -> int:
+    plan = make_plan(args)
+    with plan.results:  # holds the lock on --out until the run ends
+        if not plan.todo:
+            failed = sum(plan.results.is_failed(f.path) for f in plan.files)
+            where = f"{args.out}" + (" or have sidecars" if plan.sidecars.enabled else "")
+            print(f"nothing to do: all {len(plan.files)} files are already in {where} ({failed} of them as errors)")
+            return exit_status(plan)
+        return run(args, plan)
+
+
+def make_plan(args: argparse.Namespace) -> Plan:
+    """The files, the settings and the outputs: every usage error that needs no model."""
+    from encoder_graphs.app.media import SAMPLES_DIR, discover
+    from encoder_graphs.app.results import ResultsFile, ResultsLocked
+
+    roots = [Path(p).absolute() for p in args.paths] + ([SAMPLES_DIR] if args.samples else [])
+    if not roots:
+        raise UsageError("give at least one PATH (or --samples)")
+    try:
+        files = discover(roots, include_hidden=args.include_hidden)
+    except FileNotFoundError as error:
+        raise UsageError(str(error)) from error
+    if not files:
+        raise UsageError(f"no images or videos found under {' '.join(map(str, roots))}")
+    try:
+        config = CaptionConfig(
+            prompt=read_prompt(args),
+            max_new_tokens=args.max_new_tokens,
+            max_batch_tokens=args.max_batch_tokens,
+            prefix=args.prefix,
+            suffix=args.suffix,
+            temperature=args.temperature,
+            top_p=args.top_p,
+        )
+        sidecars = SidecarPolicy(args.sidecar, args.sidecar_ext, args.overwrite)
+    except ValueError as error:
+        raise UsageError(str(error)) from error
+    check_outputs(args, roots, files, sidecars)
+    try:
+        results = ResultsFile(args.out, retry_failed=args.retry_failed)
+    except ResultsLocked as error:
+        raise UsageError(str(error)) from error
+    except OSError as error:
+        raise UsageError(f"cannot use --out {args.out}: {error}") from error
+    if results.repaired_bytes:
+        print(f"encoder-graphs: dropped a half-written last line ({results.repaired_bytes} bytes) of {args.out}",
+              file=sys.stderr)
+    todo = [f for f in files if not results.is_done(f.path) and not sidecars.skips(f.path)]
+    return Plan(roots, files, todo, config, sidecars, results)
+
+
+def read_prompt(args: argparse.Namespace) -> str:
+    if args.prompt_file is None:
+        return args.prompt
+    try:
+        return args.prompt_file.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as error:
+        raise UsageError(f"cannot read --prompt-file {args.prompt_file}: {error}") from error
+
+
+def check_outputs(args: argparse.Namespace, roots: list[Path], files: "list[MediaFile]", sidecars: SidecarPolicy) -> None:
+    """Every path the run will write can be written: checked now, not after the model loaded."""
+    problems = [("--out", args.out, unwritable(args.out))]
+    if args.stats_json is not None:
+        problems.append(("--stats-json", args.stats_json, unwritable(args.stats_json)))
+    if sidecars.enabled:
+        folders = {f.path.parent for f in files}
+        problems += [("--sidecar", folder, unwritable(folder, folder=True)) for folder in sorted(folders)]
+    if args.hf_metadata:
+        problems += [("--hf-metadata", root, unwritable(root, folder=True)) for root in roots if root.is_dir()]
+    for flag, path, problem in problems:
+        if problem is not None:
+            raise UsageError(f"cannot use {flag} {path}: {problem}")
+
+
+def run(args: argparse.Namespace, plan: Plan) -> int:
+    from encoder_graphs.app.loading import load_model, pick_device
+    from encoder_graphs.report import format_run_stats
+
+    device = pick_device(args.device)
+    print(f"encoder-graphs: loading model {args.model or '(embedded tiny default)'} on {device} ...", file=sys.stderr)
+    model, inputs = load_model(args.model, device, max_tiles=args.max_tiles)
+    if args.seed is not None:
+        import torch
+
+        torch.manual_seed(args.seed)
+    summary, graph_stats, graph_table = caption_files(args, plan, model, inputs, device)
+    print(format_run_stats(summary))
+    print(graph_table)
+    if args.hf_metadata:
+        from encoder_graphs.app.outputs import write_hf_metadata
+
+        for path in write_hf_metadata(plan.results.path, plan.roots):
+            print(f"wrote {path}")
+    if args.stats_json is not None:
+        payload = {"pipeline": summary, **graph_stats, "model": args.model or "default", "device": str(device)}
+        args.stats_json.parent.mkdir(parents=True, exist_ok=True)
+        args.stats_json.write_text(json.dumps(payload, indent=2, sort_keys=True, default=str) + "\n")
+    if summary["interrupted"]:
+        print(f"interrupted: {RESUME_HINT}", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    return exit_status(plan)
+
+
+def caption_files(
+    args: argparse.Namespace, plan: Plan, model: "PreTrainedModel", inputs: "CaptionInputs", device: "torch.device"
+) -> tuple[dict, dict, str]:
+    """Enable the graphs, caption the files still to do, disable them: the run's and the graphs'
+    statistics."""
+    from encoder_graphs import enable_cuda_graphs
+    from encoder_graphs.app.media import LoadLimits
+    from encoder_graphs.app.outputs import Outputs
+    from encoder_graphs.app.pipeline import Captioner, longest_sequence
+    from encoder_graphs.app.runstats import Progress
+
+    limits = LoadLimits(
+        max_frames=args.max_frames,
+        min_side=inputs.min_side,
+        max_pixels=inputs.max_image_pixels,
+        frame_max_pixels=inputs.max_frame_pixels,
+    )
+    longest = longest_sequence(inputs, plan.config, limits)
+    check_length(args, model, longest)
+    config = replace(plan.config, batch_size=args.batch_size or auto_batch_size(model, longest, device))
+    try:
+        handle = enable_cuda_graphs(
+            model,
+            budgets=args.budgets,
+            attn_backend=args.attn_backend,
+            enabled=not args.no_graphs,
+            decoder_max_batch_size=config.batch_size,
+            decoder_max_cache_len=longest,
+        )
+    except ValueError as error:  # an architecture without an adapter, a bad backend or budgets
+        raise UsageError(f"cannot enable graphs on this model: {error}") from error
+    progress = None if args.quiet else Progress(len(plan.todo))
+    outputs = Outputs(plan.results, plan.sidecars, progress.advance if progress else None)
+    captioner = Captioner(model, inputs, config, limits, roots=plan.roots, model_name=args.model or "default")
+    try:
+        with stop_on_interrupt() as stop:
+            stats = captioner.run(plan.todo, outputs, stop)
+    finally:
+        graph_stats, graph_table = handle.stats(), handle.format_stats()
+        handle.disable()
+    stats.skipped = len(plan.files) - len(plan.todo)
+    stats.files = len(plan.files)
+    return {**stats.as_dict(), "batch_size": config.batch_size, "sidecars": outputs.sidecars_written}, graph_stats, graph_table
+
+
+def check_length(args: argparse.Namespace, model: "PreTrainedModel", longest: int) -> None:
+    positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    if positions is not None and longest > positions:
+        raise UsageError(
+            f"--max-new-tokens {args.max_new_tokens}: the longest prompt plus the caption reaches {longest} "
+            f"tokens, past the model's {positions} positions"
+        )
+
+
+def auto_batch_size(model: "PreTrainedModel", longest: int, device: "torch.device") -> int:
+    """`--batch-size auto`: the most sequences whose static KV cache (sized for the longest
+    sequence) fits in half the GPU memory free now, up to 64 (a multiple of 8 from 8 on);
+    throughput grows with the batch (RESULTS.md). 8 without CUDA."""
+    if device.type != "cuda":
+        return AUTO_BATCH_DEFAULT
+    import torch
+
+    from encoder_graphs.decoder.buffers import TextDims
+
+    dims = TextDims.of(model)
+    per_sequence = 2 * dims.num_layers * dims.num_kv_heads * dims.head_dim * longest * dims.dtype.itemsize
+    free, _ = torch.cuda.mem_get_info(device)
+    fits = int(free * 0.5 // per_sequence)
+    return max(1, min(AUTO_BATCH_MAX, fits if fits < 8 else fits - fits % 8))
+
+
+@contextmanager
+def stop_on_interrupt() -> Iterator[Callable[[], bool]]:
+    """Within the block, the first Ctrl-C asks the run to stop after the current batch (the
+    yielded function says whether it was asked); a second one stops at once."""
+    asked = []
+
+    def handler(signum: int, frame: object) -> None:
+        if asked:
+            raise KeyboardInterrupt
+        asked.append(signum)
+        print(f"\nencoder-graphs: stopping after the current batch (Ctrl-C again to stop now); {RESUME_HINT}",
+              file=sys.stderr)
+
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield lambda: bool(asked)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def exit_status(plan: Plan) -> int:
+    """0 when every file now has a caption (or a sidecar); failures recorded by an earlier run
+    count too."""
+    failed = any(plan.results.is_failed(f.path) and not plan.sidecars.skips(f.path) for f in plan.files)
+    return EXIT_FAILURES if failed else EXIT_OK

@@ -1,0 +1,107 @@
+"""Loading the model and its caption inputs: a checkpoint directory, a preset (random weights,
+the embedded tokenizer where it fits), or the embedded tiny default; and the device."""
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from encoder_graphs.app.errors import UsageError
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel
+
+    from encoder_graphs.protocols import CaptionInputs
+
+
+def pick_device(name: str) -> "torch.device":
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda but CUDA is not available")
+    return torch.device(name)
+
+
+def load_model(
+    name: str | None, device: "torch.device", *, max_tiles: int | None = None
+) -> "tuple[PreTrainedModel, CaptionInputs]":
+    """(model, inputs) for a checkpoint directory, a preset name, or the embedded default."""
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    from encoder_graphs.models.presets import PRESETS
+
+    hf_logging.disable_progress_bar()
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name is not None and name in PRESETS and not Path(name).exists():
+        return _load_preset(name, dtype, device, max_tiles)
+    from encoder_graphs.models.default_model import default_model_dir
+
+    directory = default_model_dir() if name is None else Path(name)
+    if not (directory / "config.json").is_file():
+        raise UsageError(
+            f"--model {name}: neither a checkpoint directory (no config.json) nor a preset that runs "
+            f"without a tokenizer ({', '.join(runnable_presets(max_tiles))})"
+        )
+    return _load_checkpoint(directory, dtype, device, max_tiles)
+
+
+def _load_checkpoint(
+    directory: Path, dtype: "torch.dtype", device: "torch.device", max_tiles: int | None
+) -> "tuple[PreTrainedModel, CaptionInputs]":
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from encoder_graphs.models.registry import family_for_config
+
+    try:
+        config = AutoConfig.from_pretrained(directory, trust_remote_code=False)
+        inputs = family_for_config(config).inputs.from_pretrained(directory, max_tiles=max_tiles)
+        inputs.check_model(config)  # before loading: a large checkpoint takes GBs
+        model = AutoModelForImageTextToText.from_pretrained(
+            directory, dtype=dtype, use_safetensors=True, trust_remote_code=False
+        )
+    except (OSError, ValueError) as error:
+        raise UsageError(f"cannot load the model from {directory}: {error}") from error
+    return model.to(device).eval(), inputs
+
+
+def _load_preset(
+    name: str, dtype: "torch.dtype", device: "torch.device", max_tiles: int | None
+) -> "tuple[PreTrainedModel, CaptionInputs]":
+    """A random-weight preset with the embedded tiny model's tokenizer, when that tokenizer fits it."""
+    from encoder_graphs.models.presets import build_model
+
+    inputs = _embedded_inputs(name, max_tiles)
+    if inputs is None:
+        raise UsageError(
+            f"preset {name} has random weights and no tokenizer, and the embedded tiny tokenizer does "
+            f"not fit it; use a checkpoint directory or one of {', '.join(runnable_presets(max_tiles))}"
+        )
+    return build_model(name, dtype=dtype, device=device), inputs
+
+
+def runnable_presets(max_tiles: int | None = None) -> list[str]:
+    """The presets the embedded tokenizer fits: the ones `--model NAME` can run."""
+    from encoder_graphs.models.presets import PRESETS
+
+    return [preset for preset in sorted(PRESETS) if _embedded_inputs(preset, max_tiles) is not None]
+
+
+def _embedded_inputs(preset: str, max_tiles: int | None) -> "CaptionInputs | None":
+    """The embedded tiny model's tokenizer and processor, when they fit `preset` (checked before
+    building: a large preset takes GBs)."""
+    from encoder_graphs.models.default_model import PRESET, default_model_dir
+    from encoder_graphs.models.presets import get_config
+    from encoder_graphs.models.registry import family_for_config
+
+    config = get_config(preset)
+    family = family_for_config(config)
+    if family.inputs is not family_for_config(get_config(PRESET)).inputs:
+        return None
+    inputs = family.inputs.from_pretrained(default_model_dir(), max_tiles=max_tiles)
+    try:
+        inputs.check_model(config)
+    except ValueError:
+        return None
+    return inputs

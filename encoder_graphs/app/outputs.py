@@ -1,0 +1,114 @@
+"""Where captions go: the JSONL results (the run's record, resumable), caption sidecars beside the
+files, and `metadata.jsonl` per root folder (the layout the `datasets` imagefolder loader reads).
+Also the checks that every output can be written, made before any model loads."""
+
+import json
+import os
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from encoder_graphs.app.results import ResultsFile, path_key, read_records
+
+METADATA_FILE = "metadata.jsonl"
+
+
+@dataclass(frozen=True)
+class SidecarPolicy:
+    """`--sidecar`: `<file without its extension><ext>` beside each captioned file."""
+
+    enabled: bool = False
+    ext: str = ".txt"
+    overwrite: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.ext.startswith(".") or len(self.ext) < 2 or os.sep in self.ext:
+            raise ValueError(f"the sidecar extension must look like .txt, got {self.ext!r}")
+
+    def path(self, media: Path) -> Path:
+        return media.with_suffix(self.ext)
+
+    def skips(self, media: Path) -> bool:
+        """A file whose sidecar exists is done, unless `overwrite`."""
+        return self.enabled and not self.overwrite and self.path(media).exists()
+
+
+def relative_path(path: Path, roots: Sequence[Path]) -> str:
+    """`path` relative to the first root folder holding it (its name for a file given directly)."""
+    for root in roots:
+        if root.is_dir() and str(path).startswith(str(root).rstrip(os.sep) + os.sep):
+            return os.path.relpath(path, root)
+    return path.name
+
+
+class Outputs:
+    """Writes a batch's records: JSONL first (durable), then the sidecars of its captions."""
+
+    def __init__(
+        self, results: ResultsFile, sidecars: SidecarPolicy, on_written: Callable[[int], None] | None = None
+    ) -> None:
+        self.results = results
+        self.sidecars = sidecars
+        self.on_written = on_written
+        self.sidecars_written = 0
+
+    def write(self, records: list[dict]) -> None:
+        self.results.append(records)
+        if self.sidecars.enabled:
+            for record in records:
+                if "text" in record:
+                    write_atomically(self.sidecars.path(Path(record["path"])), record["text"] + "\n")
+                    self.sidecars_written += 1
+        if self.on_written is not None:
+            self.on_written(len(records))
+
+
+def write_hf_metadata(results_path: Path, roots: Sequence[Path]) -> list[Path]:
+    """`metadata.jsonl` (file_name relative to the folder, text) in each root folder, from every
+    caption the results file holds for files under it (the latest record of a path wins)."""
+    latest: dict[str, dict] = {}
+    for record in read_records(results_path):
+        latest[path_key(record["path"])] = record
+    written = []
+    for root in (r for r in roots if r.is_dir()):
+        rows = [
+            {"file_name": os.path.relpath(record["path"], root), "text": record["text"]}
+            for record in latest.values()
+            if "text" in record and Path(record["path"]).is_relative_to(root)
+        ]
+        if rows:
+            lines = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in sorted(rows, key=lambda r: r["file_name"]))
+            write_atomically(root / METADATA_FILE, lines)
+            written.append(root / METADATA_FILE)
+    return written
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Write `text` to a temp file beside `path`, then rename: a kill never leaves half a file."""
+    handle, temp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(handle, "w", encoding="utf-8") as file:
+            file.write(text)
+        os.replace(temp, path)
+    except BaseException:
+        Path(temp).unlink(missing_ok=True)
+        raise
+
+
+def unwritable(path: Path, *, folder: bool = False) -> str | None:
+    """Why `path` (a file to create or append to, or with `folder` a folder to write into) cannot
+    be written, or None. Creates nothing."""
+    target = path if folder else path.parent
+    probe = target
+    while not probe.exists():  # the first existing ancestor decides whether folders can be made
+        if probe.parent == probe:
+            return f"{target} cannot be created"
+        probe = probe.parent
+    if not probe.is_dir():
+        return f"{probe} is not a folder"
+    if not os.access(probe, os.W_OK | os.X_OK):
+        return f"no permission to write in {probe}"
+    if not folder and path.exists() and (path.is_dir() or not os.access(path, os.W_OK)):
+        return f"{path} is a folder" if path.is_dir() else f"no permission to write {path}"
+    return None

@@ -1,0 +1,80 @@
+"""A captioning run's counters, and its progress line."""
+
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import TextIO
+
+from encoder_graphs.engine.stats import latency_summary
+
+
+@dataclass
+class RunStats:
+    files: int = 0
+    skipped: int = 0  # already in the results file (or with a sidecar, with --sidecar)
+    succeeded: int = 0
+    failed: int = 0
+    by_kind: Counter = field(default_factory=Counter)
+    failures: Counter = field(default_factory=Counter)  # error kind -> count
+    generated_tokens: int = 0
+    batches: int = 0
+    retried_batches: int = 0
+    wall_s: float = 0.0
+    input_wait_s: float = 0.0  # the model waiting for files still loading
+    interrupted: bool = False
+    batch_ms: list[float] = field(default_factory=list)
+    item_ms: list[float] = field(default_factory=list)  # load + share of its batch
+
+    def as_dict(self) -> dict:
+        done = self.succeeded + self.failed
+        return {
+            "files": self.files,
+            "skipped": self.skipped,
+            "succeeded": self.succeeded,
+            "failed": self.failed,
+            "by_kind": dict(self.by_kind),
+            "failures": dict(sorted(self.failures.items())),
+            "generated_tokens": self.generated_tokens,
+            "batches": self.batches,
+            "retried_batches": self.retried_batches,
+            "wall_s": self.wall_s,
+            "input_wait_s": self.input_wait_s,
+            "interrupted": self.interrupted,
+            "items_per_s": done / self.wall_s if self.wall_s else 0.0,
+            "tokens_per_s": self.generated_tokens / self.wall_s if self.wall_s else 0.0,
+            "batch_latency_ms": latency_summary(self.batch_ms),
+            "item_latency_ms": latency_summary(self.item_ms),
+        }
+
+
+class Progress:
+    """A one-line progress bar on stderr: redrawn in place on a terminal, a line every few
+    seconds otherwise (logs)."""
+
+    def __init__(self, total: int, stream: TextIO = sys.stderr) -> None:
+        self.total = total
+        self.stream = stream
+        self.done = 0
+        self.started = time.perf_counter()
+        self.last_draw = 0.0
+        self.interactive = stream.isatty()
+
+    def advance(self, count: int) -> None:
+        self.done += count
+        now = time.perf_counter()
+        if now - self.last_draw >= (0.2 if self.interactive else 5.0) or self.done == self.total:
+            self.last_draw = now
+            self._draw(now)
+
+    def _draw(self, now: float) -> None:
+        elapsed = now - self.started
+        rate = self.done / elapsed if elapsed else 0.0
+        eta = (self.total - self.done) / rate if rate else 0.0
+        width = 30
+        filled = width * self.done // max(1, self.total)
+        line = f"[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} {rate:.2f} items/s eta {eta:.0f}s"
+        self.stream.write(("\r" + line) if self.interactive else line + "\n")
+        if self.interactive and self.done == self.total:
+            self.stream.write("\n")
+        self.stream.flush()

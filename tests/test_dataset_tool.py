@@ -1,0 +1,175 @@
+"""The caption command as a dataset tool, end to end on the embedded tiny model (CPU): sidecars with
+prefix and suffix, skip and overwrite, metadata.jsonl, prompt templates, record fields, retry after
+a fix, a second run on the same --out refused, bad outputs refused before any model loads,
+symlinked folders, Ctrl-C then rerun, argument errors."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+import encoder_graphs
+from encoder_graphs.app import loading
+from encoder_graphs.app.cli import main
+from encoder_graphs.app.results import ResultsFile
+
+FAST = ["--max-new-tokens", "3", "--quiet"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def model_cache(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("cache")
+    previous = os.environ.get("ENCODER_GRAPHS_CACHE")
+    os.environ["ENCODER_GRAPHS_CACHE"] = str(cache)
+    yield cache
+    if previous is None:
+        del os.environ["ENCODER_GRAPHS_CACHE"]
+    else:
+        os.environ["ENCODER_GRAPHS_CACHE"] = previous
+
+
+def images(folder: Path, count: int, prefix: str = "img") -> list[Path]:
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for index in range(count):
+        paths.append(folder / f"{prefix}{index:02d}.png")
+        Image.new("RGB", (40 + 8 * index, 56), (30 * index, 80, 160)).save(paths[-1])
+    return paths
+
+
+def records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_sidecars_with_prefix_skip_and_overwrite(tmp_path):
+    files = images(tmp_path / "data", 3)
+    out = tmp_path / "run.jsonl"
+    argv = ["caption", str(tmp_path / "data"), "--out", str(out), "--sidecar", "--prefix", "sks, ", "--suffix", "."]
+    assert main(argv + FAST) == 0
+    by_path = {record["path"]: record for record in records(out)}
+    for file in files:
+        record = by_path[str(file)]
+        assert record["text"] == f"sks, {record['caption']}."
+        assert file.with_suffix(".txt").read_text() == record["text"] + "\n"
+        assert record["relative_path"] == file.name and record["model"] == "default"
+        assert (record["width"], record["height"]) == Image.open(file).size
+        assert record["prompt"] == "Describe this in one sentence." and isinstance(record["truncated"], bool)
+    # A new results file: sidecars alone mark files done...
+    assert main(argv + FAST + ["--out", str(tmp_path / "second.jsonl")]) == 0
+    assert not (tmp_path / "second.jsonl").exists() or records(tmp_path / "second.jsonl") == []
+    # ...unless --overwrite.
+    files[0].with_suffix(".txt").write_text("old\n")
+    assert main(argv + FAST + ["--out", str(tmp_path / "third.jsonl"), "--overwrite", "--sidecar-ext", ".caption"]) == 0
+    assert len(records(tmp_path / "third.jsonl")) == 3 and files[0].with_suffix(".caption").exists()
+
+
+def test_hf_metadata_and_prompt_templates(tmp_path):
+    files = images(tmp_path / "data" / "cats", 2, prefix="tabby")
+    prompt_file = tmp_path / "prompt.txt"
+    prompt_file.write_text("Describe {name} from {folder}, {width}x{height}.\n")
+    out = tmp_path / "run.jsonl"
+    argv = ["caption", str(tmp_path / "data"), "--out", str(out), "--hf-metadata", "--prompt-file", str(prompt_file)]
+    assert main(argv + FAST) == 0
+    by_path = {record["path"]: record for record in records(out)}
+    width, height = Image.open(files[1]).size
+    assert by_path[str(files[1])]["prompt"] == f"Describe tabby01 from cats, {width}x{height}."
+    assert by_path[str(files[1])]["relative_path"] == os.path.join("cats", "tabby01.png")
+    rows = records(tmp_path / "data" / "metadata.jsonl")
+    assert [row["file_name"] for row in rows] == [os.path.join("cats", f.name) for f in files]
+    assert all(row["text"] == by_path[str(f)]["text"] for row, f in zip(rows, files))
+
+
+def test_bad_prompt_templates_and_arguments_are_usage_errors(tmp_path, capsys):
+    images(tmp_path / "data", 1)
+    base = ["caption", str(tmp_path / "data"), "--out", str(tmp_path / "r.jsonl")]
+    assert main(base + ["--prompt", "Describe {camera}."]) == 2
+    assert "{camera}" in capsys.readouterr().err
+    assert main(base + ["--max-new-tokens", "abc"]) == 2
+    err = capsys.readouterr().err
+    assert "expected a positive integer, got 'abc'" in err and "_positive_int" not in err
+    assert main(base + ["--max-new-tokens", "100000"] + ["--quiet"]) == 2
+    assert "positions" in capsys.readouterr().err
+    assert main(base + ["--prompt-file", str(tmp_path / "missing.txt")]) == 2
+    assert main(base + ["--sidecar", "--sidecar-ext", "txt"]) == 2
+
+
+def test_version(capsys):
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"encoder-graphs {encoder_graphs.__version__}"
+
+
+def test_bad_outputs_are_refused_before_the_model_loads(tmp_path, monkeypatch, capsys):
+    images(tmp_path / "data", 1)
+    (tmp_path / "a_file").write_text("x")
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    monkeypatch.setattr(loading, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    cases = [
+        ["--out", str(tmp_path / "a_file" / "r.jsonl")],
+        ["--out", str(tmp_path / "r.jsonl"), "--stats-json", str(tmp_path / "a_file" / "s.json")],
+        ["--out", str(tmp_path / "r.jsonl"), "--stats-json", str(tmp_path / "data")],
+    ]
+    if os.geteuid() != 0:  # root writes anywhere
+        cases.append(["--out", str(locked / "r.jsonl")])
+    for extra in cases:
+        assert main(["caption", str(tmp_path / "data")] + extra + FAST) == 2, extra
+        assert f"cannot use {extra[-2]} {extra[-1]}" in capsys.readouterr().err
+
+
+def test_a_second_run_on_the_same_out_is_refused(tmp_path, capsys):
+    images(tmp_path / "data", 1)
+    out = tmp_path / "r.jsonl"
+    with ResultsFile(out):
+        assert main(["caption", str(tmp_path / "data"), "--out", str(out)] + FAST) == 2
+    assert f"process {os.getpid()}" in capsys.readouterr().err
+    assert main(["caption", str(tmp_path / "data"), "--out", str(out)] + FAST) == 0
+
+
+def test_retry_failed_after_the_file_is_fixed(tmp_path):
+    good = images(tmp_path / "data", 2)
+    broken = tmp_path / "data" / "late.png"
+    broken.write_bytes(b"not a png")
+    out = tmp_path / "r.jsonl"
+    argv = ["caption", str(tmp_path / "data"), "--out", str(out)] + FAST
+    assert main(argv) == 1
+    Image.new("RGB", (64, 64)).save(broken)
+    assert main(argv) == 1, "without --retry-failed the error record stands"
+    assert main(argv + ["--retry-failed"]) == 0
+    latest = {record["path"]: record for record in records(out)}
+    assert "caption" in latest[str(broken)] and len(latest) == len(good) + 1
+
+
+def test_symlinked_folders_are_followed(tmp_path):
+    images(tmp_path / "real", 2)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "linked").symlink_to(tmp_path / "real", target_is_directory=True)
+    out = tmp_path / "r.jsonl"
+    assert main(["caption", str(tmp_path / "data"), "--out", str(out)] + FAST) == 0
+    assert sorted(Path(r["relative_path"]).parts[0] for r in records(out)) == ["linked", "linked"]
+
+
+def test_ctrl_c_stops_after_the_batch_and_a_rerun_finishes(tmp_path, model_cache):
+    images(tmp_path / "data", 24)
+    out = tmp_path / "r.jsonl"
+    command = [sys.executable, "-m", "encoder_graphs", "caption", str(tmp_path / "data"), "--out", str(out),
+               "--batch-size", "2", "--max-new-tokens", "3", "--quiet"]
+    env = {**os.environ, "ENCODER_GRAPHS_CACHE": str(model_cache)}
+    process = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (out.exists() and out.read_text().count("\n") >= 2) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    process.send_signal(signal.SIGINT)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 130, err
+    assert "rerun the same command to resume" in err and "Traceback" not in err
+    done = records(out)
+    assert 2 <= len(done) < 24 and len({r["path"] for r in done}) == len(done)
+    assert subprocess.run(command, env=env).returncode == 0
+    assert len({r["path"] for r in records(out)}) == 24 == len(records(out))
