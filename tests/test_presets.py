@@ -5,7 +5,9 @@ import torch
 from transformers import AutoConfig, AutoModelForImageTextToText
 
 from encoder_graphs.models import adapter_for, supported_architectures
+from encoder_graphs.models.preset_files import preset_files_dir
 from encoder_graphs.models.presets import PRESETS, build_model, build_vision_tower, get_config
+from encoder_graphs.models.registry import family_for_config
 
 # Key fields of Qwen/Qwen2-VL-2B-Instruct, Qwen/Qwen2.5-VL-{3B,7B}-Instruct, Qwen/Qwen3-VL-2B-Instruct.
 PUBLIC = {
@@ -150,3 +152,15 @@ def test_seed_makes_weights_reproducible():
 def test_unknown_preset_names_the_known_ones():
     with pytest.raises(ValueError, match="qwen2.5-vl-7b"):
         get_config("qwen9-vl")
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_every_preset_has_caption_inputs_that_fit_it(name, tmp_path, monkeypatch):
+    """The generated tokenizer and processor files (no weights) let the caption command run any
+    preset: token ids, vocabulary and patch or tile sizes match the model."""
+    monkeypatch.setenv("ENCODER_GRAPHS_CACHE", str(tmp_path))
+    config = get_config(name)
+    inputs = family_for_config(config).inputs.from_pretrained(preset_files_dir(name))
+    inputs.check_model(config)
+    assert inputs.eos_token_id == config.get_text_config().eos_token_id
+    assert inputs.longest_prompt("Describe.", 4) > 0

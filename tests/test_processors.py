@@ -16,9 +16,11 @@ import pytest
 import torch
 from PIL import Image
 
-from encoder_graphs.models.default_model import build_tokenizer
+from encoder_graphs.models.default_model import SPECIAL_TOKENS
+from encoder_graphs.models.preset_files import QWEN_CHAT_TEMPLATE
 from encoder_graphs.models.presets import get_config
 from encoder_graphs.models.qwen_inputs import QwenVLInputs
+from encoder_graphs.models.tokenizer import build_tokenizer
 
 pytest.importorskip("torchvision")
 pytestmark = pytest.mark.torchvision
@@ -149,7 +151,9 @@ def write_checkpoint(directory: Path, family: str) -> Path:
     spec = FAMILIES[family]
     directory.mkdir(parents=True, exist_ok=True)
     get_config(spec["preset"]).save_pretrained(directory)
-    build_tokenizer().save_pretrained(directory)  # its chat template is the tiny one, not the processor's
+    tokenizer = build_tokenizer(SPECIAL_TOKENS)
+    tokenizer.chat_template = QWEN_CHAT_TEMPLATE  # the tiny one, not the processor's
+    tokenizer.save_pretrained(directory)
 
     def write(name: str, payload: dict) -> None:
         (directory / name).write_text(json.dumps(payload, indent=2) + "\n")

@@ -41,8 +41,8 @@ def load_model(
     directory = default_model_dir() if name is None else Path(name)
     if not (directory / "config.json").is_file():
         raise UsageError(
-            f"--model {name}: neither a checkpoint directory (no config.json) nor a preset that runs "
-            f"without a tokenizer ({', '.join(runnable_presets(max_tiles))})"
+            f"--model {name}: neither a checkpoint directory (no config.json) nor a preset "
+            f"({', '.join(sorted(PRESETS))})"
         )
     return _load_checkpoint(directory, dtype, device, max_tiles)
 
@@ -69,39 +69,12 @@ def _load_checkpoint(
 def _load_preset(
     name: str, dtype: "torch.dtype", device: "torch.device", max_tiles: int | None
 ) -> "tuple[PreTrainedModel, CaptionInputs]":
-    """A random-weight preset with the embedded tiny model's tokenizer, when that tokenizer fits it."""
-    from encoder_graphs.models.presets import build_model
-
-    inputs = _embedded_inputs(name, max_tiles)
-    if inputs is None:
-        raise UsageError(
-            f"preset {name} has random weights and no tokenizer, and the embedded tiny tokenizer does "
-            f"not fit it; use a checkpoint directory or one of {', '.join(runnable_presets(max_tiles))}"
-        )
-    return build_model(name, dtype=dtype, device=device), inputs
-
-
-def runnable_presets(max_tiles: int | None = None) -> list[str]:
-    """The presets the embedded tokenizer fits: the ones `--model NAME` can run."""
-    from encoder_graphs.models.presets import PRESETS
-
-    return [preset for preset in sorted(PRESETS) if _embedded_inputs(preset, max_tiles) is not None]
-
-
-def _embedded_inputs(preset: str, max_tiles: int | None) -> "CaptionInputs | None":
-    """The embedded tiny model's tokenizer and processor, when they fit `preset` (checked before
-    building: a large preset takes GBs)."""
-    from encoder_graphs.models.default_model import PRESET, default_model_dir
-    from encoder_graphs.models.presets import get_config
+    """A random-weight preset with its generated tokenizer and processor files (noise captions)."""
+    from encoder_graphs.models.preset_files import preset_files_dir
+    from encoder_graphs.models.presets import build_model, get_config
     from encoder_graphs.models.registry import family_for_config
 
-    config = get_config(preset)
-    family = family_for_config(config)
-    if family.inputs is not family_for_config(get_config(PRESET)).inputs:
-        return None
-    inputs = family.inputs.from_pretrained(default_model_dir(), max_tiles=max_tiles)
-    try:
-        inputs.check_model(config)
-    except ValueError:
-        return None
-    return inputs
+    config = get_config(name)
+    inputs = family_for_config(config).inputs.from_pretrained(preset_files_dir(name), max_tiles=max_tiles)
+    inputs.check_model(config)
+    return build_model(name, dtype=dtype, device=device), inputs
