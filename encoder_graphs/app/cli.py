@@ -98,7 +98,10 @@ def _performance_arguments(parser: argparse.ArgumentParser) -> None:
         help="files in one generate call, or auto: the most the GPU memory left holds, up to 64 (default: auto)",
     )
     group.add_argument(
-        "--max-batch-tokens", type=_positive_int, default=16384, help="vision tokens in one generate call (default: %(default)s)"
+        "--max-batch-tokens",
+        type=_positive_int,
+        default=None,
+        help="vision tokens in one generate call (default: 1024 x the batch size)",
     )
     group.add_argument("--budgets", type=_budgets, default=None, help="encoder token budgets, e.g. 1024,4096")
     group.add_argument("--attn-backend", default=None, help="varlen attention backend of the encoder graphs")

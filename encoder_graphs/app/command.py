@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 RESUME_HINT = "rerun the same command to resume"
 AUTO_BATCH_DEFAULT = 8  # without CUDA, where memory does not bound the batch
 AUTO_BATCH_MAX = 64
+VISION_TOKENS_PER_SEQUENCE = 1024  # the default cap on a batch's vision tokens, per sequence
 
 
 @dataclass
@@ -70,7 +71,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
         config = CaptionConfig(
             prompt=read_prompt(args),
             max_new_tokens=args.max_new_tokens,
-            max_batch_tokens=args.max_batch_tokens,
+            max_batch_tokens=args.max_batch_tokens or CaptionConfig.max_batch_tokens,
             prefix=args.prefix,
             suffix=args.suffix,
             temperature=args.temperature,
@@ -165,7 +166,11 @@ def caption_files(
     )
     longest = longest_sequence(inputs, plan.config, limits)
     check_length(args, model, longest)
-    config = replace(plan.config, batch_size=args.batch_size or auto_batch_size(model, longest, device))
+    batch_size = args.batch_size or auto_batch_size(model, longest, device)
+    # Unless given, the vision-token cap follows the batch: at 16384 a batch of 64 typical
+    # images (~700 tokens each) was cut to ~20 (H200, 2026-11-22).
+    max_batch_tokens = args.max_batch_tokens or VISION_TOKENS_PER_SEQUENCE * batch_size
+    config = replace(plan.config, batch_size=batch_size, max_batch_tokens=max_batch_tokens)
     try:
         handle = enable_cuda_graphs(
             model,
