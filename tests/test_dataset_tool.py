@@ -173,3 +173,16 @@ def test_ctrl_c_stops_after_the_batch_and_a_rerun_finishes(tmp_path, model_cache
     assert 2 <= len(done) < 24 and len({r["path"] for r in done}) == len(done)
     assert subprocess.run(command, env=env).returncode == 0
     assert len({r["path"] for r in records(out)}) == 24 == len(records(out))
+
+
+def test_seeded_sampling_repeats_and_hidden_files_wait_for_include_hidden(tmp_path):
+    images(tmp_path / "data", 3)
+    images(tmp_path / "data" / ".thumbs", 1)
+    argv = ["caption", str(tmp_path / "data"), "--temperature", "0.9", "--top-p", "0.8", "--seed", "7"] + FAST
+    assert main(argv + ["--out", str(tmp_path / "a.jsonl")]) == 0
+    assert main(argv + ["--out", str(tmp_path / "b.jsonl")]) == 0
+    first, second = records(tmp_path / "a.jsonl"), records(tmp_path / "b.jsonl")
+    assert len(first) == 3, "the hidden folder is skipped"
+    assert [r["caption"] for r in first] == [r["caption"] for r in second]
+    assert main(argv + ["--out", str(tmp_path / "a.jsonl"), "--include-hidden"]) == 0
+    assert len(records(tmp_path / "a.jsonl")) == 4
