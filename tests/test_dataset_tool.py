@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from PIL import Image
+from test_cli import model_cache  # noqa: F401 (autouse: a private model cache for this module)
 
 import encoder_graphs
 from encoder_graphs.app import loading
@@ -20,18 +21,6 @@ from encoder_graphs.app.cli import main
 from encoder_graphs.app.results import ResultsFile
 
 FAST = ["--max-new-tokens", "3", "--quiet"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def model_cache(tmp_path_factory):
-    cache = tmp_path_factory.mktemp("cache")
-    previous = os.environ.get("ENCODER_GRAPHS_CACHE")
-    os.environ["ENCODER_GRAPHS_CACHE"] = str(cache)
-    yield cache
-    if previous is None:
-        del os.environ["ENCODER_GRAPHS_CACHE"]
-    else:
-        os.environ["ENCODER_GRAPHS_CACHE"] = previous
 
 
 def images(folder: Path, count: int, prefix: str = "img") -> list[Path]:
@@ -155,7 +144,7 @@ def test_symlinked_folders_are_followed(tmp_path):
     assert sorted(Path(r["relative_path"]).parts[0] for r in records(out)) == ["linked", "linked"]
 
 
-def test_ctrl_c_stops_after_the_batch_and_a_rerun_finishes(tmp_path, model_cache):
+def test_ctrl_c_stops_after_the_batch_and_a_rerun_finishes(tmp_path, model_cache):  # noqa: F811
     images(tmp_path / "data", 24)
     out = tmp_path / "r.jsonl"
     command = [sys.executable, "-m", "encoder_graphs", "caption", str(tmp_path / "data"), "--out", str(out),

@@ -7,12 +7,11 @@ tokens identical to the stock `generate`; bf16 replay identical to the runner's 
 parting from `generate` only at near-ties, as for Qwen (tests/test_decoder_gpu.py says why).
 """
 
-import gc
 import random
 
 import pytest
 import torch
-from test_decoder_gpu import assert_parts_only_at_close_logits
+from test_decoder_gpu import assert_parts_only_at_close_logits, free_cuda_memory  # noqa: F401 (autouse)
 
 from encoder_graphs import DecoderGraphRunner, EncoderCudaGraphManager, enable_cuda_graphs
 from encoder_graphs.models import adapter_for
@@ -33,13 +32,6 @@ CACHE_LEN = 1088
 LENGTH_TIERS = [784, 1048]
 ALL_TIERS = {*LENGTH_TIERS, CACHE_LEN}
 NEW_TOKENS = 24
-
-
-@pytest.fixture(autouse=True)
-def free_cuda_memory():
-    yield
-    gc.collect()
-    torch.cuda.empty_cache()
 
 
 def random_call(rng: random.Random, call: int) -> list[int]:
