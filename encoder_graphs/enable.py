@@ -116,7 +116,6 @@ def enable_cuda_graphs(
         raise RuntimeError("encoder graphs are already enabled on this model; disable() them first")
     check_version()
     adapter = adapter_for(model, attn_backend=attn_backend)
-    adapter.align_weights()  # exact; undone by disable()
     manager = EncoderCudaGraphManager(
         adapter,
         budgets=budgets,
@@ -137,9 +136,17 @@ def enable_cuda_graphs(
             enabled=enabled,
             family=adapter,
         )
-    manager.capture()
-    if runner is not None:
-        runner.capture()
+    adapter.align_weights()  # exact; undone by disable(), or here if a capture raises
+    try:
+        manager.capture()
+        if runner is not None:
+            runner.capture()
+    except BaseException:
+        adapter.restore_weights()
+        manager.close()
+        if runner is not None:
+            runner.close()
+        raise
     handle = EncoderGraphsHandle(model, adapter, manager, runner)
     for owner in (model, getattr(model, "model", None)):
         if owner is None:

@@ -120,8 +120,8 @@ def family_for_config(config: Any) -> Family:
 
 
 def adapter_for(model: nn.Module, *, attn_backend: str | None = None, **options: Any) -> Any:
-    """The family adapter over `model`'s own vision tower. `options` go to the adapter
-    (`max_frames_per_item`, `budget_range`)."""
+    """The family adapter over `model`'s own vision tower (or, for InternVL, its inner model).
+    `options` go to the adapter's constructor (e.g. `budget_range`)."""
     found = _find(model)
     if found is None:
         raise ValueError(_unsupported(type(model).__name__))

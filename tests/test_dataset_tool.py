@@ -175,3 +175,53 @@ def test_seeded_sampling_repeats_and_hidden_files_wait_for_include_hidden(tmp_pa
     assert [r["caption"] for r in first] == [r["caption"] for r in second]
     assert main(argv + ["--out", str(tmp_path / "a.jsonl"), "--include-hidden"]) == 0
     assert len(records(tmp_path / "a.jsonl")) == 4
+
+
+def test_relative_paths_and_metadata_with_dotdot_roots(tmp_path, monkeypatch):
+    files = images(tmp_path / "data" / "sub", 2)
+    (tmp_path / "w" / "a").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path / "w" / "a")
+    assert main(["caption", "../../data", "--out", "r.jsonl", "--hf-metadata"] + FAST) == 0
+    assert sorted(r["relative_path"] for r in records(Path("r.jsonl"))) == [os.path.join("sub", f.name) for f in files]
+    assert len(records(tmp_path / "data" / "metadata.jsonl")) == 2
+
+
+def test_sidecar_safety_backfill_permissions_and_conflicts(tmp_path):
+    files = images(tmp_path / "data", 2)
+    out = tmp_path / "r.jsonl"
+    base = ["caption", str(tmp_path / "data"), "--out", str(out)] + FAST
+    assert main(base) == 0
+    previous = os.umask(0o022)
+    try:
+        assert main(base + ["--sidecar"]) == 0, "sidecars come from the records: nothing is captioned again"
+    finally:
+        os.umask(previous)
+    assert len(records(out)) == 2
+    for file in files:
+        assert file.with_suffix(".txt").stat().st_mode & 0o777 == 0o644
+    assert main(base + ["--sidecar", "--sidecar-ext", ".png"]) == 2
+    Image.new("RGB", (32, 32)).save(tmp_path / "data" / "img00.jpg")
+    assert main(base + ["--sidecar"]) == 2, "img00.png and img00.jpg would share img00.txt"
+    assert main(["caption", str(tmp_path / "data"), "--out", str(tmp_path / "data" / "metadata.jsonl"),
+                 "--hf-metadata"] + FAST) == 2
+
+
+def test_odd_names_templates_and_rotation(tmp_path, capsys):
+    folder = tmp_path / "data"
+    folder.mkdir()
+    odd = folder / os.fsdecode(b"caf\xe9.png")  # not valid UTF-8
+    Image.new("RGB", (48, 40)).save(odd)
+    exif = Image.Exif()
+    exif[0x0112] = 6  # rotate 90: stored 80x40, seen 40x80
+    Image.new("RGB", (80, 40)).save(folder / "turned.jpg", exif=exif)
+    out = tmp_path / "r.jsonl"
+    for bad in ("Describe {}", "size {width:q}"):
+        assert main(["caption", str(folder), "--out", str(out), "--prompt", bad] + FAST) == 2
+    assert "prompt" in capsys.readouterr().err
+    assert main(["caption", str(folder), "--out", str(out), "--hf-metadata", "--prompt", "{width}x{height}"] + FAST) == 0
+    by_name = {Path(r["path"]).name: r for r in records(out)}
+    assert (by_name["turned.jpg"]["width"], by_name["turned.jpg"]["height"]) == (40, 80)
+    assert by_name["turned.jpg"]["prompt"] == "40x80"
+    (folder / "metadata.jsonl").unlink()
+    assert main(["caption", str(folder), "--out", str(out), "--hf-metadata"] + FAST) == 0, "nothing to do"
+    assert len(records(folder / "metadata.jsonl")) == 2

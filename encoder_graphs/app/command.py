@@ -4,6 +4,7 @@ current batch (a second one at once); a rerun of the same command resumes."""
 
 import argparse
 import json
+import os
 import signal
 import sys
 from collections.abc import Callable, Iterator
@@ -14,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from encoder_graphs.app.config import CaptionConfig
 from encoder_graphs.app.errors import EXIT_FAILURES, EXIT_INTERRUPTED, EXIT_OK, UsageError
-from encoder_graphs.app.outputs import SidecarPolicy, unwritable
+from encoder_graphs.app.outputs import METADATA_FILE, SidecarPolicy, unwritable
 
 if TYPE_CHECKING:
     import torch
@@ -49,6 +50,7 @@ def caption(args: argparse.Namespace) -> int:
             failed = sum(plan.results.is_failed(f.path) for f in plan.files)
             where = f"{args.out}" + (" or have sidecars" if plan.sidecars.enabled else "")
             print(f"nothing to do: all {len(plan.files)} files are already in {where} ({failed} of them as errors)")
+            write_metadata(args, plan)
             return exit_status(plan)
         return run(args, plan)
 
@@ -58,7 +60,8 @@ def make_plan(args: argparse.Namespace) -> Plan:
     from encoder_graphs.app.media import SAMPLES_DIR, discover
     from encoder_graphs.app.results import ResultsFile, ResultsLocked
 
-    roots = [Path(p).absolute() for p in args.paths] + ([SAMPLES_DIR] if args.samples else [])
+    # abspath, as discover's file paths: `..` resolved, symlinks kept, so the two compare as text.
+    roots = [Path(os.path.abspath(p)) for p in args.paths] + ([SAMPLES_DIR] if args.samples else [])
     if not roots:
         raise UsageError("give at least one PATH (or --samples)")
     try:
@@ -90,6 +93,8 @@ def make_plan(args: argparse.Namespace) -> Plan:
     if results.repaired_bytes:
         print(f"encoder-graphs: dropped a half-written last line ({results.repaired_bytes} bytes) of {args.out}",
               file=sys.stderr)
+    if sidecars.enabled and (written := sidecars.backfill(results.path, [f.path for f in files])):
+        print(f"encoder-graphs: wrote {written} sidecars from captions already in {args.out}", file=sys.stderr)
     todo = [f for f in files if not results.is_done(f.path) and not sidecars.skips(f.path)]
     return Plan(roots, files, todo, config, sidecars, results)
 
@@ -116,6 +121,18 @@ def check_outputs(args: argparse.Namespace, roots: list[Path], files: "list[Medi
     for flag, path, problem in problems:
         if problem is not None:
             raise UsageError(f"cannot use {flag} {path}: {problem}")
+    if sidecars.enabled and (clashes := sidecars.collisions([f.path for f in files])):
+        first, second = clashes[0]
+        raise UsageError(
+            f"--sidecar: {first.name} and {second.name} (and {len(clashes) - 1} more pairs) would share "
+            f"{sidecars.path(first)}; rename one or caption them apart"
+        )
+    taken = {os.path.abspath(root / METADATA_FILE) for root in roots if args.hf_metadata and root.is_dir()}
+    for flag, path in (("--out", args.out), ("--stats-json", args.stats_json)):
+        if path is not None and os.path.abspath(path) in taken:
+            raise UsageError(f"cannot use {flag} {path}: --hf-metadata writes that file")
+        if path is not None:
+            taken.add(os.path.abspath(path))
 
 
 def run(args: argparse.Namespace, plan: Plan) -> int:
@@ -132,11 +149,7 @@ def run(args: argparse.Namespace, plan: Plan) -> int:
     summary, graph_stats, graph_table = caption_files(args, plan, model, inputs, device)
     print(format_run_stats(summary))
     print(graph_table)
-    if args.hf_metadata:
-        from encoder_graphs.app.outputs import write_hf_metadata
-
-        for path in write_hf_metadata(plan.results.path, plan.roots):
-            print(f"wrote {path}")
+    write_metadata(args, plan)
     if args.stats_json is not None:
         payload = {"pipeline": summary, **graph_stats, "model": args.model or "default", "device": str(device)}
         args.stats_json.parent.mkdir(parents=True, exist_ok=True)
@@ -145,6 +158,14 @@ def run(args: argparse.Namespace, plan: Plan) -> int:
         print(f"interrupted: {RESUME_HINT}", file=sys.stderr)
         return EXIT_INTERRUPTED
     return exit_status(plan)
+
+
+def write_metadata(args: argparse.Namespace, plan: Plan) -> None:
+    if args.hf_metadata:
+        from encoder_graphs.app.outputs import write_hf_metadata
+
+        for path in write_hf_metadata(plan.results.path, plan.roots):
+            print(f"wrote {path}")
 
 
 def caption_files(

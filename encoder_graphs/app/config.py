@@ -32,9 +32,16 @@ class CaptionConfig:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        unknown = sorted({field for _, field, _, _ in string.Formatter().parse(self.prompt) if field} - set(PROMPT_FIELDS))
+        try:
+            fields = {field for _, field, _, _ in string.Formatter().parse(self.prompt) if field is not None}
+            unknown = sorted(fields - set(PROMPT_FIELDS))
+            if not unknown:
+                self.prompt_for("name", "folder", 1, 1)  # format specs, conversions
+        except (ValueError, IndexError, KeyError) as error:
+            raise ValueError(f"bad prompt template {self.prompt!r}: {error}") from error
         if unknown:
-            raise ValueError(f"the prompt names {', '.join('{' + f + '}' for f in unknown)}; it may use {PROMPT_FIELDS}")
+            names = ", ".join("{" + f + "}" for f in unknown)
+            raise ValueError(f"the prompt names {names}; it may use {', '.join('{' + f + '}' for f in PROMPT_FIELDS)}")
 
     def prompt_for(self, name: str, folder: str, width: int, height: int) -> str:
         """The prompt of one file: the template with its fields filled in."""

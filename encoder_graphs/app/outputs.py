@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from encoder_graphs.app.media import media_kind
 from encoder_graphs.app.results import ResultsFile, path_key, read_records
 
 METADATA_FILE = "metadata.jsonl"
@@ -25,6 +26,8 @@ class SidecarPolicy:
     def __post_init__(self) -> None:
         if not self.ext.startswith(".") or len(self.ext) < 2 or os.sep in self.ext:
             raise ValueError(f"the sidecar extension must look like .txt, got {self.ext!r}")
+        if media_kind(Path("x" + self.ext)) is not None:
+            raise ValueError(f"the sidecar extension {self.ext} is a media extension: sidecars would replace images")
 
     def path(self, media: Path) -> Path:
         return media.with_suffix(self.ext)
@@ -32,6 +35,28 @@ class SidecarPolicy:
     def skips(self, media: Path) -> bool:
         """A file whose sidecar exists is done, unless `overwrite`."""
         return self.enabled and not self.overwrite and self.path(media).exists()
+
+    def collisions(self, files: Sequence[Path]) -> list[tuple[Path, Path]]:
+        """Pairs of files that would write the same sidecar (a.jpg and a.png)."""
+        owner: dict[Path, Path] = {}
+        clashes = []
+        for file in files:
+            first = owner.setdefault(self.path(file), file)
+            if first != file:
+                clashes.append((first, file))
+        return clashes
+
+    def backfill(self, results_path: Path, files: Sequence[Path]) -> int:
+        """Write the sidecars of files the results already caption (an earlier run without
+        `--sidecar`, or one killed between its record and its sidecars); how many."""
+        texts = {key: record["text"] for key, record in latest_records(results_path).items() if "text" in record}
+        written = 0
+        for file in files:
+            text = texts.get(path_key(file))
+            if text is not None and (self.overwrite or not self.path(file).exists()):
+                write_atomically(self.path(file), text + "\n")
+                written += 1
+        return written
 
 
 def relative_path(path: Path, roots: Sequence[Path]) -> str:
@@ -64,21 +89,30 @@ class Outputs:
             self.on_written(len(records))
 
 
+def latest_records(results_path: Path) -> dict[str, dict]:
+    """The latest record of every path in a results file, by path identity."""
+    latest: dict[str, dict] = {}
+    if results_path.exists():
+        for record in read_records(results_path):
+            latest[path_key(record["path"])] = record
+    return latest
+
+
 def write_hf_metadata(results_path: Path, roots: Sequence[Path]) -> list[Path]:
     """`metadata.jsonl` (file_name relative to the folder, text) in each root folder, from every
-    caption the results file holds for files under it (the latest record of a path wins)."""
-    latest: dict[str, dict] = {}
-    for record in read_records(results_path):
-        latest[path_key(record["path"])] = record
+    caption the results file holds for files under it that still exist (the latest record of a
+    path wins)."""
+    latest = latest_records(results_path)
     written = []
     for root in (r for r in roots if r.is_dir()):
         rows = [
             {"file_name": os.path.relpath(record["path"], root), "text": record["text"]}
             for record in latest.values()
-            if "text" in record and Path(record["path"]).is_relative_to(root)
+            if "text" in record and Path(record["path"]).is_relative_to(root) and Path(record["path"]).exists()
         ]
         if rows:
-            lines = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in sorted(rows, key=lambda r: r["file_name"]))
+            # ASCII escapes: file names that are not valid UTF-8 stay writable, the JSON stays valid.
+            lines = "".join(json.dumps(row) + "\n" for row in sorted(rows, key=lambda r: r["file_name"]))
             write_atomically(root / METADATA_FILE, lines)
             written.append(root / METADATA_FILE)
     return written
@@ -88,12 +122,20 @@ def write_atomically(path: Path, text: str) -> None:
     """Write `text` to a temp file beside `path`, then rename: a kill never leaves half a file."""
     handle, temp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
+        # mkstemp makes 0600 files: take the file's old mode, or what the umask gives a new one.
+        os.fchmod(handle, path.stat().st_mode & 0o7777 if path.exists() else 0o666 & ~_umask())
         with os.fdopen(handle, "w", encoding="utf-8") as file:
             file.write(text)
         os.replace(temp, path)
     except BaseException:
         Path(temp).unlink(missing_ok=True)
         raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def unwritable(path: Path, *, folder: bool = False) -> str | None:

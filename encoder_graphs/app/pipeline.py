@@ -19,6 +19,8 @@ from encoder_graphs.app.outputs import Outputs, relative_path
 from encoder_graphs.app.runstats import RunStats
 from encoder_graphs.protocols import CaptionInputs, EncodedMedia
 
+ORIENTATION_TAG = 0x0112  # EXIF; values 5-8 turn the image by 90 degrees
+
 
 @dataclass
 class Pending:
@@ -58,7 +60,8 @@ class Captioner:
         queue = iter(files)
         loading: deque[tuple[MediaFile, Future]] = deque()
         # Files load on worker threads a few batches ahead of the model (PIL and PyAV release the GIL).
-        with ThreadPoolExecutor(self.config.load_workers) as pool:
+        pool = ThreadPoolExecutor(self.config.load_workers)
+        try:
             for file in islice(queue, self.config.batch_size * 4):
                 loading.append((file, pool.submit(self.prepare, file)))
             while loading:
@@ -82,7 +85,8 @@ class Captioner:
                     batch, failures = [], []
                 batch.append(outcome)
             outputs.write(failures + (self.caption_batch(batch, stats) if batch else []))
-            pool.shutdown(cancel_futures=True)
+        finally:  # a second Ctrl-C must not wait for the files still queued
+            pool.shutdown(wait=False, cancel_futures=True)
         stats.wall_s = time.perf_counter() - started
         return stats
 
@@ -107,8 +111,7 @@ class Captioner:
             media = load(file, self.limits)
             if file.kind == "image":
                 item = self.inputs.encode_image(media)
-                with Image.open(file.path) as original:  # the header only: the size before shrinking
-                    size = original.size
+                size = original_size(file.path)
             else:
                 item = self.inputs.encode_video(media)
                 size = media[0].size
@@ -195,6 +198,14 @@ class Captioner:
     def _count_failure(record: dict, stats: RunStats) -> None:
         stats.failed += 1
         stats.failures[record["error_kind"]] += 1
+
+
+def original_size(path: Path) -> tuple[int, int]:
+    """An image's width and height as seen (EXIF rotation applied), from its header only."""
+    with Image.open(path) as image:
+        width, height = image.size
+        rotated = image.getexif().get(ORIENTATION_TAG) in (5, 6, 7, 8)
+    return (height, width) if rotated else (width, height)
 
 
 def longest_sequence(inputs: CaptionInputs, config: CaptionConfig, limits: LoadLimits) -> int:

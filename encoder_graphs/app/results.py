@@ -152,7 +152,7 @@ class ResultsFile:
             return
         data = self.path.read_bytes()
         lines = data.splitlines(keepends=True)
-        if lines and _parse(lines[-1]) is None:  # only the last line can be the victim of a kill
+        if lines and not lines[-1].endswith(b"\n"):  # only an unterminated last line is a kill's
             self.repaired_bytes = len(lines.pop())
             with open(self.path, "r+b") as handle:
                 handle.truncate(len(data) - self.repaired_bytes)
