@@ -33,7 +33,7 @@ SPECIAL_TOKENS = {
 def default_model_dir() -> Path:
     """The cached default model directory, built on first use."""
     target = cache_root() / f"{PRESET}-v{VERSION}"
-    if not (target / "config.json").is_file():
+    if not (target / "model.safetensors").is_file():
         build_atomically(target, write_default_model)
     return target
 

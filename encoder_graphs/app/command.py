@@ -9,11 +9,12 @@ import signal
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from encoder_graphs.app.config import CaptionConfig
+from encoder_graphs.app.distributed import Job, job_from_env
 from encoder_graphs.app.errors import EXIT_FAILURES, EXIT_INTERRUPTED, EXIT_OK, UsageError
 from encoder_graphs.app.outputs import METADATA_FILE, SidecarPolicy, unwritable
 
@@ -41,11 +42,17 @@ class Plan:
     config: CaptionConfig
     sidecars: SidecarPolicy
     results: "ResultsFile"
+    job: Job = field(default_factory=Job)
 
 
 def caption(args: argparse.Namespace) -> int:
-    plan = make_plan(args)
-    with plan.results:  # holds the lock on --out until the run ends
+    if args.model is None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        from encoder_graphs.models.default_model import default_model_dir
+
+        # Before the job's process group exists: transformers then writes weights on rank 0 only.
+        default_model_dir()
+    plan = make_plan(args, job_from_env())
+    with plan.results:  # rank 0 (or the only process) holds the lock on --out until the run ends
         if not plan.todo:
             failed = sum(plan.results.is_failed(f.path) for f in plan.files)
             where = f"{args.out}" + (" or have sidecars" if plan.sidecars.enabled else "")
@@ -55,10 +62,9 @@ def caption(args: argparse.Namespace) -> int:
         return run(args, plan)
 
 
-def make_plan(args: argparse.Namespace) -> Plan:
+def make_plan(args: argparse.Namespace, job: Job) -> Plan:
     """The files, the settings and the outputs: every usage error that needs no model."""
     from encoder_graphs.app.media import SAMPLES_DIR, discover
-    from encoder_graphs.app.results import ResultsFile, ResultsLocked
 
     # abspath, as discover's file paths: `..` resolved, symlinks kept, so the two compare as text.
     roots = [Path(os.path.abspath(p)) for p in args.paths] + ([SAMPLES_DIR] if args.samples else [])
@@ -84,8 +90,25 @@ def make_plan(args: argparse.Namespace) -> Plan:
     except ValueError as error:
         raise UsageError(str(error)) from error
     check_outputs(args, roots, files, sidecars)
+    results = open_results(args, job)
+    if job.rank == 0 and sidecars.enabled and (written := sidecars.backfill(results.path, [f.path for f in files])):
+        print(f"encoder-graphs: wrote {written} sidecars from captions already in {args.out}", file=sys.stderr)
+    todo = [f for f in files if not results.is_done(f.path) and not sidecars.skips(f.path)]
+    if job.distributed:  # every rank must hold the same list before any starts writing parts
+        job.store.add("planned", 1)
+        job.wait_for("planned", job.world_size)
+    return Plan(roots, files, todo, config, sidecars, results, job)
+
+
+def open_results(args: argparse.Namespace, job: Job) -> "ResultsFile":
+    """`--out` with what it and any part files hold; locked by rank 0 (or the only process)."""
+    from encoder_graphs.app.distributed import part_paths
+    from encoder_graphs.app.results import ResultsFile, ResultsLocked
+
+    if job.rank != 0:
+        job.wait_for("opened", 1)  # rank 0 has the lock and has repaired a cut last line
     try:
-        results = ResultsFile(args.out, retry_failed=args.retry_failed)
+        results = ResultsFile(args.out, retry_failed=args.retry_failed, lock=job.rank == 0)
     except ResultsLocked as error:
         raise UsageError(str(error)) from error
     except OSError as error:
@@ -93,10 +116,11 @@ def make_plan(args: argparse.Namespace) -> Plan:
     if results.repaired_bytes:
         print(f"encoder-graphs: dropped a half-written last line ({results.repaired_bytes} bytes) of {args.out}",
               file=sys.stderr)
-    if sidecars.enabled and (written := sidecars.backfill(results.path, [f.path for f in files])):
-        print(f"encoder-graphs: wrote {written} sidecars from captions already in {args.out}", file=sys.stderr)
-    todo = [f for f in files if not results.is_done(f.path) and not sidecars.skips(f.path)]
-    return Plan(roots, files, todo, config, sidecars, results)
+    for part in part_paths(results.path):  # left by a killed torchrun job
+        results.include(part)
+    if job.distributed and job.rank == 0:
+        job.store.add("opened", 1)
+    return results
 
 
 def read_prompt(args: argparse.Namespace) -> str:
@@ -139,7 +163,7 @@ def run(args: argparse.Namespace, plan: Plan) -> int:
     from encoder_graphs.app.loading import load_model, pick_device
     from encoder_graphs.report import format_run_stats
 
-    device = pick_device(args.device)
+    device = pick_device(args.device, plan.job.local_rank)
     print(f"encoder-graphs: loading model {args.model or '(embedded tiny default)'} on {device} ...", file=sys.stderr)
     model, inputs = load_model(args.model, device, max_tiles=args.max_tiles)
     if args.seed is not None:
@@ -147,6 +171,8 @@ def run(args: argparse.Namespace, plan: Plan) -> int:
 
         torch.manual_seed(args.seed)
     summary, graph_stats, graph_table = caption_files(args, plan, model, inputs, device)
+    if plan.job.distributed and (summary := finish_job(plan, summary)) is None:
+        return EXIT_OK  # rank 0 merges the parts and reports for the job
     print(format_run_stats(summary))
     print(graph_table)
     write_metadata(args, plan)
@@ -158,6 +184,21 @@ def run(args: argparse.Namespace, plan: Plan) -> int:
         print(f"interrupted: {RESUME_HINT}", file=sys.stderr)
         return EXIT_INTERRUPTED
     return exit_status(plan)
+
+
+def finish_job(plan: Plan, summary: dict) -> dict | None:
+    """Every rank's statistics to rank 0, which merges the part files into `--out` (each path
+    once: the ranks claimed disjoint chunks) and returns the job's statistics; None elsewhere."""
+    from encoder_graphs.app.distributed import combined_stats, gather_stats, part_paths
+    from encoder_graphs.app.results import read_records
+
+    ranks = gather_stats(plan.job, summary)
+    if ranks is None:
+        return None
+    for part in part_paths(plan.results.path):
+        plan.results.append(read_records(part))
+        part.unlink()
+    return combined_stats(ranks)
 
 
 def write_metadata(args: argparse.Namespace, plan: Plan) -> None:
@@ -175,8 +216,10 @@ def caption_files(
     statistics."""
     from encoder_graphs import enable_cuda_graphs
     from encoder_graphs.app.media import LoadLimits
+    from encoder_graphs.app.distributed import by_cost, claimed, part_path
     from encoder_graphs.app.outputs import Outputs
     from encoder_graphs.app.pipeline import Captioner, longest_sequence
+    from encoder_graphs.app.results import ResultsFile
     from encoder_graphs.app.runstats import Progress
 
     limits = LoadLimits(
@@ -203,15 +246,21 @@ def caption_files(
         )
     except ValueError as error:  # an architecture without an adapter, a bad backend or budgets
         raise UsageError(f"cannot enable graphs on this model: {error}") from error
-    progress = None if args.quiet else Progress(len(plan.todo))
-    outputs = Outputs(plan.results, plan.sidecars, progress.advance if progress else None)
+    job = plan.job
+    # Under torchrun each rank writes its own part file and claims chunks of the costliest first.
+    writer = ResultsFile(part_path(plan.results.path, job.rank)) if job.distributed else plan.results
+    files = claimed(job, by_cost(plan.todo), config.batch_size) if job.distributed else plan.todo
+    progress = None if args.quiet or job.distributed else Progress(len(plan.todo))
+    outputs = Outputs(writer, plan.sidecars, progress.advance if progress else None)
     captioner = Captioner(model, inputs, config, limits, roots=plan.roots, model_name=args.model or "default")
     try:
         with stop_on_interrupt() as stop:
-            stats = captioner.run(plan.todo, outputs, stop)
+            stats = captioner.run(files, outputs, stop)
     finally:
         graph_stats, graph_table = handle.stats(), handle.format_stats()
         handle.disable()
+        if writer is not plan.results:
+            writer.close()
     stats.skipped = len(plan.files) - len(plan.todo)
     stats.files = len(plan.files)
     return {**stats.as_dict(), "batch_size": config.batch_size, "sidecars": outputs.sidecars_written}, graph_stats, graph_table

@@ -13,14 +13,16 @@ if TYPE_CHECKING:
     from encoder_graphs.protocols import CaptionInputs
 
 
-def pick_device(name: str) -> "torch.device":
+def pick_device(name: str, local_rank: int = 0) -> "torch.device":
+    """`--device`; CUDA is the GPU of this torchrun rank (`LOCAL_RANK`)."""
     import torch
 
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda but CUDA is not available")
-    return torch.device(name)
+    if name == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
 
 
 def load_model(

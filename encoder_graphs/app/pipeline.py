@@ -3,7 +3,7 @@ record every outcome."""
 
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from itertools import islice
@@ -50,10 +50,11 @@ class Captioner:
         self.model_name = model_name
         self.device = next(model.parameters()).device
 
-    def run(self, files: list[MediaFile], outputs: Outputs, stop: Callable[[], bool] = lambda: False) -> RunStats:
-        """Caption `files`, writing each batch's records as it ends. `stop` is asked between
-        batches: once it says so, the run ends after writing what is done (stats.interrupted)."""
-        stats = RunStats(files=len(files))
+    def run(self, files: Iterable[MediaFile], outputs: Outputs, stop: Callable[[], bool] = lambda: False) -> RunStats:
+        """Caption `files` (taken as the loaders need them: a torchrun rank claims them lazily),
+        writing each batch's records as it ends. `stop` is asked between batches: once it says so,
+        the run ends after writing what is done (stats.interrupted)."""
+        stats = RunStats()
         started = time.perf_counter()
         batch: list[Pending] = []
         failures: list[dict] = []  # written with the next batch, so a kill loses at most one batch

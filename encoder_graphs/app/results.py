@@ -60,7 +60,8 @@ class ResultsFile:
     and reads what earlier runs recorded. Nothing is created but the folder and `<out>.lock`.
     """
 
-    def __init__(self, path: str | Path, *, retry_failed: bool = False) -> None:
+    def __init__(self, path: str | Path, *, retry_failed: bool = False, lock: bool = True) -> None:
+        """`lock=False`: read only (a torchrun rank beside the one that holds the job's lock)."""
         self.path = Path(path)
         self.retry_failed = retry_failed
         self.lock_path = Path(os.path.realpath(self.path) + ".lock")
@@ -70,9 +71,11 @@ class ResultsFile:
         self._lock_fd: int | None = None
         # Here, not at the first append: a bad --out fails before any model loads or batch runs.
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._lock()
+        if lock:
+            self._lock()
         try:
-            self._check_writable()
+            if lock:
+                self._check_writable()
             self._read_existing()  # under the lock: the tail we cut cannot be another run's batch
         except BaseException:
             self.close()
@@ -152,7 +155,8 @@ class ResultsFile:
             return
         data = self.path.read_bytes()
         lines = data.splitlines(keepends=True)
-        if lines and not lines[-1].endswith(b"\n"):  # only an unterminated last line is a kill's
+        # Only an unterminated last line is a kill's; only the lock holder cuts it.
+        if lines and not lines[-1].endswith(b"\n") and not self.closed:
             self.repaired_bytes = len(lines.pop())
             with open(self.path, "r+b") as handle:
                 handle.truncate(len(data) - self.repaired_bytes)
@@ -165,6 +169,12 @@ class ResultsFile:
         """Recorded already, so not to be captioned again (with `retry_failed`: and not an error)."""
         key = path_key(path)
         return key in self.done and not (self.retry_failed and key in self.failed)
+
+    def include(self, path: str | Path) -> None:
+        """Count the records of another results file too (a torchrun rank's part), after ours."""
+        if Path(path).exists():
+            for record in read_records(path):
+                self._mark(record)
 
     def is_failed(self, path: str | Path) -> bool:
         """The latest record of `path` is an error."""

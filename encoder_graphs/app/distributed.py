@@ -1,0 +1,125 @@
+"""Data-parallel captioning under torchrun: one process per GPU (`LOCAL_RANK`), one job.
+
+Ranks share work dynamically: the files still to do are ordered by estimated cost (largest
+first, as `load_balance` orders them) and cut into chunks of a batch; each rank claims the next
+chunk from an atomic counter on torchrun's own store, so a slow rank simply takes fewer. Each rank
+appends its records to its own part file beside `--out` (`captions.jsonl.part1`); at the end rank
+0 merges every part into `--out` and removes them. Rank 0 holds the lock on `--out` for the job.
+A rerun reads `--out` and any parts a killed run left, so nothing is lost or done twice.
+"""
+
+import json
+import os
+import time
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from encoder_graphs.app.media import MediaFile
+
+STORE_TIMEOUT = timedelta(hours=6)  # waits on the store: other ranks may caption for hours
+POLL_S = 0.2
+
+
+@dataclass
+class Job:
+    """Where this process stands in a torchrun job (rank 0 of 1 outside torchrun)."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    store: Any = None  # torch.distributed.Store, shared by the job's ranks
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    def wait_for(self, key: str, count: int) -> None:
+        """Until `count` ranks have added to `key` (a barrier that needs no collective backend)."""
+        while int(self.store.add(key, 0)) < count:
+            time.sleep(POLL_S)
+
+
+def job_from_env() -> Job:
+    """The job torchrun started this process in (its env:// variables), or a single process."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size == 1:
+        return Job()
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        # gloo: only the store is used (no collectives), and it runs with or without GPUs.
+        dist.init_process_group(backend="gloo", timeout=STORE_TIMEOUT)
+    # torch 2.11, 2.13: the process group's store is torchrun's rendezvous store (private getter).
+    run = f"{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    store = dist.PrefixStore(f"encoder_graphs/{run}/", dist.distributed_c10d._get_default_store())
+    return Job(int(os.environ["RANK"]), world_size, int(os.environ.get("LOCAL_RANK", "0")), store)
+
+
+def part_path(out: Path, rank: int) -> Path:
+    return out.with_name(f"{out.name}.part{rank}")
+
+
+def part_paths(out: Path) -> list[Path]:
+    """Every part file beside `out`, of this job or of a killed one."""
+    return sorted(p for p in out.parent.glob(f"{out.name}.part*") if p.name[len(out.name) + 5 :].isdigit())
+
+
+def by_cost(files: Sequence[MediaFile]) -> list[MediaFile]:
+    """Largest first: videos, then images by pixels read from their headers."""
+    from PIL import Image
+
+    def cost(file: MediaFile) -> int:
+        if file.kind != "image":
+            return 1 << 62
+        try:
+            with Image.open(file.path) as image:
+                return image.width * image.height
+        except Exception:  # noqa: BLE001 (a bad file costs nothing here; loading will report it)
+            return 0
+
+    return sorted(files, key=cost, reverse=True)
+
+
+def claimed(job: Job, files: Sequence[MediaFile], chunk: int) -> Iterator[MediaFile]:
+    """The files of every chunk this rank claims, in order, claiming the next when asked."""
+    while (start := (int(job.store.add("next_chunk", 1)) - 1) * chunk) < len(files):
+        yield from files[start : start + chunk]
+
+
+def gather_stats(job: Job, stats: dict) -> list[dict] | None:
+    """Publish this rank's statistics; rank 0 waits for every rank's and gets them all."""
+    job.store.set(f"stats/{job.rank}", json.dumps(stats, default=str))
+    job.store.add("finished", 1)
+    if job.rank != 0:
+        return None
+    job.wait_for("finished", job.world_size)
+    return [json.loads(job.store.get(f"stats/{rank}")) for rank in range(job.world_size)]
+
+
+def combined_stats(ranks: list[dict]) -> dict:
+    """One run's statistics from every rank's: sums, the slowest rank's wall time, throughput."""
+    wall_s = max(r["wall_s"] for r in ranks)
+    done = sum(r["succeeded"] + r["failed"] for r in ranks)
+    counts = ("succeeded", "failed", "generated_tokens", "batches", "retried_batches", "sidecars", "input_wait_s")
+    combined = {key: sum(r[key] for r in ranks) for key in counts}
+    for key in ("by_kind", "failures"):
+        combined[key] = dict(sum((Counter(r[key]) for r in ranks), Counter()))
+    busiest = max(ranks, key=lambda r: r["succeeded"] + r["failed"])  # its latencies stand for the job's
+    return {
+        **busiest,
+        **combined,
+        "wall_s": wall_s,
+        "items_per_s": done / wall_s if wall_s else 0.0,
+        "tokens_per_s": combined["generated_tokens"] / wall_s if wall_s else 0.0,
+        "interrupted": any(r["interrupted"] for r in ranks),
+        "world_size": len(ranks),
+        "ranks": [
+            {"rank": i, "files": r["succeeded"] + r["failed"], "items_per_s": r["items_per_s"],
+             "idle_s": wall_s - r["wall_s"] + r["input_wait_s"]}
+            for i, r in enumerate(ranks)
+        ],
+    }
