@@ -74,7 +74,8 @@ def format_run_stats(stats: dict) -> str:
     """`RunStats.as_dict()` of a captioning run as a table."""
     lines = [
         f"files {stats['files']}: captioned {stats['succeeded']}, failed {stats['failed']}, "
-        f"skipped (already done) {stats['skipped']}" + (", interrupted" if stats.get("interrupted") else ""),
+        f"skipped (already done) {stats['skipped']}" + (", interrupted" if stats.get("interrupted") else "")
+        + (f"; {stats['world_size']} ranks" if stats.get("world_size", 1) > 1 else ""),
         "  kinds: " + (", ".join(f"{kind} {n}" for kind, n in sorted(stats["by_kind"].items())) or "-"),
         f"  throughput: {stats['items_per_s']:.2f} items/s, {stats['tokens_per_s']:.1f} tokens/s "
         f"({stats['generated_tokens']} tokens in {stats['wall_s']:.2f} s, {stats['batches']} batches, "
@@ -90,4 +91,8 @@ def format_run_stats(stats: dict) -> str:
         )
     if stats["failures"]:
         lines.append("  failures: " + ", ".join(f"{kind} {n}" for kind, n in stats["failures"].items()))
+    for rank in stats.get("ranks", []):  # a torchrun job
+        lines.append(
+            f"  rank {rank['rank']}: {rank['files']} files, {rank['items_per_s']:.2f} items/s, idle {rank['idle_s']:.2f} s"
+        )
     return "\n".join(lines)
