@@ -11,6 +11,7 @@ A rerun reads `--out` and any parts a killed run left, so nothing is lost or don
 import json
 import os
 import time
+import warnings
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -76,8 +77,10 @@ def by_cost(files: Sequence[MediaFile]) -> list[MediaFile]:
         if file.kind != "image":
             return 1 << 62
         try:
-            with Image.open(file.path) as image:
-                return image.width * image.height
+            with warnings.catch_warnings():  # a header read; `load` judges sizes
+                warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+                with Image.open(file.path) as image:
+                    return image.width * image.height
         except Exception:  # noqa: BLE001 (a bad file costs nothing here; loading will report it)
             return 0
 

@@ -2,6 +2,7 @@
 record every outcome."""
 
 import time
+import warnings
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -203,9 +204,11 @@ class Captioner:
 
 def original_size(path: Path) -> tuple[int, int]:
     """An image's width and height as seen (EXIF rotation applied), from its header only."""
-    with Image.open(path) as image:
-        width, height = image.size
-        rotated = image.getexif().get(ORIENTATION_TAG) in (5, 6, 7, 8)
+    with warnings.catch_warnings():  # `load` has already judged the size
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        with Image.open(path) as image:
+            width, height = image.size
+            rotated = image.getexif().get(ORIENTATION_TAG) in (5, 6, 7, 8)
     return (height, width) if rotated else (width, height)
 
 
