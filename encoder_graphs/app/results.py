@@ -8,39 +8,22 @@ LATEST record of a path wins. `is_done` is true once a path has any record (with
 only when its latest record is not an error); `is_failed` is true when its latest record is an
 error.
 
-One run at a time per results file: `ResultsFile` holds an exclusive `flock` on `<out>.lock` from
-construction to `close()` (or the end of a `with` block), and the lock file names the holder's pid
-and host. The kernel drops the lock when the holder dies, so a lock file left by a killed run is
-taken over, not obeyed.
+One run at a time per results file: `ResultsFile` holds the exclusive lock of `lock.py` on
+`<out>.lock` from construction to `close()` (or the end of a `with` block).
 """
 
 import contextlib
 import errno
-import fcntl
 import json
 import os
-import socket
-import time
-from dataclasses import dataclass
 from pathlib import Path
+
+from encoder_graphs.app.lock import FileLock, HeldElsewhere, LockHolder
 
 
 def path_key(path: str | Path) -> str:
     """The identity of an input file across runs, whatever the working directory."""
     return os.path.realpath(path)
-
-
-@dataclass(frozen=True)
-class LockHolder:
-    """Who holds a results file, as its lock file says (None where it could not be read)."""
-
-    pid: int | None
-    host: str | None
-
-    def __str__(self) -> str:
-        if self.pid is None:
-            return "another process"
-        return f"process {self.pid} on {self.host or 'an unknown host'}"
 
 
 class ResultsLocked(Exception):
@@ -64,15 +47,18 @@ class ResultsFile:
         """`lock=False`: read only (a torchrun rank beside the one that holds the job's lock)."""
         self.path = Path(path)
         self.retry_failed = retry_failed
-        self.lock_path = Path(os.path.realpath(self.path) + ".lock")
+        self._lock = FileLock(self.path)
+        self.lock_path = self._lock.path
         self.done: set[str] = set()  # every path with a record
         self.failed: set[str] = set()  # the subset of `done` whose latest record is an error
         self.repaired_bytes = 0
-        self._lock_fd: int | None = None
         # Here, not at the first append: a bad --out fails before any model loads or batch runs.
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if lock:
-            self._lock()
+            try:
+                self._lock.acquire()
+            except HeldElsewhere as error:
+                raise ResultsLocked(self.path, error.holder) from None
         try:
             if lock:
                 self._check_writable()
@@ -83,50 +69,13 @@ class ResultsFile:
 
     # -- the lock ---------------------------------------------------------------------------------
 
-    def _lock(self) -> None:
-        while True:
-            try:
-                fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-            except OSError as error:
-                raise OSError(error.errno, f"cannot create the lock file {self.lock_path}: {error.strerror}") from error
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                holder = _read_holder(fd)
-                os.close(fd)
-                raise ResultsLocked(self.path, holder) from None
-            except BaseException:
-                os.close(fd)
-                raise
-            # The holder before us unlinks the lock file before it lets go: if we locked that
-            # unlinked file, the lock file at the path is another one (or none): try again on it.
-            if _same_file(fd, self.lock_path):
-                break
-            os.close(fd)
-        try:  # a stale pid left by a killed run is overwritten
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, (json.dumps({"pid": os.getpid(), "host": socket.gethostname()}) + "\n").encode(), 0)
-        except BaseException:
-            os.close(fd)
-            raise
-        self._lock_fd = fd
-
     @property
     def closed(self) -> bool:
-        return self._lock_fd is None
+        return not self._lock.held
 
     def close(self) -> None:
         """Let go of the lock (and remove the lock file while it is still ours). Idempotent."""
-        fd, self._lock_fd = self._lock_fd, None
-        if fd is None:
-            return
-        try:
-            if _same_file(fd, self.lock_path):  # unlink before unlocking: see `_lock`
-                os.unlink(self.lock_path)
-        except OSError:
-            pass  # a lock file we cannot remove is harmless: the next run takes it over
-        finally:
-            os.close(fd)
+        self._lock.release()
 
     def __enter__(self) -> "ResultsFile":  # noqa: PYI034 (typing.Self needs 3.11)
         return self
@@ -209,31 +158,6 @@ def read_records(path: str | Path) -> list[dict]:
     """Every complete, well-formed record in a results file."""
     with open(path, "rb") as handle:
         return [record for line in handle if (record := _parse(line)) is not None]
-
-
-def _same_file(fd: int, path: Path) -> bool:
-    try:
-        here, there = os.fstat(fd), os.stat(path)
-    except FileNotFoundError:
-        return False
-    return (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)
-
-
-def _read_holder(fd: int) -> LockHolder:
-    # The holder writes its pid just after locking: give it a moment if the file is still empty.
-    for _ in range(20):
-        try:
-            data = os.pread(fd, 4096, 0)
-        except OSError:
-            break
-        if data.endswith(b"\n"):
-            try:
-                info = json.loads(data)
-                return LockHolder(int(info["pid"]), str(info["host"]))
-            except (ValueError, KeyError, TypeError):
-                break
-        time.sleep(0.005)
-    return LockHolder(None, None)
 
 
 def _parse(line: bytes) -> dict | None:
