@@ -92,10 +92,7 @@ class QwenVLInputs:
         self.chat_template = chat_template if chat_template is not None else tokenizer.chat_template
         if self.chat_template is None:
             raise ValueError("neither the processor nor the tokenizer has a chat template")
-        self.merge_size = self.image.merge_size
-        self.temporal_patch_size = self.image.temporal_patch_size
         self.factor = self.image.factor
-        self.video_max_pixels = self.video.max_pixels
         self.token_ids = {t: tokenizer.convert_tokens_to_ids(t) for t in (IMAGE_PAD, VIDEO_PAD, VISION_START)}
 
     @classmethod

@@ -22,10 +22,6 @@ class Preset:
         )
 
 
-# Tiny models keep every special token inside their small vocabulary.
-TINY_TOKENS = dict(
-    image_token_id=250, video_token_id=251, vision_start_token_id=252, vision_end_token_id=253
-)
 TINY_TEXT = dict(
     vocab_size=256,
     hidden_size=32,

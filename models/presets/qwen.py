@@ -15,7 +15,13 @@ from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTra
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
 
-from encoder_graphs.models.presets.preset import TINY_TEXT, TINY_TOKENS, Preset
+from encoder_graphs.models.presets.preset import TINY_TEXT, Preset
+
+# Tiny models keep every special token inside their small vocabulary.
+_TINY_TOKENS = dict(
+    image_token_id=250, video_token_id=251, vision_start_token_id=252, vision_end_token_id=253
+)
+
 
 _QWEN_TOKENS = dict(
     image_token_id=151655,
@@ -169,7 +175,7 @@ QWEN_PRESETS: dict[str, Preset] = {
             spatial_merge_size=2,
             temporal_patch_size=2,
         ),
-        extra=dict(tie_word_embeddings=False, **TINY_TOKENS),
+        extra=dict(tie_word_embeddings=False, **_TINY_TOKENS),
     ),
     "tiny-qwen2.5-vl": Preset(
         Qwen2_5_VLConfig,
@@ -190,7 +196,7 @@ QWEN_PRESETS: dict[str, Preset] = {
             fullatt_block_indexes=[1, 3],
             tokens_per_second=2,
         ),
-        extra=dict(tie_word_embeddings=False, **TINY_TOKENS),
+        extra=dict(tie_word_embeddings=False, **_TINY_TOKENS),
     ),
     "tiny-qwen3-vl": Preset(
         Qwen3VLConfig,
@@ -212,6 +218,6 @@ QWEN_PRESETS: dict[str, Preset] = {
             num_position_embeddings=144,
             deepstack_visual_indexes=[1, 2],
         ),
-        extra=dict(tie_word_embeddings=False, **TINY_TOKENS),
+        extra=dict(tie_word_embeddings=False, **_TINY_TOKENS),
     ),
 }
