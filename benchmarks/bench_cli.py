@@ -1,9 +1,11 @@
 """The whole caption command, timed as a user runs it: `python -m encoder_graphs caption DIR` as a
 process over a folder of generated JPEGs of varied sizes, with graphs and with `--no-graphs`.
 End-to-end images/s counts everything (interpreter start, model build, capture, loading files,
-writing records); the in-loop figure is the pipeline's own (its `items_per_s`). Random weights
-(presets): captions are noise, speed is real.
-    python3 benchmarks/bench_cli.py [--preset qwen2.5-vl-3b] [--images 512] [--batch-size auto] [--json out.json]
+writing records); the in-loop figure is the pipeline's own (its `items_per_s`; under torchrun the
+job's: files of all ranks over the slowest rank's loop). `--gpus N` also runs the graphed command
+as one torchrun job on N GPUs and reports its scaling over one GPU. Random weights (presets):
+captions are noise, speed is real.
+    python3 benchmarks/bench_cli.py [--preset qwen2.5-vl-3b] [--images 512] [--batch-size auto] [--gpus 2] [--json out.json]
 """
 
 import argparse
@@ -26,10 +28,12 @@ def write_jpegs(folder: Path, count: int, seed: int = 0) -> None:
         synthetic_image(rng.randint(224, 1024), rng.randint(224, 1024), rng).save(folder / f"{index:05d}.jpg", quality=90)
 
 
-def run_command(folder: Path, work: Path, args: argparse.Namespace, graphs: bool) -> dict:
-    name = "graphs" if graphs else "no_graphs"
+def run_command(folder: Path, work: Path, args: argparse.Namespace, graphs: bool, gpus: int = 1) -> dict:
+    name = ("graphs" if graphs else "no_graphs") + (f"_{gpus}_gpus" if gpus > 1 else "")
     out, stats_path = work / f"{name}.jsonl", work / f"{name}.stats.json"
-    command = [sys.executable, "-m", "encoder_graphs", "caption", str(folder), "--model", args.preset,
+    launcher = [sys.executable] if gpus == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                   f"--nproc-per-node={gpus}"]
+    command = launcher + ["-m", "encoder_graphs", "caption", str(folder), "--model", args.preset,
                "--out", str(out), "--stats-json", str(stats_path), "--max-new-tokens", str(args.new_tokens),
                "--batch-size", args.batch_size, "--quiet"] + ([] if graphs else ["--no-graphs"])
     started = time.perf_counter()
@@ -48,6 +52,8 @@ def run_command(folder: Path, work: Path, args: argparse.Namespace, graphs: bool
         "input_wait_s": pipeline["input_wait_s"],
         "batch_size": pipeline["batch_size"],
         "succeeded": pipeline["succeeded"],
+        "world_size": pipeline.get("world_size", 1),
+        "ranks": pipeline.get("ranks", []),
         "encoder_capture_s": stats["encoder"]["capture_seconds"],
         "decoder_capture_s": stats["decoder"]["capture_seconds"] if stats["decoder"] else 0.0,
     }
@@ -60,6 +66,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--batch-size", default="auto")
     parser.add_argument("--skip-no-graphs", action="store_true", help="time the graphed command only")
+    parser.add_argument("--gpus", type=int, default=1, help="also run the graphed command under torchrun on this many GPUs")
     parser.add_argument("--json", help="write results here")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as work_dir:
@@ -68,14 +75,21 @@ def main() -> None:
         runs = {"graphs": run_command(work / "images", work, args, graphs=True)}
         if not args.skip_no_graphs:
             runs["no_graphs"] = run_command(work / "images", work, args, graphs=False)
+        if args.gpus > 1:
+            runs[f"graphs_{args.gpus}_gpus"] = run_command(work / "images", work, args, graphs=True, gpus=args.gpus)
     env = environment()
     print(f"\n{args.preset}, {args.images} JPEGs 224-1024 px, {args.new_tokens} new tokens | {env}")
     rows = [[side, f"{r['batch_size']}", f"{r['wall_s']:.1f}", f"{r['startup_s']:.1f}", f"{r['images_per_s_end_to_end']:.2f}",
              f"{r['images_per_s_in_loop']:.2f}", f"{r['input_wait_s']:.2f}"] for side, r in runs.items()]
     print(markdown_table(["side", "batch", "process wall s", "start + load + capture s", "images/s end to end",
                           "images/s in loop", "model waited for files s"], rows))
-    write_json(args.json, {"preset": args.preset, "images": args.images, "new_tokens": args.new_tokens,
-                           "environment": env, "runs": runs})
+    result = {"preset": args.preset, "images": args.images, "new_tokens": args.new_tokens, "environment": env, "runs": runs}
+    if args.gpus > 1:
+        many, one = runs[f"graphs_{args.gpus}_gpus"], runs["graphs"]
+        result["scaling"] = {key: many[key] / one[key] for key in ("images_per_s_in_loop", "images_per_s_end_to_end")}
+        print(f"{args.gpus} GPUs over 1: in loop {result['scaling']['images_per_s_in_loop']:.2f}x, "
+              f"end to end {result['scaling']['images_per_s_end_to_end']:.2f}x")
+    write_json(args.json, result)
 
 
 if __name__ == "__main__":

@@ -95,8 +95,7 @@ def make_plan(args: argparse.Namespace, job: Job) -> Plan:
         print(f"encoder-graphs: wrote {written} sidecars from captions already in {args.out}", file=sys.stderr)
     todo = [f for f in files if not results.is_done(f.path) and not sidecars.skips(f.path)]
     if job.distributed:  # every rank must hold the same list before any starts writing parts
-        job.store.add("planned", 1)
-        job.wait_for("planned", job.world_size)
+        job.barrier("planned")
     return Plan(roots, files, todo, config, sidecars, results, job)
 
 
@@ -216,7 +215,7 @@ def caption_files(
     statistics."""
     from encoder_graphs import enable_cuda_graphs
     from encoder_graphs.app.media import LoadLimits
-    from encoder_graphs.app.distributed import by_cost, claimed, part_path
+    from encoder_graphs.app.distributed import by_cost, claim_chunk, claimed, part_path
     from encoder_graphs.app.outputs import Outputs
     from encoder_graphs.app.pipeline import Captioner, longest_sequence
     from encoder_graphs.app.results import ResultsFile
@@ -249,10 +248,12 @@ def caption_files(
     job = plan.job
     # Under torchrun each rank writes its own part file and claims chunks of the costliest first.
     writer = ResultsFile(part_path(plan.results.path, job.rank)) if job.distributed else plan.results
-    files = claimed(job, by_cost(plan.todo), config.batch_size) if job.distributed else plan.todo
+    files = claimed(job, by_cost(plan.todo), claim_chunk(config.batch_size)) if job.distributed else plan.todo
     progress = None if args.quiet or job.distributed else Progress(len(plan.todo))
     outputs = Outputs(writer, plan.sidecars, progress.advance if progress else None)
     captioner = Captioner(model, inputs, config, limits, roots=plan.roots, model_name=args.model or "default")
+    if job.distributed:  # ranks start claiming together: one whose capture ends first would claim ahead
+        job.barrier("ready")
     try:
         with stop_on_interrupt() as stop:
             stats = captioner.run(files, outputs, stop)

@@ -43,6 +43,11 @@ class Job:
         while int(self.store.add(key, 0)) < count:
             time.sleep(POLL_S)
 
+    def barrier(self, key: str) -> None:
+        """Until every rank has reached this point."""
+        self.store.add(key, 1)
+        self.wait_for(key, self.world_size)
+
 
 def job_from_env() -> Job:
     """The job torchrun started this process in (its env:// variables), or a single process."""
@@ -85,6 +90,13 @@ def by_cost(files: Sequence[MediaFile]) -> list[MediaFile]:
             return 0
 
     return sorted(files, key=cost, reverse=True)
+
+
+def claim_chunk(batch_size: int) -> int:
+    """Files per claim: a quarter batch. Ranks claim a few batches ahead (their loaders), so
+    whole-batch chunks dealt the first ranks to start most of a small folder: 320 of 512 files
+    to one of 2 H200s, 1.63x one GPU (2026-11-22); finer chunks interleave the costliest files."""
+    return max(1, batch_size // 4)
 
 
 def claimed(job: Job, files: Sequence[MediaFile], chunk: int) -> Iterator[MediaFile]:
