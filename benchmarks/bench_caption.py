@@ -10,6 +10,9 @@ processor, or for InternVL the tiles of its own tiling processor), so the timed 
 alone. Then decode ms/token at batch 1 and 8, derived
 the same way on both sides as (generate of 1 + N tokens - generate of 1 token) / N, against the
 weight-bytes floor (text-stack and lm_head weights read once per step at the measured copy rate).
+Last, ours alone at growing batch sizes (`--sweep`) over a larger folder: where throughput stops
+growing, against a floor per image of (vision FLOPs + language-model prefill FLOPs) / measured
+matmul rate + new tokens x weight bytes / batch size / measured copy rate; the best is `best`.
     python3 benchmarks/bench_caption.py [--preset qwen2.5-vl-3b | internvl3.5-2b] [--quick] [--json out.json]
     python3 benchmarks/bench_caption.py --preset tiny-qwen2-vl --images 8 --device cpu   # smoke run
 """
@@ -25,7 +28,8 @@ from pathlib import Path
 import numpy as np
 import torch
 from PIL import Image
-from timing import copy_bandwidth_gbps, environment, markdown_table, write_json
+from bench_encoder import flops, internvl_flops
+from timing import copy_bandwidth_gbps, environment, markdown_table, matmul_tflops, write_json
 from transformers import GotOcr2ImageProcessorPil, PretrainedConfig, PreTrainedModel, Qwen2VLImageProcessorPil
 
 from encoder_graphs import enable_cuda_graphs
@@ -190,6 +194,49 @@ def weight_bytes_per_step(model: PreTrainedModel) -> int:
     return sum(p.numel() * p.element_size() for p in tensors.values())
 
 
+def prefill_flops(model: PreTrainedModel, batch: Batch) -> float:
+    """Matmul FLOPs of the language model's prefill over the real (unpadded) prompt tokens:
+    every text-stack linear on every token, causal attention scores, the lm_head on the last."""
+    text = model.config.get_text_config()
+    linear = sum(m.weight.numel() for m in model.get_decoder().modules() if isinstance(m, torch.nn.Linear))
+    lm_head = model.get_output_embeddings().weight.numel()
+    width = text.num_attention_heads * getattr(text, "head_dim", text.hidden_size // text.num_attention_heads)
+    return sum(2 * n * linear + 2 * text.num_hidden_layers * n * n * width + 2 * lm_head
+               for n in batch["attention_mask"].sum(1).tolist())
+
+
+def vision_flops(model: PreTrainedModel, batch: Batch) -> float:
+    if model.config.model_type == "internvl":
+        return internvl_flops(model, batch["pixel_values"].shape[0])
+    return flops(model.model.visual, [tuple(g) for g in batch["image_grid_thw"].tolist()])
+
+
+def sweep(model: PreTrainedModel, builder, images: list, sizes: list[int], new_tokens: int, device: torch.device,
+          weight_bytes: int) -> tuple[list[dict], dict]:
+    """Ours at each batch size over `images`: throughput, peak memory and the floor; the best."""
+    rate, bandwidth = matmul_tflops() * 1e12, copy_bandwidth_gbps() * 1e9
+    rows = []
+    for size in sizes:
+        batches = [builder.batch(images[i : i + size]) for i in range(0, len(images), size)]
+        compute_s = sum(vision_flops(model, b) + prefill_flops(model, b) for b in batches) / rate / len(images)
+        floor_s = compute_s + new_tokens * weight_bytes / size / bandwidth
+        torch.cuda.reset_peak_memory_stats(device)
+        run, _ = caption_run(model, batches, new_tokens, device)
+        rows.append({"batch_size": size, "images_per_s": run["images_per_s"], "floor_images_per_s": 1 / floor_s,
+                     "compute_floor_ms_per_image": 1000 * compute_s,
+                     "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30, "batch_ms": run["batch_ms"]})
+    best = max(rows, key=lambda row: row["images_per_s"])
+    return rows, {key: best[key] for key in ("batch_size", "images_per_s", "floor_images_per_s")}
+
+
+def sweep_table(rows: list[dict]) -> str:
+    header = ["batch", "images/s", "floor images/s", "of floor", "compute floor ms/image", "peak GiB", "batch ms p50"]
+    return markdown_table(header, [
+        [str(r["batch_size"]), f"{r['images_per_s']:.2f}", f"{r['floor_images_per_s']:.1f}",
+         f"{100 * r['images_per_s'] / r['floor_images_per_s']:.0f}%", f"{r['compute_floor_ms_per_image']:.2f}",
+         f"{r['peak_memory_gib']:.1f}", f"{r['batch_ms']['p50']:.0f}"] for r in rows])
+
+
 def throughput_table(workload: str, stock: dict, ours: dict) -> str:
     header = [
         "workload",
@@ -258,6 +305,10 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--quick", action="store_true", help="64 images, fewer decode repetitions")
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--sweep", default="8,16,32,64", help="batch sizes for ours alone ('' for none; CUDA only)")
+    parser.add_argument("--sweep-images", type=int, help="folder size of the sweep (default 256, 128 with --quick)")
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                        help="torch.compile the encoder blocks (default: on CUDA, as the caption command)")
     parser.add_argument("--json", help="write results here")
     parser.add_argument(
         "--cache-len", type=int, help="decoder KV slots (default: longest prompt + new tokens + 1; "
@@ -265,6 +316,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     count = args.images or (64 if args.quick else 256)
+    sweep_count = args.sweep_images or (128 if args.quick else 256)
     reps = 3 if args.quick else 5
     device = torch.device(args.device)
     on_cuda = device.type == "cuda"
@@ -275,12 +327,17 @@ def main() -> None:
     build_s = time.perf_counter() - started
     tiled = model.config.model_type == "internvl"
     builder = (TilePromptBuilder if tiled else PromptBuilder)(model.config, device, dtype)
+    sizes = [int(size) for size in args.sweep.split(",") if size.strip()] if on_cuda else []
     with tempfile.TemporaryDirectory() as folder:
-        images = [Image.open(path) for path in write_images(Path(folder), count)]
+        images = [Image.open(path) for path in write_images(Path(folder), max(count, sweep_count))]
+        sweep_images, images = images, images[:count]
         batches = [builder.batch(images[i : i + args.batch_size]) for i in range(0, count, args.batch_size)]
     square = [synthetic_image(DECODE_SIDE, DECODE_SIDE, random.Random(100 + i)) for i in range(max(DECODE_BATCHES))]
     decode_inputs = {b: builder.batch(square[:b]) for b in DECODE_BATCHES}
     prompt_len = max(batch["input_ids"].shape[1] for batch in [*batches, *decode_inputs.values()])
+    if sizes:  # the sweep's prompts must fit the decoder's cache too
+        prompt_len = max(prompt_len, *(builder.batch(sweep_images[i : i + 64])["input_ids"].shape[1]
+                                       for i in range(count, len(sweep_images), 64)))
 
     stock, stock_tokens = caption_run(model, batches, args.new_tokens, device)
     stock_decode = {
@@ -288,19 +345,21 @@ def main() -> None:
     }
     handle = enable_cuda_graphs(
         model,
-        decoder_max_batch_size=max(args.batch_size, *DECODE_BATCHES),
+        decoder_max_batch_size=max(args.batch_size, *DECODE_BATCHES, *sizes),
         decoder_max_cache_len=args.cache_len or prompt_len + args.new_tokens + 1,
+        compile=on_cuda if args.compile is None else args.compile,
     )
+    weight_bytes = weight_bytes_per_step(model)
     try:
         ours, our_tokens = caption_run(model, batches, args.new_tokens, device)
         graph_stats = handle.stats()
         ours_decode = {
             b: decode_ms_per_token(model, decode_inputs[b], args.new_tokens, reps, device) for b in DECODE_BATCHES
         }
+        sweep_rows, best = sweep(model, builder, sweep_images, sizes, args.new_tokens, device, weight_bytes) if sizes else ([], None)
     finally:
         handle.disable()
 
-    weight_bytes = weight_bytes_per_step(model)
     bandwidth = copy_bandwidth_gbps() if on_cuda else None
     floor_ms = 1000 * weight_bytes / (bandwidth * 1e9) if bandwidth else None
     decode = [
@@ -324,6 +383,9 @@ def main() -> None:
     print(throughput_table(workload, stock, ours))
     print(decode_table(decode))
     print(graphs_line(graph_stats, same_tokens_pct))
+    if sweep_rows:
+        print(f"\nours alone, {len(sweep_images)} images, {args.new_tokens} new tokens, by batch size:")
+        print(sweep_table(sweep_rows))
     write_json(
         args.json,
         {
@@ -342,6 +404,8 @@ def main() -> None:
             "weight_bytes_per_step": weight_bytes,
             "copy_gbps": bandwidth,
             "graphs": graph_stats,
+            "sweep": sweep_rows,
+            "best": best,
         },
     )
 

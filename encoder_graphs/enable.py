@@ -19,6 +19,7 @@ from transformers import GenerationConfig
 
 from encoder_graphs.decoder.generation import StockOnly, runner_arguments
 from encoder_graphs.decoder.runner import DecoderGraphRunner
+from encoder_graphs.engine.compile import CompiledBlocks, compile_blocks
 from encoder_graphs.engine.manager import EncoderCudaGraphManager
 from encoder_graphs.models.registry import adapter_for
 from encoder_graphs.models.transformers_seam import check_version
@@ -38,11 +39,13 @@ class EncoderGraphsHandle:
         adapter: ModelFamily,
         manager: EncoderCudaGraphManager,
         decoder: DecoderGraphRunner | None,
+        compiled: CompiledBlocks | None = None,
     ) -> None:
         self.model = model
         self.adapter = adapter
         self.manager = manager
         self.decoder = decoder
+        self.compiled = compiled
         self.generate_fallbacks: Counter = Counter()  # reason -> generate calls sent to the original
         self._patched: list[tuple[nn.Module, str, Any]] = []
 
@@ -53,7 +56,7 @@ class EncoderGraphsHandle:
 
     def stats(self) -> dict:
         return {
-            "encoder": self.manager.stats(),
+            "encoder": {**self.manager.stats(), "compile": self.compiled.stats() if self.compiled else None},
             "decoder": self.decoder.stats() if self.decoder is not None else None,
             "generate_fallbacks": dict(self.generate_fallbacks),
         }
@@ -69,6 +72,8 @@ class EncoderGraphsHandle:
             else:
                 setattr(owner, name, original)
         self._patched.clear()
+        if self.compiled is not None:
+            self.compiled.undo()
         self.adapter.restore_weights()
         self.manager.close()
         if self.decoder is not None:
@@ -92,14 +97,17 @@ def enable_cuda_graphs(
     decoder_max_cache_len: int = 4096,
     decoder_batch_sizes: Sequence[int] | None = None,
     decoder_length_tiers: Sequence[int] | None = None,
+    compile: bool = False,
 ) -> EncoderGraphsHandle:
     """Capture `model`'s vision encoder at token budgets and route its image/video features
     through the graphs; with `decoder`, capture its decode step per batch-size bucket and length
     tier over a static cache of `decoder_max_cache_len` slots and route `model.generate` through
     them. Each step reads only the smallest tier holding its sequences (default tiers: 256, 512,
     ... up to `decoder_max_cache_len`, always the last).
-    `enabled=False` keeps both routes but runs them eagerly. Raises ValueError for an
-    unsupported architecture.
+    `enabled=False` keeps both routes but runs them eagerly. `compile=True` compiles the encoder's
+    repeated blocks with torch.compile (dynamic shapes, attention left out) before the capture, so
+    graphs and eager calls run inductor's fused kernels; a compiler failure warns and leaves them
+    uncompiled (`stats()["encoder"]["compile"]`). Raises ValueError for an unsupported architecture.
 
     `model.generate` reads its settings as transformers does (arguments > a `generation_config`
     argument > `model.generation_config` > transformers' defaults). Calls with greedy or
@@ -137,17 +145,22 @@ def enable_cuda_graphs(
             family=adapter,
         )
     adapter.align_weights()  # exact; undone by disable(), or here if a capture raises
+    compiled = None
     try:
+        if compile:
+            compiled = compile_blocks(adapter.repeated_blocks(), manager.warm_up)
         manager.capture()
         if runner is not None:
             runner.capture()
     except BaseException:
+        if compiled is not None:
+            compiled.undo()
         adapter.restore_weights()
         manager.close()
         if runner is not None:
             runner.close()
         raise
-    handle = EncoderGraphsHandle(model, adapter, manager, runner)
+    handle = EncoderGraphsHandle(model, adapter, manager, runner, compiled)
     for owner in (model, getattr(model, "model", None)):
         if owner is None:
             continue

@@ -9,13 +9,14 @@ def format_encoder_stats(stats: dict) -> str:
     """`EncoderCudaGraphManager.stats()` as a table."""
     calls = f"calls {stats['calls']}, items {stats['items']}"
     if not stats["enabled"]:
-        return _off("encoder", stats, calls)
+        return _off("encoder", stats, calls) + _compiled(stats.get("compile"))
     latency = stats["latency_ms"]
     lines = [
         "encoder graphs: on",
         f"  {calls}, graph items {stats['graph_items']}, eager items {stats['eager_items']}, "
         f"hit rate {stats['hit_rate_pct']:.1f}%",
-        f"  capture {stats['capture_seconds']:.2f} s, graph memory {stats['graph_memory_bytes'] / 2**20:.1f} MiB",
+        f"  capture {stats['capture_seconds']:.2f} s, graph memory {stats['graph_memory_bytes'] / 2**20:.1f} MiB"
+        + _compiled(stats.get("compile")),
         f"  latency ms: mean {latency['mean']:.2f}  p50 {latency['p50']:.2f}  p99 {latency['p99']:.2f}",
         f"  {'path':<10}{'hits':>8}{'misses':>8}{'waste %':>9}  budgets (replays)",
     ]
@@ -26,6 +27,15 @@ def format_encoder_stats(stats: dict) -> str:
         failed = stats["failed_budgets"].get(name, {})
         lines += [f"  {'':<10}capture of {budget} failed: {reason}" for budget, reason in failed.items()]
     return "\n".join(lines)
+
+
+def _compiled(compile: dict | None) -> str:
+    """The capture line's note on torch.compile of the encoder blocks (nothing when not asked)."""
+    if compile is None:
+        return ""
+    if compile["error"]:
+        return f", torch.compile failed (uncompiled): {compile['error']}"
+    return f", {compile['blocks']} blocks compiled in {compile['seconds']:.1f} s"
 
 
 def format_decoder_stats(stats: dict | None) -> str:

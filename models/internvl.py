@@ -84,6 +84,9 @@ class InternVLAdapter:
     def restore_weights(self) -> None:
         """Nothing was aligned."""
 
+    def repeated_blocks(self) -> list[nn.Module]:
+        return list(self.model.vision_tower.encoder.layer)
+
     @classmethod
     def decoder_inputs(cls, config: Any, input_ids: torch.Tensor, inputs: dict) -> dict:
         """InternVL's language model takes plain 1-D positions and no token types: nothing to add."""

@@ -185,6 +185,9 @@ class QwenVisionAdapter:
     def restore_weights(self) -> None:
         """Undo `align_weights`."""
 
+    def repeated_blocks(self) -> list[torch.nn.Module]:
+        return list(self.visual.blocks)
+
     # ----- metadata (the one function eager, capture and replay share) ----------------------
     def layout(self, budget: int, max_frames: int) -> Layout:
         # A frame or a window holds at least one merged token, so a budget bounds their number.

@@ -111,7 +111,8 @@ def register_varlen_attention(backend: str) -> str:
         out = attention(q, k, v, cu_seq_lens_q, max_length_q, scale=scaling)
         return out.unsqueeze(0), None
 
-    AttentionInterface.register(name, varlen_attention_forward)
+    # Out of torch.compile'd blocks: its host-int max length differs per budget (engine/compile.py).
+    AttentionInterface.register(name, torch.compiler.disable(varlen_attention_forward))
     return name
 
 
@@ -140,7 +141,7 @@ def register_dense_attention(backend: str) -> str:
         out = attention(q, k, v, cu_seqlens, tokens, scale=scaling)
         return out.view(batch, tokens, heads, dim), None
 
-    AttentionInterface.register(name, dense_attention_forward)
+    AttentionInterface.register(name, torch.compiler.disable(dense_attention_forward))  # as the varlen one
     return name
 
 

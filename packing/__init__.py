@@ -2,9 +2,11 @@
 
 from encoder_graphs.packing.balance import load_balance
 from encoder_graphs.packing.budgets import generate_budgets, smallest_fitting_budget
+from encoder_graphs.packing.cost import BudgetCosts
 from encoder_graphs.packing.greedy import PackItem, SubBatch, greedy_pack
 
 __all__ = [
+    "BudgetCosts",
     "PackItem",
     "SubBatch",
     "generate_budgets",

@@ -39,6 +39,12 @@ class ModelFamily(Protocol):
         """Undo `align_weights`."""
         ...
 
+    def repeated_blocks(self) -> list[torch.nn.Module]:
+        """The encoder's repeated blocks (transformer layers), which `enable_cuda_graphs(...,
+        compile=True)` compiles; their attention must go through a backend registered by the
+        transformers seam (which keeps it out of the compiled code)."""
+        ...
+
     @classmethod
     def decoder_inputs(cls, config: Any, input_ids: torch.Tensor, inputs: dict[str, Any]) -> dict[str, Any]:
         """`inputs` completed with what the model's forward needs that a caller may leave out

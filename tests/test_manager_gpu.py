@@ -95,6 +95,28 @@ def test_one_path_hits_while_the_other_falls_back():
     assert stats["eager_items"] == 1  # the tiled item, alone in its sub-batch, ran local eagerly
 
 
+def test_sub_batches_run_eagerly_where_eager_measured_faster():
+    model = build(seed=3)
+    manager = EncoderCudaGraphManager(model, budgets=[64, 256, 1024], max_items=4, poison_pool_bytes=POISON_BYTES)
+    manager.capture()
+    manager.poison_buffers()
+    costs = manager.costs[GLOBAL]
+    assert sorted(costs.replay_ms) == [64, 256, 1024]
+    # Launch-bound toy: every replay beats the eager forward of its own size.
+    assert all(costs.replay_ms[b] < costs.eager_ms[b] for b in costs.replay_ms), costs
+    eager = EncoderCudaGraphManager(model, enabled=False)
+    items = [ToyItem(torch.randn(50, 48, device="cuda")), ToyItem(torch.randn(30, 48, device="cuda"))]
+    with torch.inference_mode():
+        assert manager.execute(items) and manager.stats()["graph_items"] == 2
+        costs.record(256, replay_ms=1e9, eager_ms=costs.eager_ms[256])  # as if padding made 256 slow
+        manager.reset_stats()
+        for out, ref in zip(manager.execute(items), eager.execute(items)):
+            assert_close_bf16(out, ref)
+    stats = manager.stats()
+    assert stats["eager_items"] == 2 and stats["paths"][GLOBAL]["miss_reasons"] == {"eager measured faster": 2}
+    assert "eager measured faster x2" in manager.format_stats()
+
+
 class FailingViT(ToyViT):
     """Capture of one budget fails, as an out-of-memory capture would."""
 

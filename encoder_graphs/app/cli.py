@@ -106,6 +106,12 @@ def _performance_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--budgets", type=_budgets, default=None, help="encoder token budgets, e.g. 1024,4096")
     group.add_argument("--attn-backend", default=None, help="varlen attention backend of the encoder graphs")
     group.add_argument("--no-graphs", action="store_true", help="run the encoder and the decoder eagerly (no CUDA graphs)")
+    group.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="torch.compile the encoder blocks before capture (default: on a GPU)",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

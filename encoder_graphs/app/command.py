@@ -240,6 +240,7 @@ def caption_files(
             budgets=args.budgets,
             attn_backend=args.attn_backend,
             enabled=not args.no_graphs,
+            compile=device.type == "cuda" if args.compile is None else args.compile,
             decoder_max_batch_size=config.batch_size,
             decoder_max_cache_len=longest,
         )

@@ -6,7 +6,7 @@ The manager knows no model: everything model-specific comes through SupportsEnco
 import logging
 import time
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,7 +14,7 @@ import torch
 
 from encoder_graphs.engine.capture import GraphCapture, unavailable_reason
 from encoder_graphs.engine.stats import LatencyRecorder, PathStats
-from encoder_graphs.packing import SubBatch, generate_budgets, greedy_pack
+from encoder_graphs.packing import BudgetCosts, SubBatch, generate_budgets, greedy_pack
 from encoder_graphs.protocols import (
     CaptureInputs,
     EncoderItemSpec,
@@ -30,6 +30,9 @@ logger = logging.getLogger(__name__)
 # pool and 1 MiB blocks for the caching allocator's small-block pool.
 _SMALL_BLOCK = 1 << 20
 DEFAULT_MAX_ITEMS = 32
+EAGER_CHEAPER = "eager measured faster"
+# Timed runs per budget and way at capture (the fastest counts: the first may still warm up).
+_COST_RUNS = 2
 
 
 @dataclass
@@ -72,7 +75,10 @@ class EncoderCudaGraphManager:
         enabled: bool = True,
         log_interval_s: float = 60.0,
         poison_pool_bytes: int = 0,
+        choose_by_cost: bool = True,
     ) -> None:
+        """`choose_by_cost`: time every budget's replay and eager forward at capture, and run a
+        sub-batch eagerly where that measured faster (counted as a miss, "eager measured faster")."""
         check_supports_encoder_cuda_graph(model)
         self.model = model
         self.config = model.get_encoder_cudagraph_config()
@@ -91,6 +97,8 @@ class EncoderCudaGraphManager:
             raise ValueError(f"max_items and max_frames must be >= 1: {max_items}, {max_frames}")
         self.log_interval_s = log_interval_s
         self.poison_pool_bytes = poison_pool_bytes
+        self.choose_by_cost = choose_by_cost
+        self.costs = {path: BudgetCosts() for path in self.paths}
 
         self.disabled_reason = unavailable_reason(enabled, self.config.device)
 
@@ -180,7 +188,17 @@ class EncoderCudaGraphManager:
 
         with torch.inference_mode():
             graph, outputs = self._capture.graph(forward)
+            if self.choose_by_cost:
+                self.costs[path].record(budget, _fastest_ms(graph.replay), _fastest_ms(forward))
         self.graphs[path][budget] = BudgetGraph(budget, graph, inputs, outputs)
+
+    def warm_up(self) -> None:
+        """Run the smallest budget of every path once, uncaptured: compiles what torch.compile
+        wrapped in the model before any capture."""
+        with torch.inference_mode():
+            for path in self.paths:
+                capture = self.model.prepare_capture_inputs(self.budgets[path][0], self.max_items, self.max_frames, path)
+                self.model.graph_forward({**capture.values, **capture.static}, path)
 
     def poison_buffers(self) -> None:
         """Fill every captured input and output buffer with NaN (integers with 2**30): a test hook.
@@ -224,6 +242,7 @@ class EncoderCudaGraphManager:
         results: list[torch.Tensor | None] = [None] * len(specs)
         with torch.inference_mode():
             for batch in greedy_pack(specs, budgets, self.max_items, self.max_frames):
+                self._eager_where_cheaper(batch)
                 subset = self.model.select_items(inputs, batch.indices)
                 outputs = {path: self._run_path(batch, path, subset) for path in self.paths}
                 batch_specs = [specs[i] for i in batch.indices]
@@ -234,6 +253,12 @@ class EncoderCudaGraphManager:
         self.calls += 1
         self._maybe_log()
         return results
+
+    def _eager_where_cheaper(self, batch: SubBatch) -> None:
+        for path, budget in batch.budget.items():
+            if budget and self.costs[path].prefer_eager(batch.tokens[path], budget):
+                batch.budget[path] = None
+                batch.eager_reasons[path] = EAGER_CHEAPER
 
     def _run_path(self, batch: SubBatch, path: str, subset: Any) -> dict[str, torch.Tensor] | None:
         budget = batch.budget[path]
@@ -298,6 +323,11 @@ class EncoderCudaGraphManager:
             "max_frames": self.max_frames,
             "capture_seconds": self._capture.seconds,
             "graph_memory_bytes": self._capture.memory_bytes,
+            "budget_costs_ms": {
+                path: {budget: {"replay": costs.replay_ms[budget], "eager": costs.eager_ms[budget]}
+                       for budget in sorted(costs.replay_ms)}
+                for path, costs in self.costs.items()
+            },
             "latency_ms": self.latency.summary(),
         }
 
@@ -333,6 +363,20 @@ class EncoderCudaGraphManager:
         """Log a last summary and free the graphs and their pool."""
         self._log_summary()
         self.graphs = {path: {} for path in self.paths}
+        self.costs = {path: BudgetCosts() for path in self.paths}
         self._input_buffers.clear()
         self._output_buffers.clear()
         self._capture.pool = None
+
+
+def _fastest_ms(run: Callable[[], Any]) -> float:
+    """The fastest of a few timed runs of `run` on the current stream, in milliseconds."""
+    times = []
+    for _ in range(_COST_RUNS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return min(times)

@@ -1,0 +1,52 @@
+"""torch.compile of an encoder's repeated blocks, run inside the graphs the manager captures.
+
+Inductor fuses each block's norms, rotary, activation and residual adds around the GEMMs; the
+manager then captures those kernels as it captures eager ones (inductor's own CUDA graphs stay
+off: the manager owns capture and the pool). Shapes are dynamic from the first compilation, so
+one compilation serves every budget and every eager call. Attention stays out of the compiled
+code (the backends are registered `torch.compiler.disable`d, see `register_varlen_attention`):
+its host-int `max_seqlen` differs per budget, and a probe that compiled through it recompiled per
+budget until dynamo's limit of 8 left later blocks uncompiled (H200, 2026-11-22).
+"""
+
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from torch import nn
+
+
+@dataclass
+class CompiledBlocks:
+    """Blocks compiled in place; `seconds` spent compiling (the warm-up), `error` if it failed
+    (the blocks then run uncompiled)."""
+
+    blocks: list[nn.Module] = field(default_factory=list)
+    seconds: float = 0.0
+    error: str | None = None
+
+    def undo(self) -> None:
+        for block in self.blocks:
+            block._compiled_call_impl = None  # what nn.Module.compile() set; torch 2.11, 2.13
+        self.blocks = []
+
+    def stats(self) -> dict:
+        return {"blocks": len(self.blocks), "seconds": self.seconds, "error": self.error}
+
+
+def compile_blocks(blocks: Sequence[nn.Module], warm_up: Callable[[], None]) -> CompiledBlocks:
+    """Compile `blocks` in place and run `warm_up` (which must call them) to compile now, before
+    any capture. A compiler failure is reported in the result and the blocks stay uncompiled."""
+    compiled = CompiledBlocks(list(blocks))
+    for block in compiled.blocks:
+        block.compile(dynamic=True)
+    started = time.perf_counter()
+    try:
+        warm_up()
+    except Exception as error:  # noqa: BLE001 (inductor or a missing compiler: run uncompiled)
+        compiled.undo()
+        compiled.error = f"{type(error).__name__}: {error}"[:300]
+        warnings.warn(f"torch.compile of the encoder blocks failed; they run uncompiled: {compiled.error}", stacklevel=2)
+    compiled.seconds = time.perf_counter() - started
+    return compiled

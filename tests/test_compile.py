@@ -1,0 +1,50 @@
+"""torch.compile of the encoder blocks (`enable_cuda_graphs(..., compile=True)`) on the CPU:
+inductor's code gives the stock tower's features, the statistics name what was compiled, and
+`disable()` leaves the blocks uncompiled. A compiler failure leaves the blocks as they were.
+(On CUDA, tests/test_qwen_gpu.py checks compiled blocks inside the graphs.)"""
+
+import pytest
+import torch
+from torch import nn
+
+from encoder_graphs import enable_cuda_graphs
+from encoder_graphs.engine.compile import compile_blocks
+from encoder_graphs.models.presets import build_model
+from encoder_graphs.models.synthetic_prompts import random_pixels
+
+GRIDS = [(1, 8, 8), (1, 12, 20), (2, 8, 12)]
+
+
+def test_compiled_blocks_give_the_stock_features_and_disable_undoes_them():
+    model = build_model("tiny-qwen2.5-vl", seed=3)
+    pixels = random_pixels(model.config.vision_config, GRIDS, torch.Generator().manual_seed(0))
+    grid_thw = torch.tensor(GRIDS)
+    with torch.inference_mode():
+        stock = model.get_image_features(pixels, grid_thw).pooler_output
+    handle = enable_cuda_graphs(model, compile=True, decoder=False)
+    with torch.inference_mode():
+        ours = model.get_image_features(pixels, grid_thw).pooler_output
+        # Other sizes reuse the one dynamic-shape compilation (eager calls on the CPU).
+        single = model.get_image_features(pixels[:64], grid_thw[:1]).pooler_output
+    compile_stats = handle.stats()["encoder"]["compile"]
+    assert compile_stats["blocks"] == len(model.model.visual.blocks) and compile_stats["error"] is None
+    assert "blocks compiled" in handle.format_stats()
+    assert all(block._compiled_call_impl is not None for block in model.model.visual.blocks)
+    for got, want in zip(ours, stock, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(single[0], stock[0], rtol=1e-4, atol=1e-4)
+    handle.disable()
+    assert all(block._compiled_call_impl is None for block in model.model.visual.blocks)
+
+
+def test_a_compiler_failure_warns_and_leaves_the_blocks_uncompiled():
+    blocks = [nn.Linear(4, 4), nn.Linear(4, 4)]
+
+    def warm_up() -> None:
+        raise RuntimeError("no C++ compiler")
+
+    with pytest.warns(UserWarning, match="no C\\+\\+ compiler"):
+        compiled = compile_blocks(blocks, warm_up)
+    assert compiled.error == "RuntimeError: no C++ compiler"
+    assert compiled.stats()["blocks"] == 0
+    assert all(block._compiled_call_impl is None for block in blocks)
