@@ -336,8 +336,8 @@ def main() -> None:
     decode_inputs = {b: builder.batch(square[:b]) for b in DECODE_BATCHES}
     prompt_len = max(batch["input_ids"].shape[1] for batch in [*batches, *decode_inputs.values()])
     if sizes:  # the sweep's prompts must fit the decoder's cache too
-        prompt_len = max(prompt_len, *(builder.batch(sweep_images[i : i + 64])["input_ids"].shape[1]
-                                       for i in range(count, len(sweep_images), 64)))
+        prompt_len = max([prompt_len, *(builder.batch(sweep_images[i : i + 64])["input_ids"].shape[1]
+                                        for i in range(count, len(sweep_images), 64))])
 
     stock, stock_tokens = caption_run(model, batches, args.new_tokens, device)
     stock_decode = {

@@ -98,6 +98,7 @@ def enable_cuda_graphs(
     decoder_batch_sizes: Sequence[int] | None = None,
     decoder_length_tiers: Sequence[int] | None = None,
     compile: bool = False,
+    choose_by_cost: bool = True,
 ) -> EncoderGraphsHandle:
     """Capture `model`'s vision encoder at token budgets and route its image/video features
     through the graphs; with `decoder`, capture its decode step per batch-size bucket and length
@@ -107,7 +108,10 @@ def enable_cuda_graphs(
     `enabled=False` keeps both routes but runs them eagerly. `compile=True` compiles the encoder's
     repeated blocks with torch.compile (dynamic shapes, attention left out) before the capture, so
     graphs and eager calls run inductor's fused kernels; a compiler failure warns and leaves them
-    uncompiled (`stats()["encoder"]["compile"]`). Raises ValueError for an unsupported architecture.
+    uncompiled (`stats()["encoder"]["compile"]`). `choose_by_cost` (the default) times each budget's
+    replay and eager forward at capture and runs a sub-batch eagerly where that measured faster
+    (GPU-bound sizes well below their budget); False replays wherever a budget fits, so the path
+    taken never depends on timings. Raises ValueError for an unsupported architecture.
 
     `model.generate` reads its settings as transformers does (arguments > a `generation_config`
     argument > `model.generation_config` > transformers' defaults). Calls with greedy or
@@ -132,6 +136,7 @@ def enable_cuda_graphs(
         enabled=enabled,
         log_interval_s=log_interval_s,
         poison_pool_bytes=poison_pool_bytes,
+        choose_by_cost=choose_by_cost,
     )
     runner = None
     if decoder:

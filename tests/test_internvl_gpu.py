@@ -56,7 +56,8 @@ def assert_close_bf16(out: torch.Tensor, ref: torch.Tensor, what: str) -> None:
 def test_graphs_match_stock_features_with_poisoned_pool(name, calls, budgets):
     model = build_model(name, dtype=torch.bfloat16, device="cuda")
     inner = model.model
-    manager = EncoderCudaGraphManager(adapter_for(model), budgets=budgets, poison_pool_bytes=256 << 20)
+    manager = EncoderCudaGraphManager(adapter_for(model), budgets=budgets, poison_pool_bytes=256 << 20,
+                                      choose_by_cost=False)
     manager.capture()
     assert not manager.stats()["failed_budgets"], manager.stats()["failed_budgets"]
     manager.poison_buffers()
@@ -84,7 +85,7 @@ def test_dense_attention_backends_match_sdpa(backend):
     pixels = torch.randn(5, 3, 448, 448, device="cuda", dtype=torch.bfloat16)
     with torch.inference_mode():
         sdpa = adapter_for(model).eager_forward(pixels, "tiles")["features"]
-        ours = EncoderCudaGraphManager(adapter_for(model, attn_backend=backend), budgets=[4, 8])
+        ours = EncoderCudaGraphManager(adapter_for(model, attn_backend=backend), budgets=[4, 8], choose_by_cost=False)
         ours.capture()
         got = torch.stack(ours.execute(pixels))
     assert_close_bf16(got, sdpa, backend)
@@ -113,6 +114,7 @@ def enable_graphs(model):
         decoder_max_batch_size=4,
         decoder_max_cache_len=CACHE_LEN,
         decoder_length_tiers=LENGTH_TIERS,
+        choose_by_cost=False,  # these tests are of the graphs: every fitting sub-batch replays
     )
 
 
