@@ -93,9 +93,9 @@ def by_cost(files: Sequence[MediaFile]) -> list[MediaFile]:
 
 
 def claim_chunk(batch_size: int) -> int:
-    """Files per claim: a quarter batch. Ranks claim a few batches ahead (their loaders), so
-    whole-batch chunks dealt the first ranks to start most of a small folder: 320 of 512 files
-    to one of 2 H200s, 1.63x one GPU (2026-11-22); finer chunks interleave the costliest files."""
+    """Files per claim: a quarter batch, so that ranks interleave the costliest files (whole-batch
+    chunks and a rank that started first: 320 of 512 files to one of 2 H200s, 1.63x one GPU,
+    2026-11-22)."""
     return max(1, batch_size // 4)
 
 

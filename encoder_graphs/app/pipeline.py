@@ -64,7 +64,7 @@ class Captioner:
         # Files load on worker threads a few batches ahead of the model (PIL and PyAV release the GIL).
         pool = ThreadPoolExecutor(self.config.load_workers)
         try:
-            for file in islice(queue, self.config.batch_size * 4):
+            for file in islice(queue, self.config.batch_size * self.config.prefetch_batches):
                 loading.append((file, pool.submit(self.prepare, file)))
             while loading:
                 if stop():
