@@ -55,6 +55,7 @@ def run_command(folder: Path, work: Path, args: argparse.Namespace, graphs: bool
         "world_size": pipeline.get("world_size", 1),
         "ranks": pipeline.get("ranks", []),
         "encoder_capture_s": stats["encoder"]["capture_seconds"],
+        "compile_s": (stats["encoder"].get("compile") or {}).get("seconds", 0.0),
         "decoder_capture_s": stats["decoder"]["capture_seconds"] if stats["decoder"] else 0.0,
     }
 

@@ -319,3 +319,21 @@ def test_cuda_run_uses_encoder_graphs_and_matches_no_graphs(tmp_path):
     # most (not all) greedy captions must agree.
     same = sum(g["caption"] == e["caption"] for g, e in zip(graph_records, eager_records, strict=True))
     assert same >= 7, (graph_records, eager_records)
+
+
+def test_compile_defaults_on_only_for_gpu_runs_that_pay_for_it():
+    from encoder_graphs.app.cli import build_parser
+    from encoder_graphs.app.command import COMPILE_FROM_FILES, Plan, wants_compile
+    from encoder_graphs.app.distributed import Job
+
+    def plan(files: int, world_size: int = 1) -> Plan:
+        return Plan([], [], [None] * files, CaptionConfig(), None, None, Job(world_size=world_size))
+
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    default = build_parser().parse_args(["caption", "x"])
+    assert wants_compile(default, plan(COMPILE_FROM_FILES), cuda)
+    assert not wants_compile(default, plan(COMPILE_FROM_FILES - 1), cuda)
+    assert not wants_compile(default, plan(COMPILE_FROM_FILES), cpu)
+    assert not wants_compile(default, plan(COMPILE_FROM_FILES * 2 - 1, world_size=2), cuda)  # per GPU
+    assert wants_compile(build_parser().parse_args(["caption", "x", "--compile"]), plan(1), cpu)
+    assert not wants_compile(build_parser().parse_args(["caption", "x", "--no-compile"]), plan(10**6), cuda)

@@ -110,7 +110,8 @@ def _performance_arguments(parser: argparse.ArgumentParser) -> None:
         "--compile",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="torch.compile the encoder blocks before capture (default: on a GPU)",
+        help="torch.compile the encoder blocks before capture: ~10 s more at start, faster encoding "
+        "(default: on a GPU with at least 2000 files to caption per GPU)",
     )
 
 
