@@ -27,8 +27,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from PIL import Image
 from bench_encoder import flops, internvl_flops
+from PIL import Image
 from timing import copy_bandwidth_gbps, environment, markdown_table, matmul_tflops, write_json
 from transformers import GotOcr2ImageProcessorPil, PretrainedConfig, PreTrainedModel, Qwen2VLImageProcessorPil
 

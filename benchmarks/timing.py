@@ -7,7 +7,7 @@ from datetime import date
 
 import torch
 
-from encoder_graphs.engine.stats import latency_summary
+from encoder_graphs.engine.stats import elapsed_ms, latency_summary
 
 
 def time_calls(fn: Callable[[], object], warmup: int, iters: int) -> dict[str, float]:
@@ -15,15 +15,7 @@ def time_calls(fn: Callable[[], object], warmup: int, iters: int) -> dict[str, f
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return latency_summary(times)
+    return latency_summary([elapsed_ms(fn) for _ in range(iters)])
 
 
 def matmul_tflops(size: int = 8192) -> float:

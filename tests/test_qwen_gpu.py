@@ -19,10 +19,10 @@ import torch
 
 from encoder_graphs import EncoderCudaGraphManager, enable_cuda_graphs
 from encoder_graphs.engine.compile import compile_blocks
-from encoder_graphs.packing import BudgetCosts
 from encoder_graphs.models import VisionBatch, adapter_for
 from encoder_graphs.models.presets import build_model, build_vision_tower
 from encoder_graphs.models.synthetic_prompts import left_pad, mm_token_type_ids, random_pixels, vision_span
+from encoder_graphs.packing import BudgetCosts
 
 pytestmark = [
     pytest.mark.gpu,

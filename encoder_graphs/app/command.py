@@ -215,8 +215,8 @@ def caption_files(
     """Enable the graphs, caption the files still to do, disable them: the run's and the graphs'
     statistics."""
     from encoder_graphs import enable_cuda_graphs
-    from encoder_graphs.app.media import LoadLimits
     from encoder_graphs.app.distributed import by_cost, claim_chunk, claimed, part_path
+    from encoder_graphs.app.media import LoadLimits
     from encoder_graphs.app.outputs import Outputs
     from encoder_graphs.app.pipeline import Captioner, longest_sequence
     from encoder_graphs.app.results import ResultsFile

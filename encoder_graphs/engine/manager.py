@@ -6,14 +6,14 @@ The manager knows no model: everything model-specific comes through SupportsEnco
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from encoder_graphs.engine.capture import GraphCapture, unavailable_reason
-from encoder_graphs.engine.stats import LatencyRecorder, PathStats
+from encoder_graphs.engine.stats import LatencyRecorder, PathStats, elapsed_ms
 from encoder_graphs.packing import BudgetCosts, SubBatch, generate_budgets, greedy_pack
 from encoder_graphs.protocols import (
     CaptureInputs,
@@ -31,8 +31,6 @@ logger = logging.getLogger(__name__)
 _SMALL_BLOCK = 1 << 20
 DEFAULT_MAX_ITEMS = 32
 EAGER_CHEAPER = "eager measured faster"
-# Timed runs per budget and way at capture (the capture's warm-up ran the eager forward already).
-_COST_RUNS = 1
 
 
 @dataclass
@@ -188,8 +186,8 @@ class EncoderCudaGraphManager:
 
         with torch.inference_mode():
             graph, outputs = self._capture.graph(forward)
-            if self.choose_by_cost:
-                self.costs[path].record(budget, _fastest_ms(graph.replay), _fastest_ms(forward))
+            if self.choose_by_cost:  # one timed run each: the capture's warm-up ran the forward already
+                self.costs[path].record(budget, elapsed_ms(graph.replay), elapsed_ms(forward))
         self.graphs[path][budget] = BudgetGraph(budget, graph, inputs, outputs)
 
     def warm_up(self) -> None:
@@ -367,16 +365,3 @@ class EncoderCudaGraphManager:
         self._input_buffers.clear()
         self._output_buffers.clear()
         self._capture.pool = None
-
-
-def _fastest_ms(run: Callable[[], Any]) -> float:
-    """The fastest of `_COST_RUNS` timed runs of `run` on the current stream, in milliseconds."""
-    times = []
-    for _ in range(_COST_RUNS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return min(times)

@@ -2,7 +2,7 @@
 
 import time
 from collections import Counter, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -94,3 +94,13 @@ def _percentile(sorted_values: list[float], pct: float) -> float:
     low = int(rank)
     high = min(low + 1, len(sorted_values) - 1)
     return sorted_values[low] + (sorted_values[high] - sorted_values[low]) * (rank - low)
+
+
+def elapsed_ms(run: Callable[[], object]) -> float:
+    """One call of `run` on the current CUDA stream, timed by CUDA events, in milliseconds."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    run()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
