@@ -90,8 +90,9 @@ def format_run_stats(stats: dict) -> str:
         f"  throughput: {stats['items_per_s']:.2f} items/s, {stats['tokens_per_s']:.1f} tokens/s "
         f"({stats['generated_tokens']} tokens in {stats['wall_s']:.2f} s, {stats['batches']} batches, "
         f"{stats['retried_batches']} retried one by one)",
-        f"  batch size {stats.get('batch_size', '-')}; the model waited {stats.get('input_wait_s', 0.0):.2f} s for "
-        f"files still loading; sidecars written {stats.get('sidecars', 0)}",
+        f"  batch size {stats.get('batch_size', '-')}, prompt padding {stats.get('prompt_padding_pct', 0.0):.0f}%; "
+        f"the model waited {stats.get('input_wait_s', 0.0):.2f} s for files still loading; "
+        f"sidecars written {stats.get('sidecars', 0)}",
     ]
     for name in ("batch_latency_ms", "item_latency_ms"):
         latency = stats[name]

@@ -337,3 +337,33 @@ def test_compile_defaults_on_only_for_gpu_runs_that_pay_for_it():
     assert not wants_compile(default, plan(COMPILE_FROM_FILES * 2 - 1, world_size=2), cuda)  # per GPU
     assert wants_compile(build_parser().parse_args(["caption", "x", "--compile"]), plan(1), cpu)
     assert not wants_compile(build_parser().parse_args(["caption", "x", "--no-compile"]), plan(10**6), cuda)
+
+
+def test_windows_of_loaded_files_are_batched_costliest_first_with_less_padding(tmp_path):
+    """Small and large images alternate on disk: batches in file order pad every small prompt to
+    a large one; a window of four batches sorted by cost pairs like with like."""
+    from encoder_graphs.app.outputs import Outputs, SidecarPolicy
+
+    for index in range(8):
+        side = 28 if index % 2 else 224
+        Image.new("RGB", (side, side), (20 * index, 90, 160)).save(tmp_path / f"img{index}.png")
+    files = discover([tmp_path])
+    inputs = QwenVLInputs.from_pretrained(default_model_dir())
+    model = Qwen2VLForConditionalGeneration.from_pretrained(default_model_dir()).eval()
+
+    def run(prefetch_batches: int, out: Path) -> tuple[RunStats, list[dict]]:
+        config = CaptionConfig(max_new_tokens=2, batch_size=2, prefetch_batches=prefetch_batches)
+        results = ResultsFile(out)
+        stats = Captioner(model, inputs, config, LoadLimits()).run(files, Outputs(results, SidecarPolicy()))
+        results.close()
+        return stats, read_records(out)
+
+    in_order, records_in_order = run(1, tmp_path / "a.jsonl")
+    sorted_, records_sorted = run(4, tmp_path / "b.jsonl")
+    assert [r["path"] for r in records_in_order] == [str(f.path) for f in files]
+    tokens = [r["vision_tokens"] for r in records_sorted]
+    assert tokens[:4] == sorted(tokens[:4], reverse=True) and tokens[4:] == sorted(tokens[4:], reverse=True)
+    assert sorted(r["path"] for r in records_sorted) == sorted(str(f.path) for f in files)
+    assert in_order.prompt_tokens == sorted_.prompt_tokens > 0
+    assert sorted_.padded_prompt_tokens < in_order.padded_prompt_tokens
+    assert sorted_.as_dict()["prompt_padding_pct"] < in_order.as_dict()["prompt_padding_pct"]

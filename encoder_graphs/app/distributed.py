@@ -117,9 +117,12 @@ def gather_stats(job: Job, stats: dict) -> list[dict] | None:
 
 def combined_stats(ranks: list[dict]) -> dict:
     """One run's statistics from every rank's: sums, the slowest rank's wall time, throughput."""
+    from encoder_graphs.app.runstats import padding_pct  # torch: not at import (the CLI's fast paths)
+
     wall_s = max(r["wall_s"] for r in ranks)
     done = sum(r["succeeded"] + r["failed"] for r in ranks)
-    counts = ("succeeded", "failed", "generated_tokens", "batches", "retried_batches", "sidecars", "input_wait_s")
+    counts = ("succeeded", "failed", "generated_tokens", "batches", "retried_batches", "sidecars", "input_wait_s",
+              "prompt_tokens", "padded_prompt_tokens")
     combined = {key: sum(r[key] for r in ranks) for key in counts}
     for key in ("by_kind", "failures"):
         combined[key] = dict(sum((Counter(r[key]) for r in ranks), Counter()))
@@ -130,6 +133,7 @@ def combined_stats(ranks: list[dict]) -> dict:
         "wall_s": wall_s,
         "items_per_s": done / wall_s if wall_s else 0.0,
         "tokens_per_s": combined["generated_tokens"] / wall_s if wall_s else 0.0,
+        "prompt_padding_pct": padding_pct(combined["prompt_tokens"], combined["padded_prompt_tokens"]),
         "interrupted": any(r["interrupted"] for r in ranks),
         "world_size": len(ranks),
         "ranks": [

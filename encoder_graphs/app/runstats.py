@@ -23,6 +23,8 @@ class RunStats:
     wall_s: float = 0.0
     input_wait_s: float = 0.0  # the model waiting for files still loading
     interrupted: bool = False
+    prompt_tokens: int = 0  # prompt tokens given to generate, without the left-padding
+    padded_prompt_tokens: int = 0  # the same with it: batch size x longest prompt, summed
     batch_ms: list[float] = field(default_factory=list)
     item_ms: list[float] = field(default_factory=list)  # load + share of its batch
 
@@ -41,11 +43,19 @@ class RunStats:
             "wall_s": self.wall_s,
             "input_wait_s": self.input_wait_s,
             "interrupted": self.interrupted,
+            "prompt_tokens": self.prompt_tokens,
+            "padded_prompt_tokens": self.padded_prompt_tokens,
+            "prompt_padding_pct": padding_pct(self.prompt_tokens, self.padded_prompt_tokens),
             "items_per_s": done / self.wall_s if self.wall_s else 0.0,
             "tokens_per_s": self.generated_tokens / self.wall_s if self.wall_s else 0.0,
             "batch_latency_ms": latency_summary(self.batch_ms),
             "item_latency_ms": latency_summary(self.item_ms),
         }
+
+
+def padding_pct(tokens: int, padded: int) -> float:
+    """The share of the prefill's prompt tokens that were left-padding."""
+    return 100.0 * (padded - tokens) / padded if padded else 0.0
 
 
 class Progress:
