@@ -10,8 +10,8 @@ processor, or for InternVL the tiles of its own tiling processor), so the timed 
 alone. Then decode ms/token at batch 1 and 8, derived
 the same way on both sides as (generate of 1 + N tokens - generate of 1 token) / N, against the
 weight-bytes floor (text-stack and lm_head weights read once per step at the measured copy rate).
-Last, ours alone at growing batch sizes (`--sweep`) over a larger folder: where throughput stops
-growing, against a floor per image of (vision FLOPs + language-model prefill FLOPs) / measured
+Last, ours alone at growing batch sizes (`--sweep`) over the folder in its order (the caption
+command batches by cost instead, see bench_cli.py): where throughput stops growing, against a floor per image of (vision FLOPs + language-model prefill FLOPs) / measured
 matmul rate + new tokens x weight bytes / batch size / measured copy rate; the best is `best`.
     python3 benchmarks/bench_caption.py [--preset qwen2.5-vl-3b | internvl3.5-2b] [--quick] [--json out.json]
     python3 benchmarks/bench_caption.py --preset tiny-qwen2-vl --images 8 --device cpu   # smoke run
@@ -222,7 +222,10 @@ def sweep(model: PreTrainedModel, builder, images: list, sizes: list[int], new_t
         floor_s = compute_s + new_tokens * weight_bytes / size / bandwidth
         torch.cuda.reset_peak_memory_stats(device)
         run, _ = caption_run(model, batches, new_tokens, device)
+        masks = [b["attention_mask"] for b in batches]
+        padding = 100 * (1 - sum(int(m.sum()) for m in masks) / sum(m.numel() for m in masks))
         rows.append({"batch_size": size, "images_per_s": run["images_per_s"], "floor_images_per_s": 1 / floor_s,
+                     "prompt_padding_pct": padding,
                      "compute_floor_ms_per_image": 1000 * compute_s,
                      "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30, "batch_ms": run["batch_ms"]})
     best = max(rows, key=lambda row: row["images_per_s"])
@@ -230,10 +233,12 @@ def sweep(model: PreTrainedModel, builder, images: list, sizes: list[int], new_t
 
 
 def sweep_table(rows: list[dict]) -> str:
-    header = ["batch", "images/s", "floor images/s", "of floor", "compute floor ms/image", "peak GiB", "batch ms p50"]
+    header = ["batch", "images/s", "floor images/s", "of floor", "compute floor ms/image", "prompt padding", "peak GiB",
+              "batch ms p50"]
     return markdown_table(header, [
         [str(r["batch_size"]), f"{r['images_per_s']:.2f}", f"{r['floor_images_per_s']:.1f}",
          f"{100 * r['images_per_s'] / r['floor_images_per_s']:.0f}%", f"{r['compute_floor_ms_per_image']:.2f}",
+         f"{r['prompt_padding_pct']:.0f}%",
          f"{r['peak_memory_gib']:.1f}", f"{r['batch_ms']['p50']:.0f}"] for r in rows])
 
 
