@@ -313,7 +313,7 @@ def main() -> None:
     parser.add_argument("--sweep", default="8,16,32,64", help="batch sizes for ours alone ('' for none; CUDA only)")
     parser.add_argument("--sweep-images", type=int, help="folder size of the sweep (default 256, 128 with --quick)")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                        help="torch.compile the encoder blocks (default: on CUDA, as the caption command)")
+                        help="torch.compile the encoder blocks (default: on CUDA)")
     parser.add_argument("--json", help="write results here")
     parser.add_argument(
         "--cache-len", type=int, help="decoder KV slots (default: longest prompt + new tokens + 1; "

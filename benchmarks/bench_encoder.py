@@ -113,6 +113,9 @@ def run_internvl(preset: str, rate: float, warmup: int, iters: int) -> tuple[lis
                   "graphs_fa2": EncoderCudaGraphManager(adapter_for(model, attn_backend="torch")),
                   "graphs_off_uncompiled": EncoderCudaGraphManager(adapter, enabled=False)}
     time_managers(uncompiled, cases, timed, warmup, iters)
+    for manager in uncompiled.values():
+        manager.close()
+    torch.cuda.empty_cache()
     managers = {"graphs": EncoderCudaGraphManager(adapter), "graphs_off": EncoderCudaGraphManager(adapter, enabled=False)}
     compiled = compile_blocks(adapter.repeated_blocks(), managers["graphs"].warm_up)
     time_managers(managers, cases, timed, warmup, iters)
@@ -207,7 +210,8 @@ def run_qwen(preset: str, rate: float, warmup: int, iters: int) -> dict:
     uncompiled = {"graphs_uncompiled": EncoderCudaGraphManager(adapter),
                   "graphs_off_uncompiled": EncoderCudaGraphManager(adapter, enabled=False)}
     time_managers(uncompiled, batches, timed, warmup, iters)
-    uncompiled["graphs_uncompiled"].close()
+    for manager in uncompiled.values():
+        manager.close()
     torch.cuda.empty_cache()
     graphs = EncoderCudaGraphManager(adapter)
     compiled = compile_blocks(adapter.repeated_blocks(), graphs.warm_up)

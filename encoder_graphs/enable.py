@@ -107,8 +107,9 @@ def enable_cuda_graphs(
     ... up to `decoder_max_cache_len`, always the last).
     `enabled=False` keeps both routes but runs them eagerly. `compile=True` compiles the encoder's
     repeated blocks with torch.compile (dynamic shapes, attention left out) before the capture, so
-    graphs and eager calls run inductor's fused kernels; a compiler failure warns and leaves them
-    uncompiled (`stats()["encoder"]["compile"]`). `choose_by_cost` (the default) times each budget's
+    graphs and eager calls run inductor's fused kernels (until `disable()`, any call of the tower
+    does, stock-only ones too); a compiler failure warns and leaves them uncompiled
+    (`stats()["encoder"]["compile"]`). `choose_by_cost` (the default) times each budget's
     replay and eager forward at capture and runs a sub-batch eagerly where that measured faster
     (GPU-bound sizes well below their budget); False replays wherever a budget fits, so the path
     taken never depends on timings. Raises ValueError for an unsupported architecture.

@@ -5,6 +5,10 @@ pays every kernel launch. Small sub-batches are launch-bound (the graph wins by 
 are GPU-bound, and there a sub-batch well below its budget runs faster eagerly (8 mixed images on
 the Qwen2.5-VL-7B tower: graphs 91.7 ms, eager 86.0, H200 2026-11-22). So the manager times each
 budget both ways at capture, and a sub-batch replays only where the replay is the cheaper.
+
+Both timings run on the capture's inputs: an empty layout whose padding is one attention segment
+of the whole budget. Real sub-batches attend within their images, so both ways cost them less
+than timed; the comparison, same layout against same layout, is what the choice uses.
 """
 
 from bisect import bisect_left
@@ -28,6 +32,8 @@ class BudgetCosts:
         """The eager forward over `tokens`: linear between the measured budgets; below the smallest
         the smallest's (launch-bound there); above the largest, in proportion to it."""
         budgets = sorted(self.eager_ms)
+        if not budgets:
+            raise ValueError("no budget has been timed")
         if tokens <= budgets[0]:
             return self.eager_ms[budgets[0]]
         if tokens >= budgets[-1]:

@@ -41,8 +41,9 @@ class ModelFamily(Protocol):
 
     def repeated_blocks(self) -> list[torch.nn.Module]:
         """The encoder's repeated blocks (transformer layers), which `enable_cuda_graphs(...,
-        compile=True)` compiles; their attention must go through a backend registered by the
-        transformers seam (which keeps it out of the compiled code)."""
+        compile=True)` compiles. Varlen attention with a host-int max length must go through a
+        backend the transformers seam registered (kept out of the compiled code); dense
+        attention of one shape per item (InternViT's stock sdpa) may be compiled in."""
         ...
 
     @classmethod

@@ -21,10 +21,12 @@ def test_compiled_blocks_give_the_stock_features_and_disable_undoes_them():
     grid_thw = torch.tensor(GRIDS)
     with torch.inference_mode():
         stock = model.get_image_features(pixels, grid_thw).pooler_output
+    torch._dynamo.utils.counters.clear()
     handle = enable_cuda_graphs(model, compile=True, decoder=False)
-    with torch.inference_mode():
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0, "the warm-up compiled nothing"
+    # Other sizes reuse the warm-up's one dynamic-shape compilation (eager calls on the CPU).
+    with torch.inference_mode(), torch._dynamo.config.patch(error_on_recompile=True):
         ours = model.get_image_features(pixels, grid_thw).pooler_output
-        # Other sizes reuse the one dynamic-shape compilation (eager calls on the CPU).
         single = model.get_image_features(pixels[:64], grid_thw[:1]).pooler_output
     compile_stats = handle.stats()["encoder"]["compile"]
     assert compile_stats["blocks"] == len(model.model.visual.blocks) and compile_stats["error"] is None

@@ -32,7 +32,7 @@ def assert_close_bf16(out: torch.Tensor, ref: torch.Tensor) -> None:
 
 def test_500_random_calls_match_eager_with_poisoned_pool():
     model = build()
-    manager = EncoderCudaGraphManager(model, max_items=4, poison_pool_bytes=POISON_BYTES)
+    manager = EncoderCudaGraphManager(model, max_items=4, poison_pool_bytes=POISON_BYTES, choose_by_cost=False)
     manager.capture()
     manager.poison_buffers()
     eager = EncoderCudaGraphManager(model, max_items=4, enabled=False)
@@ -61,7 +61,9 @@ def test_500_random_calls_match_eager_with_poisoned_pool():
 
 def test_replay_is_bit_identical_to_eager_on_the_same_padded_shapes():
     model = build(seed=1)
-    manager = EncoderCudaGraphManager(model, budgets=[256], max_items=4, poison_pool_bytes=POISON_BYTES)
+    manager = EncoderCudaGraphManager(
+        model, budgets=[256], max_items=4, poison_pool_bytes=POISON_BYTES, choose_by_cost=False
+    )
     manager.capture()
     manager.poison_buffers()
     items = [ToyItem(torch.randn(40, 48, device="cuda"), frames=2), ToyItem(torch.randn(17, 48, device="cuda"))]
@@ -78,7 +80,7 @@ def test_one_path_hits_while_the_other_falls_back():
     model = build(seed=2)
     manager = EncoderCudaGraphManager(
         model, budgets={GLOBAL: [64, 256, 1024], LOCAL: [16]}, max_items=4,
-        poison_pool_bytes=POISON_BYTES,
+        poison_pool_bytes=POISON_BYTES, choose_by_cost=False,
     )
     manager.capture()
     manager.poison_buffers()

@@ -135,7 +135,9 @@ def test_budget_costs_interpolate_eager_and_prefer_the_cheaper_way():
     assert costs.eager_estimate(4096) == pytest.approx(82.0)
     assert not costs.prefer_eager(60, 64)
     assert not costs.prefer_eager(2000, 2048)  # nearly full: the replay is cheaper
-    assert costs.prefer_eager(1100, 2048)  # half padding: eager at ~23 ms beats the 40 ms replay
+    assert costs.prefer_eager(1100, 2048)  # half padding: eager at ~22 ms beats the 40 ms replay
     assert not costs.prefer_eager(100, 128)  # an unmeasured budget always replays
     with pytest.raises(ValueError):
         costs.record(0, 1.0, 1.0)
+    with pytest.raises(ValueError, match="no budget"):
+        BudgetCosts().eager_estimate(10)

@@ -9,7 +9,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from encoder_graphs.app.config import DEFAULT_PROMPT, PROMPT_FIELDS
+from encoder_graphs.app.config import COMPILE_FROM_FILES, DEFAULT_PROMPT, PROMPT_FIELDS
 from encoder_graphs.app.errors import EXIT_INTERRUPTED, EXIT_USAGE, UsageError
 
 
@@ -111,7 +111,7 @@ def _performance_arguments(parser: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="torch.compile the encoder blocks before capture: ~10 s more at start, faster encoding "
-        "(default: on a GPU with at least 2000 files to caption per GPU)",
+        f"(default: on a GPU with at least {COMPILE_FROM_FILES} files to caption per GPU)",
     )
 
 

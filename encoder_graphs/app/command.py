@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from encoder_graphs.app.config import CaptionConfig
+from encoder_graphs.app.config import COMPILE_FROM_FILES, CaptionConfig
 from encoder_graphs.app.distributed import Job, job_from_env
 from encoder_graphs.app.errors import EXIT_FAILURES, EXIT_INTERRUPTED, EXIT_OK, UsageError
 from encoder_graphs.app.outputs import METADATA_FILE, SidecarPolicy, unwritable
@@ -30,7 +30,6 @@ RESUME_HINT = "rerun the same command to resume"
 AUTO_BATCH_DEFAULT = 8  # without CUDA, where memory does not bound the batch
 AUTO_BATCH_MAX = 64
 VISION_TOKENS_PER_SEQUENCE = 1024  # the default cap on a batch's vision tokens, per sequence
-COMPILE_FROM_FILES = 2000  # files a GPU from which the encoder blocks are compiled (wants_compile)
 
 
 @dataclass
@@ -255,9 +254,9 @@ def caption_files(
     progress = None if args.quiet or job.distributed else Progress(len(plan.todo))
     outputs = Outputs(writer, plan.sidecars, progress.advance if progress else None)
     captioner = Captioner(model, inputs, config, limits, roots=plan.roots, model_name=args.model or "default")
-    if job.distributed:  # ranks start claiming together: one whose capture ends first would claim ahead
-        job.barrier("ready")
     try:
+        if job.distributed:  # ranks start claiming together: one whose capture ends first would claim ahead
+            job.barrier("ready")
         with stop_on_interrupt() as stop:
             stats = captioner.run(files, outputs, stop)
     finally:
@@ -273,7 +272,9 @@ def caption_files(
 def wants_compile(args: argparse.Namespace, plan: Plan, device: "torch.device") -> bool:
     """`--compile` / `--no-compile`, else on a GPU with enough files to pay for it: compiling the
     encoder blocks added ~11 s to the start and saved ~6.8 ms an image (Qwen2.5-VL-3B, 512 images,
-    29.2 vs 24.3 images/s in the loop, H200 2026-11-22), so it pays from ~1,600 files a GPU."""
+    29.2 vs 24.3 images/s in the loop, H200 2026-11-22), so it pays from ~1,600 files a GPU (the
+    default asks COMPILE_FROM_FILES, a margin for smaller towers). With `--no-graphs` too: the
+    compiled blocks speed the eager path as much."""
     if args.compile is not None:
         return args.compile
     return device.type == "cuda" and len(plan.todo) >= COMPILE_FROM_FILES * plan.job.world_size

@@ -8,6 +8,7 @@ DEFAULT_PROMPT = "Describe this in one sentence."
 # What a prompt template may name: the file's name without its extension, its folder's name, and
 # the image's size in pixels (a video's frame size as decoded).
 PROMPT_FIELDS = ("name", "folder", "width", "height")
+COMPILE_FROM_FILES = 2000  # files a GPU from which the command compiles the encoder blocks (command.wants_compile)
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,8 @@
 """Data-parallel captioning under torchrun: one process per GPU (`LOCAL_RANK`), one job.
 
 Ranks share work dynamically: the files still to do are ordered by estimated cost (largest
-first, as `load_balance` orders them) and cut into chunks of a batch; each rank claims the next
-chunk from an atomic counter on torchrun's own store, so a slow rank simply takes fewer. Each rank
+first, as `load_balance` orders them); each rank claims the next chunk (a quarter batch) from an
+atomic counter on torchrun's own store, so a slow rank simply takes fewer. Each rank
 appends its records to its own part file beside `--out` (`captions.jsonl.part1`); at the end rank
 0 merges every part into `--out` and removes them. Rank 0 holds the lock on `--out` for the job.
 A rerun reads `--out` and any parts a killed run left, so nothing is lost or done twice.
@@ -100,8 +100,10 @@ def claim_chunk(batch_size: int) -> int:
 
 
 def claimed(job: Job, files: Sequence[MediaFile], chunk: int) -> Iterator[MediaFile]:
-    """The files of every chunk this rank claims, in order, claiming the next when asked."""
-    while (start := (int(job.store.add("next_chunk", 1)) - 1) * chunk) < len(files):
+    """The files of every chunk this rank claims, in order, claiming the next when asked. The
+    counter counts files, so ranks whose chunks differ (`--batch-size auto` per GPU) still claim
+    disjoint ranges."""
+    while (start := int(job.store.add("next_file", chunk)) - chunk) < len(files):
         yield from files[start : start + chunk]
 
 

@@ -3,10 +3,12 @@
 Inductor fuses each block's norms, rotary, activation and residual adds around the GEMMs; the
 manager then captures those kernels as it captures eager ones (inductor's own CUDA graphs stay
 off: the manager owns capture and the pool). Shapes are dynamic from the first compilation, so
-one compilation serves every budget and every eager call. Attention stays out of the compiled
-code (the backends are registered `torch.compiler.disable`d, see `register_varlen_attention`):
-its host-int `max_seqlen` differs per budget, and a probe that compiled through it recompiled per
-budget until dynamo's limit of 8 left later blocks uncompiled (H200, 2026-11-22).
+one compilation serves every budget and every eager call. Varlen attention stays out of the
+compiled code (the seam registers its backends `torch.compiler.disable`d): its host-int
+`max_seqlen` differs per budget, and a probe that compiled through it recompiled per budget until
+dynamo's limit of 8 left later blocks uncompiled (H200, 2026-11-22). Dense attention of one shape
+per tile (InternViT's stock sdpa) is compiled in. While compiled, every call of the blocks runs
+the compiled code, stock-only calls (per-layer outputs) included; `undo` ends that.
 """
 
 import time

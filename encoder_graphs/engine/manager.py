@@ -6,7 +6,7 @@ The manager knows no model: everything model-specific comes through SupportsEnco
 import logging
 import time
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -148,7 +148,9 @@ class EncoderCudaGraphManager:
             for path in self.paths:
                 for budget in sorted(self.budgets[path], reverse=True):
                     with self._capture.or_drop((path, budget), f"path {path!r} budget {budget}"):
-                        self._capture_budget(path, budget)
+                        forward = self._capture_budget(path, budget)
+                        if self.choose_by_cost:
+                            self._measure(path, budget, forward)
             del poison  # the real graphs hold the pool now
         self.captured = True
         logger.info(
@@ -172,28 +174,41 @@ class EncoderCudaGraphManager:
         del blocks
         return graph  # keeps the pool, and its NaN blocks, alive until real graphs hold it
 
-    def _capture_budget(self, path: str, budget: int) -> None:
-        capture = self.model.prepare_capture_inputs(budget, self.max_items, self.max_frames, path)
-        inputs = self._input_views(path, capture)
-        buffers = {**inputs, **capture.static}
-
-        def forward() -> dict[str, torch.Tensor]:
-            produced = self.model.graph_forward(buffers, path)
-            outputs = self._output_views(path, produced)
-            for key, view in outputs.items():
-                view.copy_(produced[key])
-            return outputs
-
+    def _capture_budget(self, path: str, budget: int) -> Callable[[], object]:
+        """Capture one budget's graph; returns the same forward, uncaptured, over its buffers."""
+        # Inference tensors throughout, as in `execute`: compiled blocks see one set of guards.
         with torch.inference_mode():
+            capture = self.model.prepare_capture_inputs(budget, self.max_items, self.max_frames, path)
+            inputs = self._input_views(path, capture)
+            buffers = {**inputs, **capture.static}
+
+            def forward() -> dict[str, torch.Tensor]:
+                produced = self.model.graph_forward(buffers, path)
+                outputs = self._output_views(path, produced)
+                for key, view in outputs.items():
+                    view.copy_(produced[key])
+                return outputs
+
             graph, outputs = self._capture.graph(forward)
-            if self.choose_by_cost:  # one timed run each: the capture's warm-up ran the forward already
-                self.costs[path].record(budget, elapsed_ms(graph.replay), elapsed_ms(forward))
         self.graphs[path][budget] = BudgetGraph(budget, graph, inputs, outputs)
+        return forward
+
+    def _measure(self, path: str, budget: int, forward: Callable[[], object]) -> None:
+        """Time the budget's replay (after an untimed one: the first uploads the graph) and its
+        eager forward, once each (the capture's warm-up ran the forward already). Out of memory
+        leaves the budget unmeasured: it then always replays."""
+        graph = self.graphs[path][budget].graph
+        try:
+            with torch.inference_mode():
+                graph.replay()
+                self.costs[path].record(budget, elapsed_ms(graph.replay), elapsed_ms(forward))
+        except torch.cuda.OutOfMemoryError:
+            torch.cuda.empty_cache()
 
     def warm_up(self) -> None:
         """Run the smallest budget of every path once, uncaptured: compiles what torch.compile
         wrapped in the model before any capture."""
-        with torch.inference_mode():
+        with torch.inference_mode():  # as capture and execute run it: the same guards
             for path in self.paths:
                 capture = self.model.prepare_capture_inputs(self.budgets[path][0], self.max_items, self.max_frames, path)
                 self.model.graph_forward({**capture.values, **capture.static}, path)
@@ -253,6 +268,8 @@ class EncoderCudaGraphManager:
         return results
 
     def _eager_where_cheaper(self, batch: SubBatch) -> None:
+        if not self.choose_by_cost:
+            return
         for path, budget in batch.budget.items():
             if budget and self.costs[path].prefer_eager(batch.tokens[path], budget):
                 batch.budget[path] = None
