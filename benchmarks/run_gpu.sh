@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: install, run every GPU test (and the processor comparisons, which
-# need the torchvision that machine has), run the quick benchmarks, print a table.
+# need the torchvision that machine has), run the quick benchmarks, print a table. On a machine
+# of two GPUs or more (nvidia-h200-x2) the tests and the benchmarks run side by side.
 # Usage (from the repo root, on the device): bash benchmarks/run_gpu.sh [pytest -k expression]
 # BENCHMARKS picks benchmarks (default: both; "" for none); BENCH_FLAGS="" runs them in full;
 # a -k expression that matches nothing runs the benchmarks alone.
@@ -26,15 +27,34 @@ import torch, transformers
 print(f"device {torch.cuda.get_device_name()} | torch {torch.__version__} | transformers {transformers.__version__}")
 PY
 log="$OUT/gpu_tests-transformers-$version.log"
-python3 -m pytest -q -m "gpu or torchvision" -s -rs ${1:+-k "$1"} tests/ 2>&1 | tee "$log"
-tests_rc=${PIPESTATUS[0]}
-for bench in ${BENCHMARKS-bench_encoder.py bench_caption.py}; do
-  python3 "benchmarks/$bench" ${BENCH_FLAGS---quick} --json "$OUT/${bench%.py}.json" 2>&1 | tee "$OUT/${bench%.py}.log"
-done
+run_tests() {
+  python3 -m pytest -q -m "gpu or torchvision" -s -rs ${1:+-k "$1"} tests/ 2>&1 | tee "$log"
+  return "${PIPESTATUS[0]}"
+}
+run_benchmarks() {
+  for bench in ${BENCHMARKS-bench_encoder.py bench_caption.py}; do
+    python3 "benchmarks/$bench" ${BENCH_FLAGS---quick} --json "$OUT/${bench%.py}.json" >"$OUT/${bench%.py}.log" 2>&1
+  done
+}
+gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
+if [ "$gpus" -ge 2 ]; then
+  # Two GPUs or more: the benchmarks run on the last GPU while the tests run on the first, so
+  # one call takes the longer of the two (their logs say which GPU ran what).
+  echo "tests on GPU 0, benchmarks on GPU $((gpus - 1)) at the same time"
+  (export CUDA_VISIBLE_DEVICES=$((gpus - 1)); run_benchmarks) &
+  CUDA_VISIBLE_DEVICES=0 run_tests "${1:-}"
+  tests_rc=$?
+  wait
+else
+  run_tests "${1:-}"
+  tests_rc=$?
+  run_benchmarks
+fi
 echo
 echo "== summary (transformers $version) =="
 grep -E "passed|failed|error" "$log" | tail -1
 for bench in ${BENCHMARKS-bench_encoder.py bench_caption.py}; do
-  echo "-- $bench"; grep -A40 "^| workload" "$OUT/${bench%.py}.log" || tail -5 "$OUT/${bench%.py}.log"
+  echo "-- $bench"; grep -E "^\||vision tower|get_image_features|ours alone|graphs:" "$OUT/${bench%.py}.log" \
+    || tail -5 "$OUT/${bench%.py}.log"
 done
 exit "$tests_rc"
