@@ -5,7 +5,8 @@ writing records); the in-loop figure is the pipeline's own (its `items_per_s`; u
 job's: files of all ranks over the slowest rank's loop). `--gpus N` also runs the graphed command
 as one torchrun job on N GPUs and reports its scaling over one GPU. Random weights (presets):
 captions are noise, speed is real.
-    python3 benchmarks/bench_cli.py [--preset qwen2.5-vl-3b] [--images 512] [--batch-size auto] [--gpus 2] [--json out.json]
+    python3 benchmarks/bench_cli.py [--preset qwen2.5-vl-3b] [--images 512] [--batch-size auto] [--gpus 2]
+        [--cli-args=--compile] [--json out.json]
 """
 
 import argparse
@@ -35,7 +36,7 @@ def run_command(folder: Path, work: Path, args: argparse.Namespace, graphs: bool
                                                    f"--nproc-per-node={gpus}"]
     command = launcher + ["-m", "encoder_graphs", "caption", str(folder), "--model", args.preset,
                "--out", str(out), "--stats-json", str(stats_path), "--max-new-tokens", str(args.new_tokens),
-               "--batch-size", args.batch_size, "--quiet"] + ([] if graphs else ["--no-graphs"])
+               "--batch-size", args.batch_size, "--quiet", *args.cli_args.split()] + ([] if graphs else ["--no-graphs"])
     started = time.perf_counter()
     result = subprocess.run(command, capture_output=True, text=True)
     wall_s = time.perf_counter() - started
@@ -53,6 +54,7 @@ def run_command(folder: Path, work: Path, args: argparse.Namespace, graphs: bool
         "batch_size": pipeline["batch_size"],
         "succeeded": pipeline["succeeded"],
         "world_size": pipeline.get("world_size", 1),
+        "prompt_padding_pct": pipeline.get("prompt_padding_pct"),
         "ranks": pipeline.get("ranks", []),
         "encoder_capture_s": stats["encoder"]["capture_seconds"],
         "compile_s": (stats["encoder"].get("compile") or {}).get("seconds", 0.0),
@@ -68,6 +70,7 @@ def main() -> None:
     parser.add_argument("--batch-size", default="auto")
     parser.add_argument("--skip-no-graphs", action="store_true", help="time the graphed command only")
     parser.add_argument("--gpus", type=int, default=1, help="also run the graphed command under torchrun on this many GPUs")
+    parser.add_argument("--cli-args", default="", help="more arguments for every caption command, as --cli-args=--compile")
     parser.add_argument("--json", help="write results here")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as work_dir:
@@ -84,7 +87,8 @@ def main() -> None:
              f"{r['images_per_s_in_loop']:.2f}", f"{r['input_wait_s']:.2f}"] for side, r in runs.items()]
     print(markdown_table(["side", "batch", "process wall s", "start + load + capture s", "images/s end to end",
                           "images/s in loop", "model waited for files s"], rows))
-    result = {"preset": args.preset, "images": args.images, "new_tokens": args.new_tokens, "environment": env, "runs": runs}
+    result = {"preset": args.preset, "images": args.images, "new_tokens": args.new_tokens, "cli_args": args.cli_args,
+              "environment": env, "runs": runs}
     if args.gpus > 1:
         many, one = runs[f"graphs_{args.gpus}_gpus"], runs["graphs"]
         result["scaling"] = {key: many[key] / one[key] for key in ("images_per_s_in_loop", "images_per_s_end_to_end")}
