@@ -22,6 +22,7 @@ from encoder_graphs.decoder.runner import DecoderGraphRunner
 from encoder_graphs.engine.compile import CompiledBlocks, compile_blocks
 from encoder_graphs.engine.manager import EncoderCudaGraphManager
 from encoder_graphs.models.registry import adapter_for
+from encoder_graphs.models.text_stack import pointwise_parts, warm_up_parts
 from encoder_graphs.models.transformers_seam import check_version
 from encoder_graphs.protocols import ModelFamily
 from encoder_graphs.report import format_graph_stats
@@ -105,10 +106,11 @@ def enable_cuda_graphs(
     tier over a static cache of `decoder_max_cache_len` slots and route `model.generate` through
     them. Each step reads only the smallest tier holding its sequences (default tiers: 256, 512,
     ... up to `decoder_max_cache_len`, always the last).
-    `enabled=False` keeps both routes but runs them eagerly. `compile=True` compiles the encoder's
-    repeated blocks with torch.compile (dynamic shapes, attention left out) before the capture, so
-    graphs and eager calls run inductor's fused kernels (until `disable()`, any call of the tower
-    does, stock-only ones too); a compiler failure warns and leaves them uncompiled
+    `enabled=False` keeps both routes but runs them eagerly. `compile=True` compiles, with
+    torch.compile (dynamic shapes, attention left out) before the capture, the encoder's repeated
+    blocks, the language model's MLPs and norms (its prefill) and the decode step's layers, so
+    graphs and eager calls run inductor's fused kernels (until `disable()`, any call of those
+    modules does, stock-only ones too); a compiler failure warns and leaves them uncompiled
     (`stats()["encoder"]["compile"]`). `choose_by_cost` (the default) times each budget's
     replay and eager forward at capture and runs a sub-batch eagerly where that measured faster
     (GPU-bound sizes well below their budget); False replays wherever a budget fits, so the path
@@ -154,7 +156,7 @@ def enable_cuda_graphs(
     compiled = None
     try:
         if compile:
-            compiled = compile_blocks(adapter.repeated_blocks(), manager.warm_up)
+            compiled = _compile(model, adapter, manager, runner)
         manager.capture()
         if runner is not None:
             runner.capture()
@@ -178,6 +180,22 @@ def enable_cuda_graphs(
         handle.patch(model, "generate", _graphed_generate(handle, runner, model.generate))
     model._encoder_graphs = handle
     return handle
+
+
+def _compile(
+    model: nn.Module, adapter: ModelFamily, manager: EncoderCudaGraphManager, runner: DecoderGraphRunner | None
+) -> CompiledBlocks:
+    """The encoder's repeated blocks, the language model's MLPs and norms (prefill) and the
+    decode step's layers, compiled by warm-ups of each before any capture."""
+    decode_layers = runner.stack.layers if runner is not None and runner.stack is not None else []
+
+    def warm_up() -> None:
+        manager.warm_up()
+        warm_up_parts(model)
+        if decode_layers:
+            runner.warm_up()
+
+    return compile_blocks([*adapter.repeated_blocks(), *pointwise_parts(model), *decode_layers], warm_up)
 
 
 def _graphed_generate(handle: EncoderGraphsHandle, runner: DecoderGraphRunner, original: Callable) -> Callable:

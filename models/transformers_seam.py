@@ -44,6 +44,7 @@ __all__ = [
     "TESTED_RANGE",
     "attention_implementation",
     "check_version",
+    "decode_rotary",
     "deepstack_output",
     "dynamic_cache",
     "from_config",
@@ -172,6 +173,17 @@ def dynamic_cache(config: PretrainedConfig) -> Cache:
 
 def layer_key_values(cache: Cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+# 5.17.0, 5.23.0: a decoder's `rotary_emb(hidden, position_ids)` gives the (cos, sin) that every
+# layer applies, [batch, length, head_dim]. Qwen-VL's generation positions lead with a row of
+# text positions (for packed masks) before the three M-RoPE rows; its text model drops that row.
+def decode_rotary(
+    text_model: torch.nn.Module, hidden: torch.Tensor, positions: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if positions.ndim == 3 and positions.shape[0] == 4:
+        positions = positions[1:]
+    return text_model.rotary_emb(hidden, positions)
 
 
 # 5.17.0, 5.23.0: a "dynamic" rotary embedding (InternVL3's language models) syncs with the host

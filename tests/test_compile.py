@@ -1,16 +1,18 @@
-"""torch.compile of the encoder blocks (`enable_cuda_graphs(..., compile=True)`) on the CPU:
+"""torch.compile of the encoder blocks and decode layers (`enable_cuda_graphs(..., compile=True)`) on the CPU:
 inductor's code gives the stock tower's features, the statistics name what was compiled, and
 `disable()` leaves the blocks uncompiled. A compiler failure leaves the blocks as they were.
 (On CUDA, tests/test_qwen_gpu.py checks compiled blocks inside the graphs.)"""
 
 import pytest
 import torch
+from test_decoder import NO_EOS, hf_generate, make_batch
 from torch import nn
 
 from encoder_graphs import enable_cuda_graphs
 from encoder_graphs.engine.compile import compile_blocks
 from encoder_graphs.models.presets import build_model
 from encoder_graphs.models.synthetic_prompts import random_pixels
+from encoder_graphs.models.text_stack import pointwise_parts
 
 GRIDS = [(1, 8, 8), (1, 12, 20), (2, 8, 12)]
 
@@ -22,14 +24,15 @@ def test_compiled_blocks_give_the_stock_features_and_disable_undoes_them():
     with torch.inference_mode():
         stock = model.get_image_features(pixels, grid_thw).pooler_output
     torch._dynamo.utils.counters.clear()
-    handle = enable_cuda_graphs(model, compile=True, decoder=False)
+    handle = enable_cuda_graphs(model, compile=True, decoder=False)  # the decode layers: below
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0, "the warm-up compiled nothing"
     # Other sizes reuse the warm-up's one dynamic-shape compilation (eager calls on the CPU).
     with torch.inference_mode(), torch._dynamo.config.patch(error_on_recompile=True):
         ours = model.get_image_features(pixels, grid_thw).pooler_output
         single = model.get_image_features(pixels[:64], grid_thw[:1]).pooler_output
     compile_stats = handle.stats()["encoder"]["compile"]
-    assert compile_stats["blocks"] == len(model.model.visual.blocks) and compile_stats["error"] is None
+    assert compile_stats["blocks"] == len(model.model.visual.blocks) + len(pointwise_parts(model))
+    assert compile_stats["error"] is None
     assert "blocks compiled" in handle.format_stats()
     assert all(block._compiled_call_impl is not None for block in model.model.visual.blocks)
     for got, want in zip(ours, stock, strict=True):
@@ -50,3 +53,29 @@ def test_a_compiler_failure_warns_and_leaves_the_blocks_uncompiled():
     assert compiled.error == "RuntimeError: no C++ compiler"
     assert compiled.stats()["blocks"] == 0
     assert all(block._compiled_call_impl is None for block in blocks)
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen2-vl", "tiny-qwen3-vl"])
+def test_compiled_decode_layers_generate_the_stock_tokens(name):
+    """The decode step's layers and the prefill's MLPs and norms compiled with the encoder:
+    `generate`'s tokens (fp32; the runner's eager path on the CPU); the warm-up compiled every
+    batch and length, so calls of other sizes compile nothing new."""
+    model = build_model(name, seed=4)
+    calls = [
+        make_batch(model.config, grids=[(1, 4, 4), (1, 8, 6)], seed=1),
+        make_batch(model.config, grids=[(1, 4, 8)], seed=2),
+        make_batch(model.config, grids=[(1, 8, 8), (1, 4, 4), (1, 4, 6)], seed=3),
+    ]
+    expected = [hf_generate(model, inputs, eos_token_id=NO_EOS) for inputs in calls]
+    handle = enable_cuda_graphs(model, compile=True, decoder_max_batch_size=4, decoder_max_cache_len=96)
+    try:
+        layers = handle.decoder.stack.layers
+        assert all(layer._compiled_call_impl is not None for layer in layers)
+        parts = [*model.model.visual.blocks, *pointwise_parts(model), *layers]
+        assert handle.stats()["encoder"]["compile"]["blocks"] == len(parts)
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            for inputs, want in zip(calls, expected, strict=True):
+                assert torch.equal(hf_generate(model, inputs, eos_token_id=NO_EOS), want)
+    finally:
+        handle.disable()
+    assert all(part._compiled_call_impl is None for part in parts)

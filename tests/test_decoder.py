@@ -62,10 +62,12 @@ CASES = {
 }
 
 
-def test_greedy_matches_generate(model):
+@pytest.mark.parametrize("fused_step", [True, False], ids=["fused layers", "model forward"])
+def test_greedy_matches_generate(model, fused_step):
     # One runner for every case, larger batch first: rows and slots left by an earlier call
     # must not leak into a later one.
-    runner = DecoderGraphRunner(model, max_batch_size=4, max_cache_len=96)
+    runner = DecoderGraphRunner(model, max_batch_size=4, max_cache_len=96, fused_step=fused_step)
+    assert (runner.stack is not None) == fused_step  # every Qwen family's layers are fusable
     for name in ["three images, left padded", "one image", "text only, left padded"]:
         inputs = make_batch(model.config, **CASES[name])
         expected = hf_generate(model, inputs)

@@ -10,7 +10,8 @@ same tiers, so the CPU path exercises the same logic.
 """
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from itertools import product
@@ -25,6 +26,7 @@ from encoder_graphs.decoder.stats import DecodeCounters
 from encoder_graphs.decoder.step import decode_step, prefill
 from encoder_graphs.engine.capture import GraphCapture, unavailable_reason
 from encoder_graphs.models.registry import family_class
+from encoder_graphs.models.text_decode import DecodeStack
 from encoder_graphs.models.transformers_seam import generation_position_ids, static_rope
 from encoder_graphs.packing import smallest_fitting_budget
 from encoder_graphs.protocols import ModelFamily
@@ -93,6 +95,7 @@ class DecoderGraphRunner:
         length_tiers: Sequence[int] | None = None,
         enabled: bool = True,
         family: ModelFamily | type[ModelFamily] | None = None,
+        fused_step: bool = True,
     ) -> None:
         self.model = model
         self.config = DecoderGraphConfig(
@@ -102,6 +105,8 @@ class DecoderGraphRunner:
         if any(kind != "full_attention" for kind in getattr(text_config, "layer_types", None) or []):
             raise ValueError("decoder graphs support full-attention layers only (no sliding window)")
         self.family = family if family is not None else family_class(model)
+        # The step through `DecodeLayer`s where the model's layers are known (False: its own forward).
+        self.stack = DecodeStack.of(model) if fused_step else None
         self._dims = TextDims.of(model)
         self.device = model.get_output_embeddings().weight.device
         self.disabled_reason = unavailable_reason(enabled, self.device)
@@ -158,17 +163,30 @@ class DecoderGraphRunner:
 
     def _capture_graph(self, buffers: DecodeBuffers, bucket: int, tier: int) -> None:
         cache = buffers.store.cache(bucket, tier)
-        with torch.inference_mode():
-            buffers.start(
-                batch=0,
-                rows=bucket,
-                prompt_mask=buffers.mask[:0, :0],
-                next_positions=buffers.positions.narrow(-2, 0, 0),
-            )
-            with static_rope(self.model, tier):  # positions stay below `tier`: no host check needed
-                graph, _ = self._capture.graph(lambda: decode_step(self.model, buffers, bucket, tier, cache), warmups=2)
+        with torch.inference_mode(), self._idle_lanes(buffers, bucket, tier):
+            graph, _ = self._capture.graph(lambda: self._step(buffers, bucket, tier, cache), warmups=2)
         self._caches[bucket, tier] = cache  # the graph reads these views: keep them alive
         self.graphs[bucket, tier] = graph
+
+    def warm_up(self) -> None:
+        """One eager step at the largest bucket and one at a single row, over the shortest tier:
+        what `torch.compile` of the step's layers compiles before any capture."""
+        buffers, tier = self.static_buffers(), self.config.length_tiers[0]
+        for bucket in sorted({self.config.buckets[-1], 1}):
+            with torch.inference_mode(), self._idle_lanes(buffers, bucket, tier):
+                self._step(buffers, bucket, tier, buffers.store.cache(bucket, tier))
+
+    @contextmanager
+    def _idle_lanes(self, buffers: DecodeBuffers, bucket: int, tier: int) -> Iterator[None]:
+        """`bucket` padded lanes (no sequence) for a step that only warms up or captures."""
+        buffers.start(
+            batch=0, rows=bucket, prompt_mask=buffers.mask[:0, :0], next_positions=buffers.positions.narrow(-2, 0, 0)
+        )
+        with static_rope(self.model, tier):  # positions stay below `tier`: no host check needed
+            yield
+
+    def _step(self, buffers: DecodeBuffers, rows: int, tier: int, cache: SlotCache) -> None:
+        decode_step(self.model, self.stack, buffers, rows, tier, cache)
 
     # ----- generate ------------------------------------------------------------------------
     def generate(
@@ -237,7 +255,7 @@ class DecoderGraphRunner:
             if tier.graph is not None:
                 tier.graph.replay()
             else:
-                decode_step(self.model, route.buffers, route.rows, tier.tier, tier.cache)
+                self._step(route.buffers, route.rows, tier.tier, tier.cache)
             chosen = tokens.emit(step, sample(route.buffers.logits[:batch]))
             self.counters.count_step(route.rows, batch, tier.tier, tier.eager_reason)
             steps += 1
@@ -294,6 +312,7 @@ class DecoderGraphRunner:
         return {
             "enabled": self.disabled_reason is None,
             "disabled_reason": self.disabled_reason,
+            "step": "fused layers" if self.stack is not None else "model forward",
             **self.counters.as_dict(),
             "buckets": list(self.config.buckets),
             "length_tiers": list(self.config.length_tiers),
