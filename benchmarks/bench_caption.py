@@ -10,9 +10,11 @@ processor, or for InternVL the tiles of its own tiling processor), so the timed 
 alone. Then decode ms/token at batch 1 and 8, derived
 the same way on both sides as (generate of 1 + N tokens - generate of 1 token) / N, against the
 weight-bytes floor (text-stack and lm_head weights read once per step at the measured copy rate).
-Last, ours alone at growing batch sizes (`--sweep`) over the folder in its order (the caption
-command batches by cost instead, see bench_cli.py): where throughput stops growing, against a floor per image of (vision FLOPs + language-model prefill FLOPs) / measured
-matmul rate + new tokens x weight bytes / batch size / measured copy rate; the best is `best`.
+Last, ours alone at growing batch sizes (`--sweep`), over the folder in its order and in the
+caption command's order (windows of 4 batches, largest images first): where throughput stops
+growing, where each batch's time goes (encoder, decode loop, the rest: prefill), against a floor
+per image of (vision FLOPs + language-model prefill FLOPs) / measured matmul rate + new tokens x
+weight bytes / batch size / measured copy rate; the best is `best`.
     python3 benchmarks/bench_caption.py [--preset qwen2.5-vl-3b | internvl3.5-2b] [--quick] [--json out.json]
     python3 benchmarks/bench_caption.py --preset tiny-qwen2-vl --images 8 --device cpu   # smoke run
 """
@@ -23,6 +25,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from itertools import product
 from pathlib import Path
 
 import numpy as np
@@ -211,35 +214,58 @@ def vision_flops(model: PreTrainedModel, batch: Batch) -> float:
     return flops(model.model.visual, [tuple(g) for g in batch["image_grid_thw"].tolist()])
 
 
-def sweep(model: PreTrainedModel, builder, images: list, sizes: list[int], new_tokens: int, device: torch.device,
+def window_order(images: list, size: int, windows: int = 4) -> list:
+    """The caption command's order: the folder cut into windows of `windows` batches, each
+    window largest image first (area for cost: the processor keeps the aspect ratio)."""
+    span = size * windows
+    return [image for start in range(0, len(images), span)
+            for image in sorted(images[start : start + span], key=lambda im: im.width * im.height, reverse=True)]
+
+
+def sweep(handle, builder, images: list, sizes: list[int], new_tokens: int, device: torch.device,
           weight_bytes: int) -> tuple[list[dict], dict]:
-    """Ours at each batch size over `images`: throughput, peak memory and the floor; the best."""
+    """Ours at each batch size over `images`, in folder order and in the caption command's
+    windows: throughput, peak memory, the floor and where each batch's time went; the best."""
+    model = handle.model
     rate, bandwidth = matmul_tflops() * 1e12, copy_bandwidth_gbps() * 1e9
     rows = []
-    for size in sizes:
-        batches = [builder.batch(images[i : i + size]) for i in range(0, len(images), size)]
+    for size, order in product(sizes, ("folder", "windows")):
+        ordered = images if order == "folder" else window_order(images, size)
+        batches = [builder.batch(ordered[i : i + size]) for i in range(0, len(ordered), size)]
         compute_s = sum(vision_flops(model, b) + prefill_flops(model, b) for b in batches) / rate / len(images)
         floor_s = compute_s + new_tokens * weight_bytes / size / bandwidth
         torch.cuda.reset_peak_memory_stats(device)
+        handle.manager.reset_stats()
+        handle.decoder.reset_stats()
         run, _ = caption_run(model, batches, new_tokens, device)
         masks = [b["attention_mask"] for b in batches]
         padding = 100 * (1 - sum(int(m.sum()) for m in masks) / sum(m.numel() for m in masks))
-        rows.append({"batch_size": size, "images_per_s": run["images_per_s"], "floor_images_per_s": 1 / floor_s,
-                     "prompt_padding_pct": padding,
+        rows.append({"batch_size": size, "order": order, "images_per_s": run["images_per_s"],
+                     "floor_images_per_s": 1 / floor_s, "prompt_padding_pct": padding,
                      "compute_floor_ms_per_image": 1000 * compute_s,
-                     "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30, "batch_ms": run["batch_ms"]})
+                     "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30, "batch_ms": run["batch_ms"],
+                     "stage_ms_per_batch": stage_ms(handle, run["batch_ms"]["mean"], len(batches) + 1)})
     best = max(rows, key=lambda row: row["images_per_s"])
-    return rows, {key: best[key] for key in ("batch_size", "images_per_s", "floor_images_per_s")}
+    return rows, {key: best[key] for key in ("batch_size", "images_per_s", "floor_images_per_s", "order")}
+
+
+def stage_ms(handle, batch_ms: float, calls: int) -> dict:
+    """A batch's mean time split by the statistics of `calls` generate calls: the encoder's
+    execute calls, the decode loop, and the rest (the language model's prefill, sampling, host)."""
+    encoder, decoder = handle.manager.stats(), handle.decoder.stats()
+    encoder_ms = encoder["latency_ms"]["mean"] * encoder["calls"] / calls
+    decode_ms = decoder["decode_ms_per_step"]["mean"] * decoder["steps"] / calls
+    return {"encoder": encoder_ms, "decode": decode_ms, "prefill_and_rest": batch_ms - encoder_ms - decode_ms}
 
 
 def sweep_table(rows: list[dict]) -> str:
-    header = ["batch", "images/s", "floor images/s", "of floor", "compute floor ms/image", "prompt padding", "peak GiB",
-              "batch ms p50"]
+    header = ["batch", "order", "images/s", "floor images/s", "of floor", "compute floor ms/image", "prompt padding",
+              "peak GiB", "batch ms p50", "encoder / decode / prefill+rest ms"]
     return markdown_table(header, [
-        [str(r["batch_size"]), f"{r['images_per_s']:.2f}", f"{r['floor_images_per_s']:.1f}",
+        [str(r["batch_size"]), r["order"], f"{r['images_per_s']:.2f}", f"{r['floor_images_per_s']:.1f}",
          f"{100 * r['images_per_s'] / r['floor_images_per_s']:.0f}%", f"{r['compute_floor_ms_per_image']:.2f}",
-         f"{r['prompt_padding_pct']:.0f}%",
-         f"{r['peak_memory_gib']:.1f}", f"{r['batch_ms']['p50']:.0f}"] for r in rows])
+         f"{r['prompt_padding_pct']:.0f}%", f"{r['peak_memory_gib']:.1f}", f"{r['batch_ms']['p50']:.0f}",
+         " / ".join(f"{ms:.0f}" for ms in r["stage_ms_per_batch"].values())] for r in rows])
 
 
 def throughput_table(workload: str, stock: dict, ours: dict) -> str:
@@ -310,10 +336,10 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--quick", action="store_true", help="64 images, fewer decode repetitions")
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--sweep", default="8,16,32,64", help="batch sizes for ours alone ('' for none; CUDA only)")
+    parser.add_argument("--sweep", default="8,16,32,64,128", help="batch sizes for ours alone ('' for none; CUDA only)")
     parser.add_argument("--sweep-images", type=int, help="folder size of the sweep (default 256, 128 with --quick)")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                        help="torch.compile the encoder blocks (default: on CUDA)")
+                        help="torch.compile the encoder blocks and decode layers (default: on CUDA)")
     parser.add_argument("--json", help="write results here")
     parser.add_argument(
         "--cache-len", type=int, help="decoder KV slots (default: longest prompt + new tokens + 1; "
@@ -361,7 +387,7 @@ def main() -> None:
         ours_decode = {
             b: decode_ms_per_token(model, decode_inputs[b], args.new_tokens, reps, device) for b in DECODE_BATCHES
         }
-        sweep_rows, best = sweep(model, builder, sweep_images, sizes, args.new_tokens, device, weight_bytes) if sizes else ([], None)
+        sweep_rows, best = sweep(handle, builder, sweep_images, sizes, args.new_tokens, device, weight_bytes) if sizes else ([], None)
     finally:
         handle.disable()
 
