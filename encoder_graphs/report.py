@@ -47,7 +47,7 @@ def format_decoder_stats(stats: dict | None) -> str:
         return _off("decoder", stats, steps)
     timing = stats["decode_ms_per_step"]
     lines = [
-        f"decoder graphs: on (step: {stats['step']})",
+        f"decoder graphs: on (step: {stats['step']}, prefill: {stats['prefill']})",
         f"  {steps}, graph steps {stats['graph_steps']}, eager steps {stats['eager_steps']}, "
         f"lane waste {stats['lane_waste_pct']:.1f}%",
         f"  capture {stats['capture_seconds']:.2f} s, graph memory {stats['graph_memory_bytes'] / 2**20:.1f} MiB, "

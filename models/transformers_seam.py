@@ -31,13 +31,15 @@ from transformers.vision_utils import (
     get_vision_window_index,
 )
 
-from encoder_graphs.models.attention import get_attention_backend
+from encoder_graphs.models.attention import causal_varlen_attention, get_attention_backend
 
 TESTED_RANGE = ("5.17.0", "5.23.0")
 _VARLEN_PREFIX = "encoder_graphs_flash_"
 _warned: list[str] = []
 
 __all__ = [
+    "PACKED_PREFILL_ATTENTION",
+    "TOKEN_INPUTS",
     "Cache",
     "CacheLayerMixin",
     "GenerationMode",
@@ -115,6 +117,35 @@ def register_varlen_attention(backend: str) -> str:
     # Out of torch.compile'd blocks: its host-int max length differs per budget (engine/compile.py).
     AttentionInterface.register(name, torch.compiler.disable(varlen_attention_forward))
     return name
+
+
+# 5.17.0, 5.23.0: an implementation name that transformers has no mask function for gets no mask
+# (masking_utils: early exit), and the model's forward hands its `cu_seq_lens_q` / `max_length_q`
+# keyword arguments down to every attention call, as for packed flash-attention training.
+PACKED_PREFILL_ATTENTION = "encoder_graphs_packed_causal"
+# Model inputs with one value per prompt token, which a packed prefill packs like input_ids.
+TOKEN_INPUTS = ("mm_token_type_ids", "token_type_ids")
+
+
+def _packed_causal_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    cu_seq_lens_q: torch.Tensor | None = None,
+    max_length_q: int | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    if attention_mask is not None or cu_seq_lens_q is None:
+        raise ValueError(f"{PACKED_PREFILL_ATTENTION} takes cu_seq_lens_q and no attention mask")
+    # transformers passes [1, heads, tokens, head_dim] and expects [1, tokens, heads, head_dim].
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
+    return causal_varlen_attention(q, k, v, cu_seq_lens_q, max_length_q, scale=scaling).unsqueeze(0), None
+
+
+AttentionInterface.register(PACKED_PREFILL_ATTENTION, _packed_causal_attention_forward)
 
 
 # 5.17.0, 5.23.0: attention modules that batch whole sequences (InternViT: one tile per row, no

@@ -62,12 +62,12 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("fused_step", [True, False], ids=["fused layers", "model forward"])
-def test_greedy_matches_generate(model, fused_step):
+@pytest.mark.parametrize("ours", [True, False], ids=["fused layers, packed prefill", "model forward, padded prefill"])
+def test_greedy_matches_generate(model, ours):
     # One runner for every case, larger batch first: rows and slots left by an earlier call
     # must not leak into a later one.
-    runner = DecoderGraphRunner(model, max_batch_size=4, max_cache_len=96, fused_step=fused_step)
-    assert (runner.stack is not None) == fused_step  # every Qwen family's layers are fusable
+    runner = DecoderGraphRunner(model, max_batch_size=4, max_cache_len=96, fused_step=ours, packed_prefill=ours)
+    assert (runner.stack is not None) == runner.packed_prefill == ours  # every Qwen family's decoder is known
     for name in ["three images, left padded", "one image", "text only, left padded"]:
         inputs = make_batch(model.config, **CASES[name])
         expected = hf_generate(model, inputs)

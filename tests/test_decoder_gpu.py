@@ -135,8 +135,7 @@ def assert_parts_only_at_close_logits(what: str, got: torch.Tensor, stock, promp
     compared = min(got.shape[1], sequences.shape[1]) - prompt_len
     print(f"{what}: new tokens matching generate per row {matched} of {compared}")
     for row, step in enumerate(matched):
-        # The first token comes from the shared prefill: it must match.
-        assert step >= 1, f"{what} row {row}: the prefill token differs"
+        # Step 0 too: ours prefills the packed prompts (FA2 varlen), generate the padded ones (sdpa).
         if step < compared:
             # A logic bug picks an arbitrary token, about 5 logits below the top here.
             ours = int(got[row, prompt_len + step])

@@ -23,7 +23,7 @@ from encoder_graphs.decoder.generation import token_id_list
 from encoder_graphs.decoder.sampling import SamplingParams, select_next_tokens
 from encoder_graphs.decoder.static_cache import SlotCache
 from encoder_graphs.decoder.stats import DecodeCounters
-from encoder_graphs.decoder.step import decode_step, prefill
+from encoder_graphs.decoder.step import decode_step, packed_prefill, prefill
 from encoder_graphs.engine.capture import GraphCapture, unavailable_reason
 from encoder_graphs.models.registry import family_class
 from encoder_graphs.models.text_decode import DecodeStack
@@ -96,6 +96,7 @@ class DecoderGraphRunner:
         enabled: bool = True,
         family: ModelFamily | type[ModelFamily] | None = None,
         fused_step: bool = True,
+        packed_prefill: bool = True,
     ) -> None:
         self.model = model
         self.config = DecoderGraphConfig(
@@ -107,6 +108,8 @@ class DecoderGraphRunner:
         self.family = family if family is not None else family_class(model)
         # The step through `DecodeLayer`s where the model's layers are known (False: its own forward).
         self.stack = DecodeStack.of(model) if fused_step else None
+        # Prefill over the packed prompts for the same known decoders (False: left-padded, as generate).
+        self.packed_prefill = packed_prefill and DecodeStack.of(model) is not None
         self._dims = TextDims.of(model)
         self.device = model.get_output_embeddings().weight.device
         self.disabled_reason = unavailable_reason(enabled, self.device)
@@ -217,12 +220,13 @@ class DecoderGraphRunner:
         sample = partial(select_next_tokens, params=params, generator=generator)
         with torch.inference_mode():
             inputs = self._model_inputs(input_ids, model_inputs)
-            logits, prefill_kv, positions = prefill(self.model, input_ids, mask, inputs)
-            chosen = tokens.emit(0, sample(logits))
+            prefilled = (packed_prefill if self.packed_prefill else prefill)(self.model, input_ids, mask, inputs)
+            chosen = tokens.emit(0, sample(prefilled.logits))
             if max_new_tokens > 1:
                 route = self._route(batch, prompt_len + max_new_tokens - 1)
-                route.buffers.store.load_prefill(prefill_kv)
-                del prefill_kv
+                route.buffers.store.load_prefill(prefilled.key_values, prefilled.slots)
+                positions = prefilled.next_positions
+                del prefilled
                 route.buffers.start(batch=batch, rows=route.rows, prompt_mask=mask, next_positions=positions)
                 self._decode(route, tokens, chosen, prompt_len, sample, stop_check_interval if eos_ids else 0)
             new_ids = tokens.generated()
@@ -313,6 +317,7 @@ class DecoderGraphRunner:
             "enabled": self.disabled_reason is None,
             "disabled_reason": self.disabled_reason,
             "step": "fused layers" if self.stack is not None else "model forward",
+            "prefill": "packed" if self.packed_prefill else "left-padded",
             **self.counters.as_dict(),
             "buckets": list(self.config.buckets),
             "length_tiers": list(self.config.length_tiers),

@@ -120,10 +120,18 @@ class StaticKVStore:
         ]
         return SlotCache(layers)
 
-    def load_prefill(self, layer_kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def load_prefill(
+        self, layer_kv: list[tuple[torch.Tensor, torch.Tensor]], slots: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> None:
         """Copy a prefill's per-layer (keys, values) of shape [batch, heads, length, dim] into
-        slots [0, length) of the first `batch` rows."""
+        slots [0, length) of the first `batch` rows; or, packed [1, heads, tokens, dim], each token
+        to its (row, slot) in `slots`."""
         for layer, (keys, values) in enumerate(layer_kv):
+            if slots is not None:
+                rows, columns = slots
+                self.kv[0, layer][rows, :, columns] = keys[0].transpose(0, 1)
+                self.kv[1, layer][rows, :, columns] = values[0].transpose(0, 1)
+                continue
             batch, _, length, _ = keys.shape
             self.kv[0, layer, :batch, :, :length].copy_(keys)
             self.kv[1, layer, :batch, :, :length].copy_(values)

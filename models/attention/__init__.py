@@ -1,4 +1,5 @@
-"""Variable-length, non-causal attention over cu_seqlens, with a host-int max length.
+"""Variable-length, non-causal attention over cu_seqlens, with a host-int max length (and one
+causal kind, for the language model's packed prefill).
 
 Every backend takes q, k, v as [tokens, heads, head_dim], `cu_seqlens` as int32 offsets on the
 device, and `max_seqlen` as a host int (baked into a graph at capture), and returns [tokens, heads,
@@ -87,6 +88,31 @@ def flashinfer_varlen_attention(
     from encoder_graphs.models.attention.flashinfer import cudnn_varlen_attention
 
     return cudnn_varlen_attention(q, k, v, cu_seqlens, max_seqlen, scale)
+
+
+def causal_varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Causal attention within each segment, grouped-query (k, v may have fewer heads): a
+    language model's prefill over packed prompts. CUDA half precision: FA2's varlen kernel, as
+    bundled with PyTorch (the aten op; `torch.nn.attention.varlen`'s signature differs between
+    torch 2.11 and 2.13). Otherwise (CPU, fp32): one causal sdpa per segment."""
+    if q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16):
+        return torch.ops.aten._flash_attention_forward(
+            q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, True, False, scale=scale
+        )[0]
+    out = torch.empty_like(q)
+    bounds = cu_seqlens.tolist()
+    for start, end in zip(bounds, bounds[1:]):
+        segment = [x[start:end].transpose(0, 1) for x in (q, k, v)]
+        attended = torch.nn.functional.scaled_dot_product_attention(*segment, is_causal=True, scale=scale, enable_gqa=True)
+        out[start:end] = attended.transpose(0, 1)
+    return out
 
 
 BACKENDS: dict[str, VarlenAttention] = {
