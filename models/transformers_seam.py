@@ -6,7 +6,7 @@ it was checked on; `TESTED_RANGE` is the range CI runs (both ends) and `pyprojec
 """
 
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -31,7 +31,7 @@ from transformers.vision_utils import (
     get_vision_window_index,
 )
 
-from encoder_graphs.models.attention import causal_varlen_attention, get_attention_backend
+from encoder_graphs.models.attention import VarlenAttention, causal_varlen_attention, get_attention_backend
 
 TESTED_RANGE = ("5.17.0", "5.23.0")
 _VARLEN_PREFIX = "encoder_graphs_flash_"
@@ -39,11 +39,11 @@ _warned: list[str] = []
 
 __all__ = [
     "PACKED_PREFILL_ATTENTION",
+    "TESTED_RANGE",
     "TOKEN_INPUTS",
     "Cache",
     "CacheLayerMixin",
     "GenerationMode",
-    "TESTED_RANGE",
     "attention_implementation",
     "check_version",
     "decode_rotary",
@@ -90,15 +90,11 @@ def attention_implementation(config: PretrainedConfig, name: str) -> Iterator[No
         config._attn_implementation = original
 
 
-# 5.17.0, 5.23.0: Qwen vision attention takes its cu_seqlens (varlen) branch only when the
-# implementation's name contains "flash", and there passes a host-int `max_length_q`: what graph
-# capture needs. (No "flash" in a name: transformers then treats it as an ordinary kernel.)
-def register_varlen_attention(backend: str) -> str:
-    """Register varlen backend `backend` with transformers (once); the implementation name to use."""
-    attention = get_attention_backend(backend)
-    name = _VARLEN_PREFIX + backend
+def _varlen_forward(attention: VarlenAttention) -> Callable[..., tuple[torch.Tensor, None]]:
+    """`attention` as transformers calls an attention implementation, over the packed rows of a
+    varlen call: q, k, v [1, heads, tokens, head_dim] in, [1, tokens, heads, head_dim] out."""
 
-    def varlen_attention_forward(
+    def forward(
         module: torch.nn.Module,
         query: torch.Tensor,
         key: torch.Tensor,
@@ -109,13 +105,20 @@ def register_varlen_attention(backend: str) -> str:
         max_length_q: int | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, None]:
-        # transformers passes [1, heads, tokens, head_dim] and expects [1, tokens, heads, head_dim].
         q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
-        out = attention(q, k, v, cu_seq_lens_q, max_length_q, scale=scaling)
-        return out.unsqueeze(0), None
+        return attention(q, k, v, cu_seq_lens_q, max_length_q, scale=scaling).unsqueeze(0), None
 
+    return forward
+
+
+# 5.17.0, 5.23.0: Qwen vision attention takes its cu_seqlens (varlen) branch only when the
+# implementation's name contains "flash", and there passes a host-int `max_length_q`: what graph
+# capture needs. (No "flash" in a name: transformers then treats it as an ordinary kernel.)
+def register_varlen_attention(backend: str) -> str:
+    """Register varlen backend `backend` with transformers (once); the implementation name to use."""
+    name = _VARLEN_PREFIX + backend
     # Out of torch.compile'd blocks: its host-int max length differs per budget (engine/compile.py).
-    AttentionInterface.register(name, torch.compiler.disable(varlen_attention_forward))
+    AttentionInterface.register(name, torch.compiler.disable(_varlen_forward(get_attention_backend(backend))))
     return name
 
 
@@ -123,29 +126,9 @@ def register_varlen_attention(backend: str) -> str:
 # (masking_utils: early exit), and the model's forward hands its `cu_seq_lens_q` / `max_length_q`
 # keyword arguments down to every attention call, as for packed flash-attention training.
 PACKED_PREFILL_ATTENTION = "encoder_graphs_packed_causal"
+AttentionInterface.register(PACKED_PREFILL_ATTENTION, _varlen_forward(causal_varlen_attention))
 # Model inputs with one value per prompt token, which a packed prefill packs like input_ids.
 TOKEN_INPUTS = ("mm_token_type_ids", "token_type_ids")
-
-
-def _packed_causal_attention_forward(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float | None = None,
-    cu_seq_lens_q: torch.Tensor | None = None,
-    max_length_q: int | None = None,
-    **kwargs,
-) -> tuple[torch.Tensor, None]:
-    if attention_mask is not None or cu_seq_lens_q is None:
-        raise ValueError(f"{PACKED_PREFILL_ATTENTION} takes cu_seq_lens_q and no attention mask")
-    # transformers passes [1, heads, tokens, head_dim] and expects [1, tokens, heads, head_dim].
-    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
-    return causal_varlen_attention(q, k, v, cu_seq_lens_q, max_length_q, scale=scaling).unsqueeze(0), None
-
-
-AttentionInterface.register(PACKED_PREFILL_ATTENTION, _packed_causal_attention_forward)
 
 
 # 5.17.0, 5.23.0: attention modules that batch whole sequences (InternViT: one tile per row, no

@@ -8,6 +8,7 @@ head_dim]. None of them syncs with the host, so all of them can be captured.
 
 import importlib.util
 from collections.abc import Callable
+from itertools import pairwise
 
 import torch
 
@@ -33,7 +34,7 @@ def sdpa_varlen_attention(
     if q.device.type == "cpu":
         out = torch.zeros_like(q)
         bounds = cu_seqlens.tolist()
-        for start, end in zip(bounds, bounds[1:]):
+        for start, end in pairwise(bounds):
             if end > start:
                 segment = [x[start:end].transpose(0, 1) for x in (q, k, v)]
                 attended = torch.nn.functional.scaled_dot_product_attention(*segment, scale=scale)
@@ -108,7 +109,7 @@ def causal_varlen_attention(
         )[0]
     out = torch.empty_like(q)
     bounds = cu_seqlens.tolist()
-    for start, end in zip(bounds, bounds[1:]):
+    for start, end in pairwise(bounds):
         segment = [x[start:end].transpose(0, 1) for x in (q, k, v)]
         attended = torch.nn.functional.scaled_dot_product_attention(*segment, is_causal=True, scale=scale, enable_gqa=True)
         out[start:end] = attended.transpose(0, 1)
