@@ -11,10 +11,12 @@ fuses into that layer's first norm. Layers this module does not list decode thro
 own forward (`DecodeStack.of` returns None).
 """
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
-from encoder_graphs.decoder.static_cache import SlotCache, static_decode_attention
+from encoder_graphs.models.attention import decode_attention
 from encoder_graphs.models.transformers_seam import decode_rotary
 
 # Pre-norm layers with q/k/v/o projections (Qwen3: RMSNorm on q and k per head), rotate-half
@@ -51,7 +53,7 @@ def _attend(
     """Write the token's key and value at `slot`, then attend over the slots `mask` allows."""
     keys.index_copy_(2, slot, key)
     values.index_copy_(2, slot, value)
-    return static_decode_attention(attn, query, keys, values, mask, scaling=attn.scaling)[0]
+    return decode_attention(query, keys, values, mask, attn.scaling)
 
 
 class DecodeLayer(nn.Module):
@@ -115,14 +117,20 @@ class DecodeStack:
         return cls(model)
 
     def __call__(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache: SlotCache
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        mask: torch.Tensor,
+        key_values: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        slot: torch.Tensor,
     ) -> torch.Tensor:
         """Last-token logits [rows, vocab] for `input_ids` [rows, 1] at `positions` (the model's
-        generation layout), attending over `mask` [rows, slots] of `cache` and writing its slot."""
+        generation layout), attending over `mask` [rows, slots] of each layer's (keys, values)
+        [rows, kv_heads, slots, head_dim] after writing the token at `slot`."""
         hidden = self.embed(input_ids)
         cos, sin = decode_rotary(self.text_model, hidden, positions)
         delta = torch.zeros_like(hidden)
         mask = mask[:, None, None, :]
-        for layer, kv in zip(self.layers, cache.layers, strict=True):
-            hidden, delta = layer(hidden, delta, cos, sin, kv.keys, kv.values, kv.slot, mask)
+        for layer, (keys, values) in zip(self.layers, key_values, strict=True):
+            hidden, delta = layer(hidden, delta, cos, sin, keys, values, slot, mask)
         return self.lm_head(self.text_model.norm(hidden + delta)[:, -1])

@@ -7,9 +7,9 @@ buckets and tiers share the memory, and attention over a tier reads only its fir
 """
 
 import torch
-import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from encoder_graphs.models.attention import decode_attention
 from encoder_graphs.models.transformers_seam import Cache, CacheLayerMixin
 
 DECODE_ATTENTION = "static_kv_decode"  # no "flash" in the name: transformers treats those specially
@@ -25,19 +25,9 @@ def static_decode_attention(
     dropout: float = 0.0,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """One new token per sequence against every slot of the static cache, for grouped-query
-    attention. transformers' sdpa path repeats K/V to the query head count whenever a mask is
-    given (a full copy of the cache per layer per step); here the query heads that share a KV
-    head become that head's query rows instead, so the cache is read once and never copied.
-    query [batch, heads, 1, dim]; key, value [batch, kv_heads, slots, dim];
-    attention_mask bool [batch, 1, 1, slots], True = attend."""
-    batch, heads, q_len, dim = query.shape
-    kv_heads = key.shape[1]
-    if q_len != 1:
-        raise ValueError(f"decode attention takes one query token, got {q_len}")
-    grouped = query.reshape(batch, kv_heads, heads // kv_heads, dim)
-    output = F.scaled_dot_product_attention(grouped, key, value, attn_mask=attention_mask, scale=scaling)
-    return output.reshape(batch, heads, 1, dim).transpose(1, 2), None
+    """`decode_attention` as transformers calls an attention implementation (the decode step
+    through the model's own forward)."""
+    return decode_attention(query, key, value, attention_mask, scaling), None
 
 
 AttentionInterface.register(DECODE_ATTENTION, static_decode_attention)

@@ -1,5 +1,5 @@
-"""Variable-length, non-causal attention over cu_seqlens, with a host-int max length (and one
-causal kind, for the language model's packed prefill).
+"""Variable-length, non-causal attention over cu_seqlens, with a host-int max length; and the
+language model's two: causal varlen for its packed prefill, one query token for its decode steps.
 
 Every backend takes q, k, v as [tokens, heads, head_dim], `cu_seqlens` as int32 offsets on the
 device, and `max_seqlen` as a host int (baked into a graph at capture), and returns [tokens, heads,
@@ -114,6 +114,24 @@ def causal_varlen_attention(
         attended = torch.nn.functional.scaled_dot_product_attention(*segment, is_causal=True, scale=scale, enable_gqa=True)
         out[start:end] = attended.transpose(0, 1)
     return out
+
+
+def decode_attention(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float | None = None
+) -> torch.Tensor:
+    """One new token per sequence against every slot of a static cache, for grouped-query
+    attention. transformers' sdpa path repeats K/V to the query head count whenever a mask is
+    given (a full copy of the cache per layer per step); here the query heads that share a KV
+    head become that head's query rows instead, so the cache is read once and never copied.
+    query [batch, heads, 1, dim]; keys, values [batch, kv_heads, slots, dim]; mask bool
+    [batch, 1, 1, slots], True = attend. Returns [batch, 1, heads, dim]."""
+    batch, heads, q_len, dim = query.shape
+    kv_heads = keys.shape[1]
+    if q_len != 1:
+        raise ValueError(f"decode attention takes one query token, got {q_len}")
+    grouped = query.reshape(batch, kv_heads, heads // kv_heads, dim)
+    output = torch.nn.functional.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask, scale=scale)
+    return output.reshape(batch, heads, 1, dim).transpose(1, 2)
 
 
 BACKENDS: dict[str, VarlenAttention] = {
