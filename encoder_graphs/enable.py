@@ -108,7 +108,7 @@ def enable_cuda_graphs(
     ... up to `decoder_max_cache_len`, always the last).
     `enabled=False` keeps both routes but runs them eagerly. `compile=True` compiles, with
     torch.compile (dynamic shapes, attention left out) before the capture, the encoder's repeated
-    blocks, the language model's MLPs and norms (its prefill) and the decode step's layers, so
+    blocks and (with `decoder`) the language model's MLPs and norms and the decode step's layers, so
     graphs and eager calls run inductor's fused kernels (until `disable()`, any call of those
     modules does, stock-only ones too); a compiler failure warns and leaves them uncompiled
     (`stats()["encoder"]["compile"]`). `choose_by_cost` (the default) times each budget's
@@ -185,9 +185,11 @@ def enable_cuda_graphs(
 def _compile(
     model: nn.Module, adapter: ModelFamily, manager: EncoderCudaGraphManager, runner: DecoderGraphRunner | None
 ) -> CompiledBlocks:
-    """The encoder's repeated blocks, the language model's MLPs and norms (prefill) and the
-    decode step's layers, compiled by warm-ups of each before any capture."""
-    decode_layers = runner.stack.layers if runner is not None and runner.stack is not None else []
+    """The encoder's repeated blocks and, with the decoder runner, the language model's MLPs and
+    norms (its prefill) and the decode step's layers, compiled by warm-ups of each before any capture."""
+    if runner is None:
+        return compile_blocks(adapter.repeated_blocks(), manager.warm_up)
+    decode_layers = runner.stack.layers if runner.stack is not None else []
 
     def warm_up() -> None:
         manager.warm_up()

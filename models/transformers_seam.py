@@ -38,7 +38,6 @@ _VARLEN_PREFIX = "encoder_graphs_flash_"
 _warned: list[str] = []
 
 __all__ = [
-    "PACKED_PREFILL_ATTENTION",
     "TESTED_RANGE",
     "TOKEN_INPUTS",
     "Cache",
@@ -56,6 +55,7 @@ __all__ = [
     "get_vision_position_ids",
     "get_vision_window_index",
     "layer_key_values",
+    "packed_sequences",
     "prepare_generation_config",
     "register_dense_attention",
     "register_varlen_attention",
@@ -123,12 +123,43 @@ def register_varlen_attention(backend: str) -> str:
 
 
 # 5.17.0, 5.23.0: an implementation name that transformers has no mask function for gets no mask
-# (masking_utils: early exit), and the model's forward hands its `cu_seq_lens_q` / `max_length_q`
-# keyword arguments down to every attention call, as for packed flash-attention training.
+# (masking_utils: early exit). The segments reach the attention through `packed_sequences`, not as
+# keyword arguments of the model's forward: Qwen-VL hands those on to its vision tower too.
 PACKED_PREFILL_ATTENTION = "encoder_graphs_packed_causal"
-AttentionInterface.register(PACKED_PREFILL_ATTENTION, _varlen_forward(causal_varlen_attention))
 # Model inputs with one value per prompt token, which a packed prefill packs like input_ids.
 TOKEN_INPUTS = ("mm_token_type_ids", "token_type_ids")
+_packed: list[tuple[torch.Tensor, int]] = []  # the segments of the packed forward running now
+
+
+@contextmanager
+def packed_sequences(config: PretrainedConfig, cu_seqlens: torch.Tensor, longest: int) -> Iterator[None]:
+    """Within the block, the decoder that `config` configures attends causally within each
+    segment of `cu_seqlens` (its forward gets one row of packed tokens and no attention mask)."""
+    _packed.append((cu_seqlens, longest))
+    try:
+        with attention_implementation(config, PACKED_PREFILL_ATTENTION):
+            yield
+    finally:
+        _packed.pop()
+
+
+def _packed_causal_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    if attention_mask is not None or not _packed:
+        raise RuntimeError(f"{PACKED_PREFILL_ATTENTION} runs within packed_sequences(), without an attention mask")
+    cu_seqlens, longest = _packed[-1]
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [1, heads, tokens, dim] -> [tokens, heads, dim]
+    return causal_varlen_attention(q, k, v, cu_seqlens, longest, scale=scaling).unsqueeze(0), None
+
+
+AttentionInterface.register(PACKED_PREFILL_ATTENTION, _packed_causal_attention_forward)
 
 
 # 5.17.0, 5.23.0: attention modules that batch whole sequences (InternViT: one tile per row, no

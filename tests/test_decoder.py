@@ -8,6 +8,7 @@ import torch
 from encoder_graphs.decoder.buffers import DecoderGraphConfig, default_buckets, default_length_tiers
 from encoder_graphs.decoder.runner import DecoderGraphRunner
 from encoder_graphs.decoder.static_cache import static_decode_attention
+from encoder_graphs.decoder.step import packed_prefill, prefill
 from encoder_graphs.models.presets import PRESETS, build_model
 from encoder_graphs.models.synthetic_prompts import (
     image_prompt,
@@ -16,6 +17,7 @@ from encoder_graphs.models.synthetic_prompts import (
     random_pixels,
     random_text,
 )
+from encoder_graphs.models.transformers_seam import attention_implementation, register_varlen_attention
 from encoder_graphs.report import format_decoder_stats
 
 FAMILIES = ["tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl"]
@@ -74,6 +76,61 @@ def test_greedy_matches_generate(model, ours):
         got = runner_generate(runner, inputs)
         assert torch.equal(got, expected), f"{name}:\n{got}\n!=\n{expected}"
     assert len(set(expected[0, -NEW_TOKENS:].tolist())) > 2  # the test means something
+
+
+def right_padded(inputs):
+    """The same prompts padded on the right instead."""
+    inputs = dict(inputs)
+    order = torch.argsort(1 - inputs["attention_mask"], dim=1, stable=True)  # real tokens first
+    for key in ("input_ids", "attention_mask", "mm_token_type_ids"):
+        if key in inputs:
+            inputs[key] = torch.gather(inputs[key], 1, order)
+    return inputs
+
+
+def test_packed_prefill_equals_padded_prefill(model):
+    """Logits and every prompt slot of the static cache, packed vs padded (fp32)."""
+    inputs = make_batch(model.config, **CASES["three images, left padded"])
+    assert not inputs["attention_mask"].all()
+    stores = []
+    for packed in (False, True):
+        runner = DecoderGraphRunner(model, max_batch_size=4, max_cache_len=96, packed_prefill=packed)
+        batch = dict(inputs)
+        ids, mask = batch.pop("input_ids"), batch.pop("attention_mask")
+        with torch.inference_mode():
+            prefilled = (packed_prefill if packed else prefill)(model, ids, mask, runner._model_inputs(ids, batch))
+            store = runner.static_buffers().store
+            store.load_prefill(prefilled.key_values, prefilled.slots)
+        stores.append((prefilled, store))
+    (padded, padded_store), (packed, packed_store) = stores
+    torch.testing.assert_close(packed.logits, padded.logits, rtol=1e-4, atol=1e-4)
+    assert torch.equal(packed.next_positions, padded.next_positions)
+    real = inputs["attention_mask"].bool()
+    rows, slots = real.nonzero(as_tuple=True)
+    for side in (0, 1):  # keys, values of every layer at each real token's slot
+        torch.testing.assert_close(
+            packed_store.kv[side][:, rows, :, slots], padded_store.kv[side][:, rows, :, slots], rtol=1e-4, atol=1e-4
+        )
+
+
+def test_right_padded_prompts_match_generate(model):
+    """`generate` reads the logits of the last column, a pad token's on a right-padded row: such a
+    batch takes the padded prefill, whose logits are the same."""
+    inputs = right_padded(make_batch(model.config, **CASES["three images, left padded"]))
+    expected = hf_generate(model, inputs)
+    got = runner_generate(DecoderGraphRunner(model, max_batch_size=4, max_cache_len=96), inputs)
+    assert torch.equal(got, expected)
+
+
+def test_packed_prefill_leaves_a_flash_named_vision_attention_alone(model):
+    """Qwen-VL hands its forward's keyword arguments on to the vision tower, whose varlen branch
+    (an implementation named "flash") passes cu_seq_lens itself: the packed prefill adds none."""
+    inputs = make_batch(model.config, **CASES["three images, left padded"])
+    expected = hf_generate(model, inputs)
+    runner = DecoderGraphRunner(model, max_batch_size=4, max_cache_len=96)
+    with attention_implementation(model.config.vision_config, register_varlen_attention("sdpa")):
+        got = runner_generate(runner, inputs)
+    assert torch.equal(got, expected)
 
 
 def test_generation_crossing_length_tiers_matches_generate(model):

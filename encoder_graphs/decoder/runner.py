@@ -220,7 +220,9 @@ class DecoderGraphRunner:
         sample = partial(select_next_tokens, params=params, generator=generator)
         with torch.inference_mode():
             inputs = self._model_inputs(input_ids, model_inputs)
-            prefilled = (packed_prefill if self.packed_prefill else prefill)(self.model, input_ids, mask, inputs)
+            # Packed only when left-padded: generate reads the last column's logits, a pad's elsewhere.
+            packed = self.packed_prefill and bool(mask[:, -1].all())
+            prefilled = (packed_prefill if packed else prefill)(self.model, input_ids, mask, inputs)
             chosen = tokens.emit(0, sample(prefilled.logits))
             if max_new_tokens > 1:
                 route = self._route(batch, prompt_len + max_new_tokens - 1)

@@ -11,12 +11,12 @@ from encoder_graphs.decoder.buffers import DecodeBuffers
 from encoder_graphs.decoder.static_cache import DECODE_ATTENTION, SlotCache
 from encoder_graphs.models.text_decode import DecodeStack
 from encoder_graphs.models.transformers_seam import (
-    PACKED_PREFILL_ATTENTION,
     TOKEN_INPUTS,
     attention_implementation,
     dynamic_cache,
     generation_position_ids,
     layer_key_values,
+    packed_sequences,
 )
 
 KeyValues = list[tuple[torch.Tensor, torch.Tensor]]
@@ -56,36 +56,34 @@ def prefill(
 def packed_prefill(
     model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, model_inputs: dict
 ) -> Prefilled:
-    """The model's first forward over the prompts without their padding: one row of every real
-    token, causal attention within each prompt (cu_seqlens), each prompt's own position ids. Left
-    padding cost 24-56% of a caption batch's prefill tokens (RESULTS.md)."""
+    """The model's first forward over left-padded prompts without their padding: one row of every
+    real token, causal attention within each prompt (cu_seqlens), each prompt's own position ids,
+    each prompt's last logits. Left padding cost 24-56% of a caption batch's prefill tokens
+    (RESULTS.md)."""
     positions = generation_position_ids(model, input_ids, {"attention_mask": attention_mask, **model_inputs})
     real = attention_mask.bool()
     lengths = real.sum(1)
     cu_seqlens = F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
-    starts = cu_seqlens[:-1].repeat_interleave(lengths)
     packed = positions[..., real].unsqueeze(-2)  # [..., 1, tokens]: rows of the real tokens in order
     if packed.ndim == 3 and packed.shape[0] == 4:  # Qwen-VL's text row: positions within each prompt
+        starts = cu_seqlens[:-1].repeat_interleave(lengths)
         packed[0, 0] = torch.arange(packed.shape[-1], device=packed.device) - starts
     inputs = {k: v[real][None] if k in TOKEN_INPUTS else v for k, v in model_inputs.items()}
-    longest = int(lengths.max())
-    cache = dynamic_cache(model.config.get_text_config(decoder=True))
-    with attention_implementation(model.config.get_text_config(decoder=True), PACKED_PREFILL_ATTENTION):
+    text_config = model.config.get_text_config(decoder=True)
+    cache = dynamic_cache(text_config)
+    with packed_sequences(text_config, cu_seqlens, int(lengths.max())):
         output = model(
             input_ids=input_ids[real][None],
             position_ids=packed,
             past_key_values=cache,
             use_cache=True,
             logits_to_keep=cu_seqlens[1:] - 1,
-            cu_seq_lens_q=cu_seqlens,
-            cu_seq_lens_k=cu_seqlens,
-            max_length_q=longest,
-            max_length_k=longest,
             **inputs,
         )
-    rows = torch.arange(len(lengths), device=lengths.device).repeat_interleave(lengths)
-    slots = torch.arange(len(rows), device=rows.device) - starts + (input_ids.shape[1] - lengths)[rows]
-    return Prefilled(output.logits[0].float(), positions[..., -1:] + 1, layer_key_values(cache), (rows, slots))
+    # Each token's keys and values go to its own (row, column) of the padded prompts: the decode
+    # steps attend over the prompts' attention mask.
+    slots = real.nonzero(as_tuple=True)
+    return Prefilled(output.logits[0].float(), positions[..., -1:] + 1, layer_key_values(cache), slots)
 
 
 def decode_step(

@@ -91,6 +91,16 @@ def flashinfer_varlen_attention(
     return cudnn_varlen_attention(q, k, v, cu_seqlens, max_seqlen, scale)
 
 
+def _flash_varlen_runs(q: torch.Tensor) -> bool:
+    """Whether FA2 takes `q`: half precision on an Ampere or newer GPU, heads up to 256 wide."""
+    return (
+        q.device.type == "cuda"
+        and q.dtype in (torch.float16, torch.bfloat16)
+        and q.shape[-1] <= 256
+        and torch.cuda.get_device_capability(q.device)[0] >= 8
+    )
+
+
 def causal_varlen_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -102,8 +112,9 @@ def causal_varlen_attention(
     """Causal attention within each segment, grouped-query (k, v may have fewer heads): a
     language model's prefill over packed prompts. CUDA half precision: FA2's varlen kernel, as
     bundled with PyTorch (the aten op; `torch.nn.attention.varlen`'s signature differs between
-    torch 2.11 and 2.13). Otherwise (CPU, fp32): one causal sdpa per segment."""
-    if q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16):
+    torch 2.11 and 2.13). Otherwise (CPU, fp32, GPUs before Ampere, heads over 256 wide): one
+    causal sdpa per segment."""
+    if _flash_varlen_runs(q):
         return torch.ops.aten._flash_attention_forward(
             q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, True, False, scale=scale
         )[0]
