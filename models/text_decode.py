@@ -1,6 +1,6 @@
 """The language model's decode step over Qwen-style decoder layers, in a form torch.compile fuses.
 
-Through the stock layers a decode step launches ~50 kernels per layer (RMSNorm alone is six, the
+Through the stock layers a decode step launches ~46 kernels per layer (RMSNorm alone is six, the
 rotary ten), so the graphed step of Qwen2.5-VL-3B took 3.8x the time its weights take to read
 (H200, 2026-11-22). `DecodeLayer` runs the stock layer's own modules (projections, norms,
 activation) for one new token against the static cache, and writes that cache itself: no cache

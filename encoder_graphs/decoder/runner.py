@@ -1,7 +1,8 @@
 """The language model's decode step captured as CUDA graphs, one per (batch-size bucket, length tier).
 
-Prefill is the model's own forward (eager, dynamic cache, exactly what `generate` runs); its keys
-and values are copied into a static cache, and each decode step then replays the graph of the
+Prefill is the model's own forward (eager, dynamic cache; over the prompts packed without their
+padding where `models/text_decode.py` knows the decoder, else exactly what `generate` runs); its
+keys and values are copied into a static cache, and each decode step then replays the graph of the
 smallest bucket that holds the batch and the smallest length tier that holds its sequences: that
 graph's attention reads only the tier's first slots of the one cache allocation. The tier of each
 step is known on the host (prompt length + step index), so switching tiers needs no sync. Without
@@ -106,10 +107,11 @@ class DecoderGraphRunner:
         if any(kind != "full_attention" for kind in getattr(text_config, "layer_types", None) or []):
             raise ValueError("decoder graphs support full-attention layers only (no sliding window)")
         self.family = family if family is not None else family_class(model)
-        # The step through `DecodeLayer`s where the model's layers are known (False: its own forward).
-        self.stack = DecodeStack.of(model) if fused_step else None
-        # Prefill over the packed prompts for the same known decoders (False: left-padded, as generate).
-        self.packed_prefill = packed_prefill and DecodeStack.of(model) is not None
+        known = DecodeStack.of(model)  # None unless this module knows the model's decoder layers
+        # The step through `DecodeLayer`s (False: the model's own forward).
+        self.stack = known if fused_step else None
+        # Prefill over the packed prompts for the same decoders (False: left-padded, as generate).
+        self.packed_prefill = packed_prefill and known is not None
         self._dims = TextDims.of(model)
         self.device = model.get_output_embeddings().weight.device
         self.disabled_reason = unavailable_reason(enabled, self.device)
