@@ -91,3 +91,81 @@ def test_flashinfer_zeroes_uncovered_rows_and_honours_scale():
         out = attention(q, k, v, cu_seqlens, 400, scale)
         assert relative_error(out[:700], ref[:700]) < 1e-2, scale
         assert torch.equal(out[700:], torch.zeros_like(out[700:]))
+
+
+def decode_case(batch, heads, kv_heads, dim, slots, dtype, seed):
+    """A decode step's inputs: the cache's masked slots and the write slot poisoned with NaN."""
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(shape, generator=generator, device="cuda").to(dtype)
+
+    store = randn(2, batch, kv_heads, slots + 16, dim)  # a prefix view, as the static cache gives
+    keys, values = store[0, :, :, :slots], store[1, :, :, :slots]
+    mask = torch.rand(batch, slots + 16, generator=generator, device="cuda")[:, :slots] > 0.4
+    slot = torch.tensor([slots - 3], device="cuda")
+    hidden = ~mask[:, None, :, None].expand_as(keys)
+    keys[hidden], values[hidden] = float("nan"), float("nan")
+    keys[:, :, slots - 3], values[:, :, slots - 3] = float("nan"), float("nan")
+    return randn(batch, heads, 1, dim), randn(batch, kv_heads, 1, dim), randn(batch, kv_heads, 1, dim), keys, values, slot, mask
+
+
+def reference_decode(query, key, value, keys, values, slot, mask, scale):
+    """Write, then float64 attention over the allowed slots with the KV heads repeated."""
+    keys, values, mask = keys.clone(), values.clone(), mask.clone()
+    keys.index_copy_(2, slot, key)
+    values.index_copy_(2, slot, value)
+    mask.index_fill_(1, slot, True)
+    group = query.shape[1] // keys.shape[1]
+    k, v = (x.double().nan_to_num(0).repeat_interleave(group, 1) for x in (keys, values))
+    scores = (query.double() @ k.transpose(-1, -2) * scale).masked_fill(~mask[:, None, None, :], float("-inf"))
+    return (scores.softmax(-1) @ v).transpose(1, 2), keys, values
+
+
+@pytest.mark.parametrize(
+    "batch, heads, kv_heads, dim, slots",
+    [(1, 16, 2, 128, 512), (8, 16, 2, 128, 512), (3, 28, 4, 128, 1000), (64, 16, 8, 128, 300), (2, 14, 2, 64, 70)],
+)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_decode_kernel_writes_and_attends_like_sdpa(batch, heads, kv_heads, dim, slots, dtype):
+    """Each head sizes of the served models (Qwen2.5-VL-3B, -7B, Qwen3-VL), odd slot counts, NaN in
+    every slot the mask hides and in the write slot: the kernel matches float64 attention and
+    writes exactly the new key and value."""
+    from encoder_graphs.models.attention import decode_kernel
+
+    case = decode_case(batch, heads, kv_heads, dim, slots, dtype, seed=batch + slots)
+    query, keys, values = case[0], case[3], case[4]
+    expected, expected_keys, expected_values = reference_decode(*case, scale=dim**-0.5)
+    assert decode_kernel.kernel_runs(query, keys, values)
+    out = decode_kernel.write_and_attend(*case, scale=dim**-0.5)
+    assert out.shape == expected.shape and out.dtype == dtype
+    atol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(out.double(), expected, rtol=0, atol=atol)
+    assert torch.equal(keys.nan_to_num(7), expected_keys.nan_to_num(7))
+    assert torch.equal(values.nan_to_num(7), expected_values.nan_to_num(7))
+
+
+def test_decode_kernel_replays_at_each_new_slot():
+    """Captured once, replayed as the step advances the slot: each replay writes its own slot and
+    attends over it."""
+    from encoder_graphs.models.attention import decode_kernel
+
+    query, key, value, keys, values, slot, mask = decode_case(4, 16, 2, 128, 256, torch.bfloat16, seed=5)
+    keys.nan_to_num_(0), values.nan_to_num_(0)
+    slot.fill_(100)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # Triton compiles on the first call
+        decode_kernel.write_and_attend(query, key, value, keys, values, slot, mask, 0.1)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = decode_kernel.write_and_attend(query, key, value, keys, values, slot, mask, 0.1)
+    for step in range(3):
+        before = (keys.clone(), values.clone(), mask.clone())
+        key.normal_(), value.normal_(), query.normal_()
+        slot.fill_(101 + step)
+        expected, _, _ = reference_decode(query, key, value, *before[:2], slot, before[2], 0.1)
+        graph.replay()
+        torch.testing.assert_close(out.double(), expected, rtol=0, atol=2e-2)
+        assert torch.equal(keys[:, :, 101 + step], key[:, :, 0])

@@ -15,6 +15,7 @@ import torch
 VarlenAttention = Callable[..., torch.Tensor]
 
 _EXTRAS = {"flash_attn": "flash-attn", "flashinfer": "flashinfer"}
+_TRITON = importlib.util.find_spec("triton") is not None
 
 
 def sdpa_varlen_attention(
@@ -143,6 +144,30 @@ def decode_attention(
     grouped = query.reshape(batch, kv_heads, heads // kv_heads, dim)
     output = torch.nn.functional.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask, scale=scale)
     return output.reshape(batch, heads, 1, dim).transpose(1, 2)
+
+
+def write_and_decode(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    slot: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Write the new token's key and value [batch, kv_heads, 1, dim] at `slot` of the cache's keys,
+    values [batch, kv_heads, slots, dim], then `decode_attention` over the slots `mask` [batch,
+    slots] allows. On CUDA one split-KV Triton kernel pair does both (`decode_kernel`); elsewhere
+    (the CPU, no Triton, odd head widths) index_copy and sdpa."""
+    if _TRITON and query.is_cuda:
+        from encoder_graphs.models.attention import decode_kernel
+
+        if decode_kernel.kernel_runs(query, keys, values):
+            return decode_kernel.write_and_attend(query, key, value, keys, values, slot, mask, scale)
+    keys.index_copy_(2, slot, key)
+    values.index_copy_(2, slot, value)
+    return decode_attention(query, keys, values, mask[:, None, None, :], scale)
 
 
 BACKENDS: dict[str, VarlenAttention] = {
