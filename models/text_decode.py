@@ -3,12 +3,13 @@
 Through the stock layers a decode step launches ~46 kernels per layer (RMSNorm alone is six, the
 rotary ten), so the graphed step of Qwen2.5-VL-3B took 3.8x the time its weights take to read
 (H200, 2026-11-22). `DecodeLayer` runs the stock layer's own modules (projections, norms,
-activation) for one new token against the static cache, and writes that cache itself: no cache
-object and no layer index reach the code, only tensors, so one compilation serves every layer
-(the cache write and the attention stay eager, between the compiled halves).
+activation; q/k/v and gate/up each stacked into one GEMM over views of the same weights) for one
+new token against the static cache, and writes that cache itself: no cache object and no layer
+index reach the code, only tensors, so one compilation serves every layer (the cache write and
+the attention, one Triton kernel pair on CUDA, stay eager between the compiled halves).
 Each layer returns its MLP output beside the residual, and the next layer adds them, so the add
 fuses into that layer's first norm. Layers this module does not list decode through the model's
-own forward (`DecodeStack.of` returns None).
+own forward (`DecodeStack.supports` is False).
 """
 
 from collections.abc import Sequence
@@ -16,7 +17,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from encoder_graphs.models.attention import decode_attention
+from encoder_graphs.models.attention import write_and_decode
+from encoder_graphs.models.stacked_linear import StackedLinear
 from encoder_graphs.models.transformers_seam import decode_rotary
 
 # Pre-norm layers with q/k/v/o projections (Qwen3: RMSNorm on q and k per head), rotate-half
@@ -50,10 +52,7 @@ def _attend(
     slot: torch.Tensor,
     mask: torch.Tensor,
 ) -> torch.Tensor:
-    """Write the token's key and value at `slot`, then attend over the slots `mask` allows."""
-    keys.index_copy_(2, slot, key)
-    values.index_copy_(2, slot, value)
-    return decode_attention(query, keys, values, mask, attn.scaling)
+    return write_and_decode(query, key, value, keys, values, slot, mask, attn.scaling)
 
 
 class DecodeLayer(nn.Module):
@@ -63,6 +62,8 @@ class DecodeLayer(nn.Module):
         super().__init__()
         self.attn = layer.self_attn
         self.mlp = layer.mlp
+        self.qkv = StackedLinear([self.attn.q_proj, self.attn.k_proj, self.attn.v_proj])
+        self.gate_up = StackedLinear([self.mlp.gate_proj, self.mlp.up_proj])
         self.input_layernorm = layer.input_layernorm
         self.post_attention_layernorm = layer.post_attention_layernorm
         self.qk_norm = hasattr(self.attn, "q_norm")
@@ -80,23 +81,23 @@ class DecodeLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer on `hidden + delta` [rows, 1, width]: writes the token's key and value at
         `slot` of `keys` / `values` [rows, kv_heads, slots, head_dim] and attends over the slots
-        `mask` [rows, 1, 1, slots] allows. Returns (residual after attention, MLP output)."""
+        `mask` [rows, slots] allows. Returns (residual after attention, MLP output)."""
         attn, mlp = self.attn, self.mlp
         hidden = hidden + delta
         x = self.input_layernorm(hidden)
         heads = (x.shape[0], 1, -1, attn.head_dim)
-        query, key = attn.q_proj(x).view(heads), attn.k_proj(x).view(heads)
+        query, key, value = (y.view(heads) for y in self.qkv(x))
         if self.qk_norm:
             query, key = attn.q_norm(query), attn.k_norm(key)
-        query, key = query.transpose(1, 2), key.transpose(1, 2)
-        value = attn.v_proj(x).view(heads).transpose(1, 2)
+        query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         query = query * cos + rotate_half(query) * sin
         key = key * cos + rotate_half(key) * sin
         out = _attend(attn, query, key, value, keys, values, slot, mask)
         hidden = hidden + attn.o_proj(out.reshape(x.shape[0], 1, -1))
         x = self.post_attention_layernorm(hidden)
-        return hidden, mlp.down_proj(mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x))
+        gate, up = self.gate_up(x)
+        return hidden, mlp.down_proj(mlp.act_fn(gate) * up)
 
 
 class DecodeStack:
@@ -108,13 +109,17 @@ class DecodeStack:
         self.lm_head = model.get_output_embeddings()
         self.layers = [DecodeLayer(layer) for layer in self.text_model.layers]
 
-    @classmethod
-    def of(cls, model: nn.Module) -> "DecodeStack | None":
-        """The stack for `model`, or None when one of its decoder layers is not in `FUSED_LAYERS`."""
+    @staticmethod
+    def supports(model: nn.Module) -> bool:
+        """Whether every decoder layer of `model` is in `FUSED_LAYERS`."""
         layers = getattr(model.get_decoder(), "layers", [])
-        if not layers or any(type(layer).__name__ not in FUSED_LAYERS for layer in layers):
-            return None
-        return cls(model)
+        return bool(layers) and all(type(layer).__name__ in FUSED_LAYERS for layer in layers)
+
+    def unstack(self) -> None:
+        """Give the stock projections their own weights back (the stack is spent)."""
+        for layer in self.layers:
+            layer.qkv.unstack()
+            layer.gate_up.unstack()
 
     def __call__(
         self,
@@ -130,7 +135,6 @@ class DecodeStack:
         hidden = self.embed(input_ids)
         cos, sin = decode_rotary(self.text_model, hidden, positions)
         delta = torch.zeros_like(hidden)
-        mask = mask[:, None, None, :]
         for layer, (keys, values) in zip(self.layers, key_values, strict=True):
             hidden, delta = layer(hidden, delta, cos, sin, keys, values, slot, mask)
         return self.lm_head(self.text_model.norm(hidden + delta)[:, -1])

@@ -345,3 +345,24 @@ def test_static_buffer_bytes_counts_every_buffer(model):
     position_rows = runner.static_buffers().positions.shape[:-1].numel()
     rest = 2 * 8 + position_rows * 8 + 2 * 40 + 2 * text.vocab_size * 4  # ids, positions, mask, logits
     assert runner.stats()["static_buffer_bytes"] == kv + rest
+
+
+def test_stacked_projections_are_views_until_close(model):
+    """The fused step's q/k/v and gate/up GEMMs read the stock weights themselves (views of one
+    stacked tensor each, no copy); the stock forward still gives `generate`'s tokens; `close`
+    gives every projection its own tensor back, values unchanged."""
+    before = {name: weight.clone() for name, weight in model.state_dict().items()}
+    runner = DecoderGraphRunner(model, max_batch_size=2, max_cache_len=64)
+    layer, stacked = model.get_decoder().layers[-1], runner.stack.layers[-1]
+    storage = stacked.qkv.weight.untyped_storage().data_ptr()
+    projections = [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]
+    assert all(p.weight.untyped_storage().data_ptr() == storage for p in projections)
+    assert layer.mlp.up_proj.weight.untyped_storage().data_ptr() == stacked.gate_up.weight.untyped_storage().data_ptr()
+    inputs = make_batch(model.config, grids=[(1, 4, 4)])
+    assert torch.equal(runner_generate(runner, inputs), hf_generate(model, inputs))
+    runner.close()
+    assert runner.stack is None
+    storages = {p.weight.untyped_storage().data_ptr() for p in projections}
+    assert len(storages) == 3 and storage not in storages
+    after = model.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], v) for k, v in before.items())

@@ -107,11 +107,11 @@ class DecoderGraphRunner:
         if any(kind != "full_attention" for kind in getattr(text_config, "layer_types", None) or []):
             raise ValueError("decoder graphs support full-attention layers only (no sliding window)")
         self.family = family if family is not None else family_class(model)
-        known = DecodeStack.of(model)  # None unless this module knows the model's decoder layers
+        known = DecodeStack.supports(model)  # whether models/text_decode.py knows its decoder layers
         # The step through `DecodeLayer`s (False: the model's own forward).
-        self.stack = known if fused_step else None
+        self.stack = DecodeStack(model) if fused_step and known else None
         # Prefill over the packed prompts for the same decoders (False: left-padded, as generate).
-        self.packed_prefill = packed_prefill and known is not None
+        self.packed_prefill = packed_prefill and known
         self._dims = TextDims.of(model)
         self.device = model.get_output_embeddings().weight.device
         self.disabled_reason = unavailable_reason(enabled, self.device)
@@ -176,10 +176,16 @@ class DecoderGraphRunner:
     def warm_up(self) -> None:
         """One eager step at the largest bucket and one at a single row, over the shortest tier:
         what `torch.compile` of the step's layers compiles before any capture."""
+        from torch._inductor import config as inductor  # 0.8 s to import: only where compiled
+
         buffers, tier = self.static_buffers(), self.config.length_tiers[0]
-        for bucket in sorted({self.config.buckets[-1], 1}):
-            with torch.inference_mode(), self._idle_lanes(buffers, bucket, tier):
-                self._step(buffers, bucket, tier, buffers.store.cache(bucket, tier))
+        # With coordinate-descent tuning inductor turns one-row GEMMs (a batch of one) into Triton
+        # reductions tuned per shape and fused with their neighbours (gpt-fast's setting); larger
+        # batches keep cuBLAS.
+        with inductor.patch(coordinate_descent_tuning=True):
+            for bucket in sorted({self.config.buckets[-1], 1}):
+                with torch.inference_mode(), self._idle_lanes(buffers, bucket, tier):
+                    self._step(buffers, bucket, tier, buffers.store.cache(bucket, tier))
 
     @contextmanager
     def _idle_lanes(self, buffers: DecodeBuffers, bucket: int, tier: int) -> Iterator[None]:
@@ -337,7 +343,11 @@ class DecoderGraphRunner:
         return format_decoder_stats(self.stats())
 
     def close(self) -> None:
-        """Free the graphs, their pool and the static buffers."""
+        """Free the graphs, their pool and the static buffers; give the stacked projections of the
+        fused step their own weights back (later steps run through the model's forward)."""
+        if self.stack is not None:
+            self.stack.unstack()
+            self.stack = None
         self.graphs.clear()
         self._caches.clear()
         self._static = None
