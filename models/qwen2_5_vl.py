@@ -19,11 +19,13 @@ class Qwen2_5_VLAdapter(QwenVisionAdapter):
 
     def align_weights(self) -> None:
         """Pad the blocks' MLP width (3420 in the real models) to a multiple of 8: exact, and
-        cuBLAS then picks its fast kernels."""
+        cuBLAS then picks its fast kernels; and the patch embedding as a GEMM."""
+        super().align_weights()
         if self._original_mlp_width is None:
             self._original_mlp_width = align_gated_mlps([block.mlp for block in self.visual.blocks])
 
     def restore_weights(self) -> None:
+        super().restore_weights()
         if self._original_mlp_width is not None:
             for block in self.visual.blocks:
                 set_gated_mlp_width(block.mlp, self._original_mlp_width)

@@ -32,7 +32,8 @@ class ModelFamily(Protocol):
         ...
 
     def align_weights(self) -> None:
-        """Reshape weights for faster kernels, exactly (no-op where nothing is misaligned)."""
+        """Faster kernels over the same weights, exactly: weights reshaped (padded to aligned
+        widths) or modules run as the cheaper op they equal (no-op where nothing applies)."""
         ...
 
     def restore_weights(self) -> None:

@@ -262,3 +262,41 @@ def test_random_mixes_equal_model_features(model):
         batch = make_batch(model, images, videos[: rng.randint(0 if images else 1, 1)], seed=call)
         assert_items_close(manager.execute(batch), reference_items(model, batch))
 
+
+
+def test_patch_embedding_runs_as_a_gemm_until_restored(model):
+    """`align_weights` runs the stock Conv3d patch embedding as the GEMM it equals (same weights);
+    `restore_weights` gives the module its own forward back."""
+    embed = model.model.visual.patch_embed
+    adapter = adapter_for(model)
+    config = model.config.vision_config
+    pixels = torch.randn(40, config.in_channels * config.temporal_patch_size * config.patch_size**2)
+    with torch.inference_mode():
+        stock = embed(pixels)
+        adapter.align_weights()
+        assert "forward" in embed.__dict__
+        gemm = embed(pixels)
+        adapter.restore_weights()
+    assert "forward" not in embed.__dict__
+    torch.testing.assert_close(gemm, stock, rtol=1e-5, atol=1e-5)
+    assert stock.abs().max() > 0.1  # the test means something
+
+
+def test_device_metadata_is_kept_per_grids_and_layout(model):
+    """Sizes seen before reuse their metadata tensors (no host work, no copy); the cache stays
+    bounded, and what it returns equals a fresh `metadata`."""
+    from encoder_graphs.models.qwen_vision import METADATA_CACHE
+
+    adapter = adapter_for(model)
+    layout = adapter.layout(64, 4)
+    first, static = adapter.device_metadata([(1, 4, 6), (1, 8, 8)], layout)
+    again, _ = adapter.device_metadata([(1, 4, 6), (1, 8, 8)], layout)
+    assert all(again[key] is first[key] for key in first)
+    fresh, fresh_static = adapter.metadata([(1, 4, 6), (1, 8, 8)], layout)
+    assert static == fresh_static and all(torch.equal(first[key], fresh[key]) for key in fresh)
+    other, _ = adapter.device_metadata([(1, 4, 6), (1, 8, 8)], None)  # eager sizes: another entry
+    assert other["position_ids"].shape[0] < first["position_ids"].shape[0]
+    for side in range(METADATA_CACHE + 1):
+        adapter.device_metadata([(1, 2, 2 * (side + 1))], None)
+    assert len(adapter._metadata) == METADATA_CACHE
+    assert adapter.device_metadata([(1, 4, 6), (1, 8, 8)], layout)[0]["position_ids"] is not first["position_ids"]
