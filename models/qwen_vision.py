@@ -38,6 +38,7 @@ PATH = "default"
 BUDGET_STEPS_PER_DOUBLING = 4
 Grid = tuple[int, int, int]
 METADATA_CACHE = 64  # (grids, layout) entries: a dataset's common image sizes and batches
+_UNSET, _ORIGINAL = object(), object()  # align_weights not applied; no instance forward before it
 # Requests for per-layer vision outputs that only the stock forward can answer.
 _STOCK_ONLY_KWARGS = ("output_hidden_states", "output_attentions")
 # The stock feature methods' names for their inputs, which are VisionBatch's field names too.
@@ -160,6 +161,7 @@ class QwenVisionAdapter:
         self.max_frames_per_item = max_frames_per_item
         self.budget_range = budget_range
         self._metadata: OrderedDict[tuple, tuple[dict[str, torch.Tensor], dict[str, int]]] = OrderedDict()
+        self._patch_forward: Any = _UNSET  # the patch embedding's instance forward before align_weights
 
     # ----- ModelFamily: transformers' get_image_features / get_video_features, decoder inputs ---
     feature_methods = tuple(_FEATURE_ARGUMENTS)
@@ -196,11 +198,19 @@ class QwenVisionAdapter:
         """The patch embedding as the GEMM it is (`linear_patch_embed`), on the same weights; a
         family may reshape more (Qwen2.5-VL pads its MLP)."""
         embed = self.visual.patch_embed
-        embed.forward = partial(linear_patch_embed, embed)
+        if self._patch_forward is _UNSET:  # idempotent; keeps an instance forward set before (hooks)
+            self._patch_forward = embed.__dict__.get("forward", _ORIGINAL)
+            embed.forward = partial(linear_patch_embed, embed)
 
     def restore_weights(self) -> None:
-        """Undo `align_weights`."""
-        self.visual.patch_embed.__dict__.pop("forward", None)
+        """Undo `align_weights`, and drop the cached metadata."""
+        embed = self.visual.patch_embed
+        if self._patch_forward is not _UNSET:
+            embed.__dict__.pop("forward")
+            if self._patch_forward is not _ORIGINAL:
+                embed.forward = self._patch_forward
+            self._patch_forward = _UNSET
+        self._metadata.clear()
 
     def repeated_blocks(self) -> list[torch.nn.Module]:
         return list(self.visual.blocks)
@@ -265,6 +275,8 @@ class QwenVisionAdapter:
             return self._metadata[key]
         tensors, static = self.metadata(grids, layout)
         entry = {name: value.to(self.device) for name, value in tensors.items()}, static
+        if not grids:  # a capture's inputs: the manager keeps its own copy
+            return entry
         self._metadata[key] = entry
         if len(self._metadata) > METADATA_CACHE:
             self._metadata.popitem(last=False)

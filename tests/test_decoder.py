@@ -2,6 +2,8 @@
 `generate`, length tiers, EOS handling, sampling, statistics. Tiny models, fp32, saved and
 reloaded for real."""
 
+import copy
+
 import pytest
 import torch
 
@@ -357,7 +359,8 @@ def test_stacked_projections_are_views_until_close(model):
     storage = stacked.qkv.weight.untyped_storage().data_ptr()
     projections = [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]
     assert all(p.weight.untyped_storage().data_ptr() == storage for p in projections)
-    assert layer.mlp.up_proj.weight.untyped_storage().data_ptr() == stacked.gate_up.weight.untyped_storage().data_ptr()
+    mlp_storage = stacked.gate_up.weight.untyped_storage().data_ptr()
+    assert all(p.weight.untyped_storage().data_ptr() == mlp_storage for p in (layer.mlp.gate_proj, layer.mlp.up_proj))
     inputs = make_batch(model.config, grids=[(1, 4, 4)])
     assert torch.equal(runner_generate(runner, inputs), hf_generate(model, inputs))
     runner.close()
@@ -366,3 +369,42 @@ def test_stacked_projections_are_views_until_close(model):
     assert len(storages) == 3 and storage not in storages
     after = model.state_dict()
     assert after.keys() == before.keys() and all(torch.equal(after[k], v) for k, v in before.items())
+
+
+def test_projections_that_are_not_plain_linears_run_one_by_one():
+    """A subclass (as LoRA or quantized layers are) is never stacked: its own forward runs."""
+    from torch import nn
+
+    from encoder_graphs.models.stacked_linear import StackedLinear
+
+    class Scaled(nn.Linear):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    linears = [Scaled(8, 4), nn.Linear(8, 2)]
+    weights = [linear.weight for linear in linears]
+    stacked = StackedLinear(linears)
+    x = torch.randn(3, 8)
+    assert stacked.weight is None and [linear.weight for linear in linears] == weights
+    for got, linear in zip(stacked(x), linears, strict=True):
+        assert torch.equal(got, linear(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_fused_step_hands_the_decode_kernel_what_it_takes(model, dtype, monkeypatch):
+    """Every decode attention of the fused step has the dtypes, strides and mask the Triton kernel
+    takes, so on a GPU it runs the kernel and not the sdpa fallback."""
+    import encoder_graphs.models.text_decode as text_decode
+    from encoder_graphs.models.attention import fits_decode_kernel, write_and_decode
+
+    calls = []
+
+    def observed(query, key, value, keys, values, slot, mask, scale):
+        calls.append(fits_decode_kernel(query, keys, values, mask) and key.dtype == keys.dtype)
+        return write_and_decode(query, key, value, keys, values, slot, mask, scale)
+
+    monkeypatch.setattr(text_decode, "write_and_decode", observed)
+    model = copy.deepcopy(model).to(dtype)
+    runner = DecoderGraphRunner(model, max_batch_size=2, max_cache_len=64)
+    runner_generate(runner, make_batch(model.config, grids=[(1, 4, 4)]), max_new_tokens=3)
+    assert calls and all(calls)

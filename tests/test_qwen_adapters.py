@@ -280,6 +280,12 @@ def test_patch_embedding_runs_as_a_gemm_until_restored(model):
     assert "forward" not in embed.__dict__
     torch.testing.assert_close(gemm, stock, rtol=1e-5, atol=1e-5)
     assert stock.abs().max() > 0.1  # the test means something
+    hook = embed.forward  # an instance forward set before (as accelerate's hooks are) comes back
+    embed.forward = hook
+    adapter.align_weights()
+    adapter.align_weights()  # idempotent
+    adapter.restore_weights()
+    assert embed.__dict__.pop("forward") is hook
 
 
 def test_device_metadata_is_kept_per_grids_and_layout(model):
@@ -294,6 +300,8 @@ def test_device_metadata_is_kept_per_grids_and_layout(model):
     assert all(again[key] is first[key] for key in first)
     fresh, fresh_static = adapter.metadata([(1, 4, 6), (1, 8, 8)], layout)
     assert static == fresh_static and all(torch.equal(first[key], fresh[key]) for key in fresh)
+    adapter.device_metadata([], layout)  # a capture's inputs: not kept
+    assert len(adapter._metadata) == 1
     other, _ = adapter.device_metadata([(1, 4, 6), (1, 8, 8)], None)  # eager sizes: another entry
     assert other["position_ids"].shape[0] < first["position_ids"].shape[0]
     for side in range(METADATA_CACHE + 1):

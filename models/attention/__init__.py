@@ -146,6 +146,23 @@ def decode_attention(
     return output.reshape(batch, heads, 1, dim).transpose(1, 2)
 
 
+def fits_decode_kernel(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> bool:
+    """Whether `decode_kernel` takes these (on a CUDA GPU of Ampere or newer): head_dim a power of
+    two from 16 to 256, whole groups of query heads per KV head, one dtype, cache rows contiguous
+    in head_dim (keys and values alike), a bool mask contiguous along the slots."""
+    dim, heads, kv_heads = query.shape[-1], query.shape[1], keys.shape[1]
+    return (
+        16 <= dim <= 256
+        and dim & (dim - 1) == 0
+        and heads % kv_heads == 0
+        and keys.dtype == values.dtype == query.dtype
+        and keys.stride(-1) == 1
+        and keys.stride() == values.stride()
+        and mask.dtype == torch.bool
+        and mask.stride(-1) == 1
+    )
+
+
 def write_and_decode(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -158,12 +175,12 @@ def write_and_decode(
 ) -> torch.Tensor:
     """Write the new token's key and value [batch, kv_heads, 1, dim] at `slot` of the cache's keys,
     values [batch, kv_heads, slots, dim], then `decode_attention` over the slots `mask` [batch,
-    slots] allows. On CUDA one split-KV Triton kernel pair does both (`decode_kernel`); elsewhere
+    slots] allows (the caller allows `slot`, as `decode_step` does). On CUDA one split-KV Triton kernel pair does both (`decode_kernel`); elsewhere
     (the CPU, no Triton, odd head widths) index_copy and sdpa."""
-    if _TRITON and query.is_cuda:
-        from encoder_graphs.models.attention import decode_kernel
+    if _TRITON and query.is_cuda and torch.cuda.get_device_capability(query.device)[0] >= 8:
+        if fits_decode_kernel(query, keys, values, mask):
+            from encoder_graphs.models.attention import decode_kernel
 
-        if decode_kernel.kernel_runs(query, keys, values):
             return decode_kernel.write_and_attend(query, key, value, keys, values, slot, mask, scale)
     keys.index_copy_(2, slot, key)
     values.index_copy_(2, slot, value)

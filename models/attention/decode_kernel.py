@@ -23,7 +23,7 @@ def _split_kernel(
     scale, slots, split_size,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
-    b, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    b, h, s = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)  # int64: offsets past 2**31
     rows, dims = tl.arange(0, G_PAD), tl.arange(0, D)
     q = tl.load(Q + b * sq_b + (h * G + rows)[:, None] * sq_h + dims[None, :], mask=(rows < G)[:, None], other=0.0)
     slot = tl.load(Slot)
@@ -73,7 +73,7 @@ def _merge_kernel(
     Acc, Stats, Out, so_b, so_h, splits,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
 ):  # fmt: skip
-    b, h = tl.program_id(0), tl.program_id(1)
+    b, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
     rows, dims = tl.arange(0, G_PAD), tl.arange(0, D)
     m = tl.full([G_PAD], float("-inf"), tl.float32)
     total = tl.zeros([G_PAD], tl.float32)
@@ -91,19 +91,6 @@ def _merge_kernel(
     out = acc / total[:, None]
     heads = h * G + rows
     tl.store(Out + b * so_b + heads[:, None] * so_h + dims[None, :], out.to(Out.dtype.element_ty), mask=(rows < G)[:, None])
-
-
-def kernel_runs(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
-    """Whether the kernel takes these shapes: CUDA, head_dim a power of two from 16 to 256, cache
-    rows contiguous in head_dim, keys and values alike."""
-    dim = query.shape[-1]
-    return (
-        query.is_cuda
-        and 16 <= dim <= 256
-        and dim & (dim - 1) == 0
-        and keys.stride(-1) == 1
-        and keys.stride() == values.stride()
-    )
 
 
 def _split_size(programs: int, slots: int, device: torch.device) -> int:
@@ -126,7 +113,7 @@ def write_and_attend(
 ) -> torch.Tensor:
     """query [batch, heads, 1, dim]; key, value [batch, kv_heads, 1, dim], written at `slot` of
     keys, values [batch, kv_heads, slots, dim] (same strides); mask bool [batch, slots], True =
-    attend (the slot itself is always attended). Returns [batch, 1, heads, dim]."""
+    attend (the slot itself is attended whatever the mask says there). Returns [batch, 1, heads, dim]."""
     batch, heads, _, dim = query.shape
     kv_heads, slots = keys.shape[1], keys.shape[2]
     group = heads // kv_heads
@@ -138,14 +125,15 @@ def write_and_attend(
     out = torch.empty(batch, 1, heads, dim, dtype=query.dtype, device=query.device)
     query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
     mask = mask.view(torch.uint8)
-    _split_kernel[(batch, kv_heads, splits)](
-        query, key, value, keys, values, mask, slot, acc, stats,
-        query.stride(0), query.stride(1), key.stride(0), key.stride(1),
-        keys.stride(0), keys.stride(1), keys.stride(2), mask.stride(0),
-        scale, slots, split_size,
-        G=group, G_PAD=group_pad, D=dim, BLOCK_N=BLOCK_N, IEEE=query.dtype == torch.float32,
-    )  # fmt: skip
-    _merge_kernel[(batch, kv_heads)](
-        acc, stats, out, out.stride(0), out.stride(2), splits, G=group, G_PAD=group_pad, D=dim
-    )
+    with torch.cuda.device(query.device):  # Triton launches on the current device, not the inputs'
+        _split_kernel[(batch, kv_heads, splits)](
+            query, key, value, keys, values, mask, slot, acc, stats,
+            query.stride(0), query.stride(1), key.stride(0), key.stride(1),
+            keys.stride(0), keys.stride(1), keys.stride(2), mask.stride(0),
+            scale, slots, split_size,
+            G=group, G_PAD=group_pad, D=dim, BLOCK_N=BLOCK_N, IEEE=query.dtype == torch.float32,
+        )  # fmt: skip
+        _merge_kernel[(batch, kv_heads)](
+            acc, stats, out, out.stride(0), out.stride(2), splits, G=group, G_PAD=group_pad, D=dim
+        )
     return out
