@@ -179,14 +179,14 @@ class DecoderGraphRunner:
         from torch._inductor import config as inductor  # 0.8 s to import: only where compiled
 
         buffers, tier = self.static_buffers(), self.config.length_tiers[0]
-        for bucket in sorted({self.config.buckets[-1], 1}):
-            # Coordinate-descent tuning (gpt-fast's setting) for the one-row step only: inductor then
-            # turns its GEMMs into Triton reductions tuned per shape and fused with their
-            # neighbours. It tunes every kernel it compiles (the 3B's compile took 30 s instead of
-            # 14), and the larger batches' GEMMs stay cuBLAS anyway.
-            tuned = inductor.patch(coordinate_descent_tuning=bucket == 1)
-            with tuned, torch.inference_mode(), self._idle_lanes(buffers, bucket, tier):
-                self._step(buffers, bucket, tier, buffers.store.cache(bucket, tier))
+        # With coordinate-descent tuning inductor turns one-row GEMMs (a batch of one) into Triton
+        # reductions tuned per shape and fused with their neighbours (gpt-fast's setting); larger
+        # batches keep cuBLAS. It tunes every kernel it compiles: the 3B's decode layers compiled
+        # in 30 s instead of 14 (H200). Tuning the one-row step alone is untried on a GPU.
+        with inductor.patch(coordinate_descent_tuning=True):
+            for bucket in sorted({self.config.buckets[-1], 1}):
+                with torch.inference_mode(), self._idle_lanes(buffers, bucket, tier):
+                    self._step(buffers, bucket, tier, buffers.store.cache(bucket, tier))
 
     @contextmanager
     def _idle_lanes(self, buffers: DecodeBuffers, bucket: int, tier: int) -> Iterator[None]:
