@@ -41,18 +41,7 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 # Outside the compiled code: inductor would functionalize the in-place cache write, at worst
 # into a copy of the whole cache view per layer. Compiled, a layer is two graphs around this.
-@torch.compiler.disable
-def _attend(
-    attn: nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    slot: torch.Tensor,
-    mask: torch.Tensor,
-) -> torch.Tensor:
-    return write_and_decode(query, key, value, keys, values, slot, mask, attn.scaling)
+_write_and_decode = torch.compiler.disable(write_and_decode)
 
 
 class DecodeLayer(nn.Module):
@@ -93,7 +82,7 @@ class DecodeLayer(nn.Module):
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         query = query * cos + rotate_half(query) * sin
         key = key * cos + rotate_half(key) * sin
-        out = _attend(attn, query, key, value, keys, values, slot, mask)
+        out = _write_and_decode(query, key, value, keys, values, slot, mask, attn.scaling)
         hidden = hidden + attn.o_proj(out.reshape(x.shape[0], 1, -1))
         x = self.post_attention_layernorm(hidden)
         gate, up = self.gate_up(x)

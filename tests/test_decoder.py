@@ -403,7 +403,7 @@ def test_the_fused_step_hands_the_decode_kernel_what_it_takes(model, dtype, monk
         calls.append(fits_decode_kernel(query, keys, values, mask) and key.dtype == keys.dtype)
         return write_and_decode(query, key, value, keys, values, slot, mask, scale)
 
-    monkeypatch.setattr(text_decode, "write_and_decode", observed)
+    monkeypatch.setattr(text_decode, "_write_and_decode", observed)
     model = copy.deepcopy(model).to(dtype)
     runner = DecoderGraphRunner(model, max_batch_size=2, max_cache_len=64)
     runner_generate(runner, make_batch(model.config, grids=[(1, 4, 4)]), max_new_tokens=3)

@@ -175,8 +175,9 @@ def write_and_decode(
 ) -> torch.Tensor:
     """Write the new token's key and value [batch, kv_heads, 1, dim] at `slot` of the cache's keys,
     values [batch, kv_heads, slots, dim], then `decode_attention` over the slots `mask` [batch,
-    slots] allows (the caller allows `slot`, as `decode_step` does). On CUDA one split-KV Triton kernel pair does both (`decode_kernel`); elsewhere
-    (the CPU, no Triton, odd head widths) index_copy and sdpa."""
+    slots] allows (the caller allows `slot`, as `decode_step` does). On CUDA one split-KV Triton
+    kernel pair does both (`decode_kernel`); elsewhere (the CPU, no Triton, odd head widths, GPUs
+    before Ampere) index_copy and sdpa."""
     if _TRITON and query.is_cuda and torch.cuda.get_device_capability(query.device)[0] >= 8:
         if fits_decode_kernel(query, keys, values, mask):
             from encoder_graphs.models.attention import decode_kernel
