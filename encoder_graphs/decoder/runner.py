@@ -169,7 +169,7 @@ class DecoderGraphRunner:
     def _capture_graph(self, buffers: DecodeBuffers, bucket: int, tier: int) -> None:
         cache = buffers.store.cache(bucket, tier)
         with torch.inference_mode(), self._idle_lanes(buffers, bucket, tier):
-            graph, _ = self._capture.graph(lambda: self._step(buffers, bucket, tier, cache), warmups=2)
+            graph, _ = self._capture.graph(lambda: self._step(buffers, bucket, tier, cache))
         self._caches[bucket, tier] = cache  # the graph reads these views: keep them alive
         self.graphs[bucket, tier] = graph
 
@@ -180,11 +180,13 @@ class DecoderGraphRunner:
 
         buffers, tier = self.static_buffers(), self.config.length_tiers[0]
         # With coordinate-descent tuning inductor turns one-row GEMMs (a batch of one) into Triton
-        # reductions tuned per shape and fused with their neighbours (gpt-fast's setting); larger
-        # batches keep cuBLAS. It tunes every kernel it compiles: the 3B's decode layers compiled
-        # in 30 s instead of 14 (H200). Tuning the one-row step alone is untried on a GPU.
-        with inductor.patch(coordinate_descent_tuning=True):
-            for bucket in sorted({self.config.buckets[-1], 1}):
+        # reductions tuned per shape and fused with their neighbours (gpt-fast's setting). Larger
+        # batches keep cuBLAS, so their step compiles untuned. Tuned kernels skip the static
+        # launcher (they run inside graphs): torch 2.11 reloads a cached static kernel at its
+        # untuned config and tunes it again, seconds of every warm start.
+        for bucket in sorted({self.config.buckets[-1], 1}):
+            tuned = bucket == 1
+            with inductor.patch(coordinate_descent_tuning=tuned, use_static_cuda_launcher=not tuned):
                 with torch.inference_mode(), self._idle_lanes(buffers, bucket, tier):
                     self._step(buffers, bucket, tier, buffers.store.cache(bucket, tier))
 

@@ -79,15 +79,14 @@ class GraphCapture:
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
 
-    def graph(self, forward: Callable[[], T], warmups: int = 1) -> tuple[torch.cuda.CUDAGraph, T]:
-        """`forward` warmed up on a side stream, then captured into the pool; what it returned
+    def graph(self, forward: Callable[[], T]) -> tuple[torch.cuda.CUDAGraph, T]:
+        """`forward` warmed up once on a side stream, then captured into the pool; what it returned
         inside the graph (tensors the graph writes on every replay)."""
         current = torch.cuda.current_stream(self.device)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(current)
         with torch.cuda.stream(side):
-            for _ in range(warmups):
-                forward()
+            forward()
         current.wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
