@@ -4,11 +4,32 @@ The tower permutes merged tokens into window order with `window_index` and undoe
 merger; `cu_window_seqlens` cuts the permuted rows into windows of at most `window_rows`.
 """
 
+from collections.abc import Callable
+from functools import partial
+
 import torch
 
 from encoder_graphs.models.aligned_mlp import align_gated_mlps, set_gated_mlp_width
-from encoder_graphs.models.qwen_vision import Layout, QwenVisionAdapter, pad_offsets
-from encoder_graphs.models.transformers_seam import get_vision_window_index
+from encoder_graphs.models.attention import triton_runs
+from encoder_graphs.models.qwen_vision import Layout, QwenVisionAdapter, override_forward, pad_offsets
+from encoder_graphs.models.transformers_seam import get_vision_window_index, window_attention_forward
+
+
+def interleave_pairs(head_dim: int) -> torch.Tensor:
+    """The order of one head's dims that puts rotary pair (i, i + head_dim/2) at (2i, 2i + 1),
+    as `window_kernel` takes q and k."""
+    half = head_dim // 2
+    return torch.stack([torch.arange(half), torch.arange(half, head_dim)], dim=1).flatten()
+
+
+def permute_qk(attention: torch.nn.Module, order: torch.Tensor) -> None:
+    """Reorder every q and k head's dims of `attention`'s fused qkv projection by `order` (one
+    head's dims), in place; v keeps its order. Exact, and undone by the inverse order."""
+    heads, head_dim = attention.num_heads, attention.head_dim
+    qk = (torch.arange(2 * heads)[:, None] * head_dim + order[None, :]).flatten()
+    rows = torch.cat([qk, torch.arange(2 * heads * head_dim, 3 * heads * head_dim)]).to(attention.qkv.weight.device)
+    for param in (attention.qkv.weight, attention.qkv.bias):
+        param.data.copy_(param.data[rows])
 
 
 class Qwen2_5_VLAdapter(QwenVisionAdapter):
@@ -16,13 +37,17 @@ class Qwen2_5_VLAdapter(QwenVisionAdapter):
     static_keys = (*QwenVisionAdapter.static_keys, "max_window_seqlen")
 
     _original_mlp_width: int | None = None
+    _undo_windows: list[Callable[[], None]] | None = None
 
     def align_weights(self) -> None:
         """Pad the blocks' MLP width (3420 in the real models) to a multiple of 8: exact, and
-        cuBLAS then picks its fast kernels; and the patch embedding as a GEMM."""
+        cuBLAS then picks its fast kernels; the patch embedding as a GEMM; and, where Triton runs,
+        the window blocks' rotary and attention in one kernel (`window_kernel`)."""
         super().align_weights()
         if self._original_mlp_width is None:
             self._original_mlp_width = align_gated_mlps([block.mlp for block in self.visual.blocks])
+        if self._undo_windows is None and self.fuses_windows:
+            self._undo_windows = [self._fuse_window(attention) for attention in self._window_attentions()]
 
     def restore_weights(self) -> None:
         super().restore_weights()
@@ -30,6 +55,40 @@ class Qwen2_5_VLAdapter(QwenVisionAdapter):
             for block in self.visual.blocks:
                 set_gated_mlp_width(block.mlp, self._original_mlp_width)
             self._original_mlp_width = None
+        for undo in self._undo_windows or []:
+            undo()
+        self._undo_windows = None
+
+    @property
+    def fuses_windows(self) -> bool:
+        """Whether the window blocks run `window_kernel`: PyTorch's FA2 as the backend (the CUDA
+        default; another backend asked for is kept everywhere), half precision, Triton, and
+        windows and heads the kernel takes."""
+        half = self.dtype in (torch.float16, torch.bfloat16)
+        if not (self.attn_backend == "torch" and half and triton_runs(self.device)):
+            return False
+        from encoder_graphs.models.attention.window_kernel import fits_window_kernel
+
+        return fits_window_kernel(self.visual.config.hidden_size // self.visual.config.num_heads, self.window_rows)
+
+    def _window_attentions(self) -> list[torch.nn.Module]:
+        full = set(self.visual.config.fullatt_block_indexes)
+        return [block.attn for index, block in enumerate(self.visual.blocks) if index not in full]
+
+    def _fuse_window(self, attention: torch.nn.Module) -> Callable[[], None]:
+        """q and k dims interleaved by rotary pairs, the fused forward on; returns the undo."""
+        from encoder_graphs.models.attention.window_kernel import rotary_window_attention
+
+        order = interleave_pairs(attention.head_dim)
+        permute_qk(attention, order)
+        attend = torch.compiler.disable(partial(rotary_window_attention, max_seqlen=self.window_rows))
+        undo_forward = override_forward(attention, window_attention_forward(attention, attend))
+
+        def undo() -> None:
+            undo_forward()
+            permute_qk(attention, torch.argsort(order))
+
+        return undo
 
     @property
     def window_side(self) -> int:

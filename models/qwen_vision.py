@@ -8,7 +8,7 @@ sizes), capture and replay (padded to a budget's layout), so all three see the s
 """
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property, partial
 from typing import Any
@@ -38,7 +38,7 @@ PATH = "default"
 BUDGET_STEPS_PER_DOUBLING = 4
 Grid = tuple[int, int, int]
 METADATA_CACHE = 64  # (grids, layout) entries: a dataset's common image sizes and batches
-_UNSET, _ORIGINAL = object(), object()  # align_weights not applied; no instance forward before it
+_ORIGINAL = object()  # no instance forward before an override
 # Requests for per-layer vision outputs that only the stock forward can answer.
 _STOCK_ONLY_KWARGS = ("output_hidden_states", "output_attentions")
 # The stock feature methods' names for their inputs, which are VisionBatch's field names too.
@@ -117,6 +117,20 @@ def pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([tensor, tensor.new_zeros((rows - tensor.shape[0], *tensor.shape[1:]))])
 
 
+def override_forward(module: torch.nn.Module, forward: Callable) -> Callable[[], None]:
+    """Set `forward` on the instance `module`; returns what undoes it, giving back an instance
+    forward set before (a hook's, such as accelerate's)."""
+    before = module.__dict__.get("forward", _ORIGINAL)
+    module.forward = forward
+
+    def undo() -> None:
+        del module.forward
+        if before is not _ORIGINAL:
+            module.forward = before
+
+    return undo
+
+
 def linear_patch_embed(embed: torch.nn.Module, pixels: torch.Tensor) -> torch.Tensor:
     """The stock patch embedding of every Qwen-VL tower, a Conv3d whose kernel is its stride over
     rows that each hold one patch (channels, frames, height, width), as the GEMM it equals.
@@ -165,7 +179,7 @@ class QwenVisionAdapter:
         self.max_frames_per_item = max_frames_per_item
         self.budget_range = budget_range
         self._metadata: OrderedDict[tuple, tuple[dict[str, torch.Tensor], dict[str, int]]] = OrderedDict()
-        self._patch_forward: Any = _UNSET  # the patch embedding's instance forward before align_weights
+        self._undo_patch_embed: Callable[[], None] | None = None  # set by align_weights
 
     # ----- ModelFamily: transformers' get_image_features / get_video_features, decoder inputs ---
     feature_methods = tuple(_FEATURE_ARGUMENTS)
@@ -200,20 +214,16 @@ class QwenVisionAdapter:
     # ----- weights ----------------------------------------------------------------------------
     def align_weights(self) -> None:
         """The patch embedding as the GEMM it is (`linear_patch_embed`), on the same weights; a
-        family may reshape more (Qwen2.5-VL pads its MLP)."""
-        embed = self.visual.patch_embed
-        if self._patch_forward is _UNSET:  # idempotent; keeps an instance forward set before (hooks)
-            self._patch_forward = embed.__dict__.get("forward", _ORIGINAL)
-            embed.forward = partial(linear_patch_embed, embed)
+        family may change more (Qwen2.5-VL pads its MLP, fuses its window attention)."""
+        if self._undo_patch_embed is None:  # idempotent
+            embed = self.visual.patch_embed
+            self._undo_patch_embed = override_forward(embed, partial(linear_patch_embed, embed))
 
     def restore_weights(self) -> None:
         """Undo `align_weights`, and drop the cached metadata."""
-        embed = self.visual.patch_embed
-        if self._patch_forward is not _UNSET:
-            embed.__dict__.pop("forward")
-            if self._patch_forward is not _ORIGINAL:
-                embed.forward = self._patch_forward
-            self._patch_forward = _UNSET
+        if self._undo_patch_embed is not None:
+            self._undo_patch_embed()
+            self._undo_patch_embed = None
         self._metadata.clear()
 
     def repeated_blocks(self) -> list[torch.nn.Module]:

@@ -60,6 +60,7 @@ __all__ = [
     "register_dense_attention",
     "register_varlen_attention",
     "static_rope",
+    "window_attention_forward",
 ]
 
 
@@ -120,6 +121,30 @@ def register_varlen_attention(backend: str) -> str:
     # Out of torch.compile'd blocks: its host-int max length differs per budget (engine/compile.py).
     AttentionInterface.register(name, torch.compiler.disable(_varlen_forward(get_attention_backend(backend))))
     return name
+
+
+# 5.17.0, 5.23.0: a Qwen2.5-VL vision block calls its attention as `attn(hidden, cu_seqlens=,
+# max_seqlen=, position_embeddings=(cos, sin))`, cos and sin [rows, head_dim] with equal halves
+# (the rotary's `recomposition_frequencies`). The module holds one fused `qkv` projection (q, k, v,
+# each num_heads x head_dim), `proj`, `num_heads`, `head_dim` and `scaling`; it rotates q and k with
+# `rotate_half` in fp32, attends within each segment, and projects.
+def window_attention_forward(attention: torch.nn.Module, attend: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """A forward for Qwen2.5-VL vision attention `attention` that hands q, k, v (views of its qkv
+    output), cos, sin and cu_seqlens to `attend` (`rotary_window_attention`), which rotates and
+    attends in one kernel."""
+
+    def forward(
+        hidden_states: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        **kwargs,
+    ) -> torch.Tensor:
+        rows = hidden_states.shape[0]
+        q, k, v = attention.qkv(hidden_states).view(rows, 3, attention.num_heads, attention.head_dim).unbind(1)
+        cos, sin = position_embeddings
+        return attention.proj(attend(q, k, v, cos, sin, cu_seqlens, scale=attention.scaling).flatten(1))
+
+    return forward
 
 
 # 5.17.0, 5.23.0: an implementation name that transformers has no mask function for gets no mask

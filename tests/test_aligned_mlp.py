@@ -37,3 +37,46 @@ def test_enable_aligns_and_disable_restores_the_weights():
     after = model.state_dict()
     assert before.keys() == after.keys()
     assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_rotary_pairs_interleave_exactly_and_undo():
+    """The fused window blocks' weight change: q and k dims reordered so rotary pair (i, i + d/2)
+    sits at (2i, 2i + 1), v untouched; q.k is unchanged and the inverse order restores every bit."""
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import apply_rotary_pos_emb_vision
+
+    from encoder_graphs.models.qwen2_5_vl import interleave_pairs, permute_qk
+
+    assert interleave_pairs(6).tolist() == [0, 3, 1, 4, 2, 5]
+    attention = build_vision_tower("tiny-qwen2.5-vl").blocks[0].attn
+    heads, dim = attention.num_heads, attention.head_dim
+    hidden = torch.randn(10, heads * dim)
+    angles = torch.rand(10, dim // 2) * 6
+    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+    before = {k: v.clone() for k, v in attention.state_dict().items()}
+    with torch.inference_mode():
+        q, k, v = attention.qkv(hidden).view(10, 3, heads, dim).unbind(1)
+        order = interleave_pairs(dim)
+        permute_qk(attention, order)
+        q2, k2, v2 = attention.qkv(hidden).view(10, 3, heads, dim).unbind(1)
+        torch.testing.assert_close(q2, q[..., order], rtol=0, atol=1e-6)
+        torch.testing.assert_close(k2, k[..., order], rtol=0, atol=1e-6)
+        torch.testing.assert_close(v2, v, rtol=0, atol=1e-6)
+        q, k = apply_rotary_pos_emb_vision(q, k, cos, sin)  # rotated in the stock order...
+        a, b = q2.unflatten(-1, (dim // 2, 2)).unbind(-1)  # ...and pair by pair, as the kernel does
+        c, s = cos[:, None, : dim // 2], sin[:, None, : dim // 2]
+        q2 = torch.stack([a * c - b * s, b * c + a * s], -1).flatten(-2)
+        a, b = k2.unflatten(-1, (dim // 2, 2)).unbind(-1)
+        k2 = torch.stack([a * c - b * s, b * c + a * s], -1).flatten(-2)
+        torch.testing.assert_close(q2 @ k2.transpose(-1, -2), q @ k.transpose(-1, -2), rtol=1e-5, atol=1e-5)
+        permute_qk(attention, torch.argsort(order))
+    assert all(torch.equal(before[key], value) for key, value in attention.state_dict().items())
+
+
+def test_window_blocks_are_fused_only_where_triton_runs():
+    """On the CPU the window blocks keep their stock forward and weights."""
+    tower = build_vision_tower("tiny-qwen2.5-vl")
+    adapter = Qwen2_5_VLAdapter(tower)
+    assert not adapter.fuses_windows
+    adapter.align_weights()
+    assert not any("forward" in block.attn.__dict__ for block in tower.blocks)
+    adapter.restore_weights()

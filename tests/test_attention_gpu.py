@@ -6,6 +6,7 @@ import torch
 from test_attention import random_layout
 
 from encoder_graphs.models.attention import fits_decode_kernel, get_attention_backend, sdpa_varlen_attention
+from encoder_graphs.models.qwen2_5_vl import interleave_pairs
 
 pytestmark = [
     pytest.mark.gpu,
@@ -13,6 +14,7 @@ pytestmark = [
 ]
 
 CAPACITY, SLOTS, HEADS = 1024, 12, 16  # heads as in Qwen2.5-VL's vision tower
+WINDOWS = 48  # segment slots of the window-kernel cases
 
 
 def backend_or_skip(name: str):
@@ -169,3 +171,78 @@ def test_decode_kernel_replays_at_each_new_slot():
         graph.replay()
         torch.testing.assert_close(out.double(), expected, rtol=0, atol=2e-2)
         assert torch.equal(keys[:, :, 101 + step], key[:, :, 0])
+
+
+def window_case(heads: int, head_dim: int, seed: int):
+    """q, k, v as views of one qkv projection [CAPACITY, 3 * heads * head_dim], as Qwen2.5-VL's
+    tower hands them over; cos and sin [CAPACITY, head_dim] of equal halves, as its rotary builds
+    them; up to WINDOWS segments of 0-64 rows (a window of Qwen2.5-VL-7B holds 64), the offsets
+    padded with the last one; the rows after the last segment (at least 40) poisoned with NaN."""
+    rng = random.Random(seed)
+    offsets = [0]
+    while len(offsets) <= WINDOWS and offsets[-1] + 64 <= CAPACITY - 40:
+        offsets.append(offsets[-1] + rng.choice([0, 1, 7, 33, 48, 63, 64, 64, 64]))
+    offsets += [offsets[-1]] * (WINDOWS + 1 - len(offsets))
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    qkv = torch.randn(CAPACITY, 3 * heads * head_dim, generator=generator, device="cuda").to(torch.bfloat16)
+    qkv[offsets[-1]:] = float("nan")
+    angles = torch.rand(CAPACITY, head_dim // 2, generator=generator, device="cuda") * 30
+    angles = torch.cat([angles, angles], dim=-1)
+    q, k, v = qkv.unflatten(1, (3, heads, head_dim)).unbind(1)
+    return q, k, v, angles.cos(), angles.sin(), torch.tensor(offsets, dtype=torch.int32, device="cuda")
+
+
+def reference_window(q, k, v, cos, sin, cu_seqlens, scale):
+    """transformers' rotary (fp32, rounded to bf16) in the dims' own order, then fp32 attention."""
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import apply_rotary_pos_emb_vision
+
+    covered = int(cu_seqlens[-1])
+    q, k = apply_rotary_pos_emb_vision(q[:covered], k[:covered], cos[:covered], sin[:covered])
+    return sdpa_varlen_attention(q.float(), k.float(), v[:covered].float(), cu_seqlens, 64, scale)
+
+
+def window_kernel_call(q, k, v, cos, sin, cu_seqlens, scale):
+    """The kernel on q and k with their dims interleaved by rotary pairs, as the fused blocks hold them."""
+    from encoder_graphs.models.attention.window_kernel import rotary_window_attention
+
+    order = interleave_pairs(q.shape[-1]).cuda()
+    return rotary_window_attention(q[..., order], k[..., order], v, cos, sin, cu_seqlens, 64, scale)
+
+
+@pytest.mark.parametrize("heads, head_dim", [(16, 80), (2, 16), (12, 64), (4, 96)])
+def test_rotary_window_kernel_matches_rotary_then_fp32_sdpa(heads, head_dim):
+    """Head dims of one power-of-two part and of two (80 = 64 + 16, 96 = 64 + 32); empty,
+    one-row and full windows; the rows past the last window (NaN in q, k, v) come out zero."""
+    for seed in range(3):
+        q, k, v, cos, sin, cu_seqlens = window_case(heads, head_dim, seed)
+        covered = int(cu_seqlens[-1])
+        out = window_kernel_call(q, k, v, cos, sin, cu_seqlens, 0.1)
+        assert out.shape == q.shape and out.dtype == q.dtype
+        ref = reference_window(q, k, v, cos, sin, cu_seqlens, 0.1)
+        assert relative_error(out[:covered], ref) < 1e-2, seed
+        assert torch.equal(out[covered:], torch.zeros_like(out[covered:]))
+
+
+def test_rotary_window_kernel_replays_new_windows():
+    """Captured once; a replay over new windows and new rows matches an eager call on them and
+    zeroes the rows the new windows leave uncovered."""
+    from encoder_graphs.models.attention.window_kernel import rotary_window_attention
+
+    q, k, v, cos, sin, cu_seqlens = window_case(16, 80, seed=0)
+    order = interleave_pairs(80).cuda()
+    q_pairs, k_pairs = q[..., order], k[..., order]
+    args = (q_pairs, k_pairs, v, cos, sin, cu_seqlens, 64, 0.1)
+    rotary_window_attention(*args)  # Triton compiles here
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = rotary_window_attention(*args)
+    new = window_case(16, 80, seed=1)
+    assert not torch.equal(new[-1], cu_seqlens)
+    for buffer, value in zip((q, k, v, cos, sin, cu_seqlens), new):
+        buffer.copy_(value)
+    q_pairs.copy_(q[..., order]), k_pairs.copy_(k[..., order])
+    graph.replay()
+    torch.testing.assert_close(out, rotary_window_attention(*args), rtol=0, atol=0)
+    covered = int(cu_seqlens[-1])
+    assert relative_error(out[:covered], reference_window(q, k, v, cos, sin, cu_seqlens, 0.1)) < 1e-2
+    assert torch.equal(out[covered:], torch.zeros_like(out[covered:]))

@@ -45,7 +45,10 @@ MAX_ITEMS, MAX_FRAMES = 8, 32
 POOL_IMAGES, POOL_VIDEOS = 28, 8
 MAX_PIXELS = 1024 * 1024
 # bf16 through 24-32 random layers, FA2 vs the stock per-frame SDPA: relative L2 error per item.
-REL_TOL = 3e-2
+# The aligned weights (the patch embedding as a GEMM) round differently from the stock Conv3d, and
+# random layers amplify that: worst item 2.37e-2 unaligned, 2.75e-2 aligned on qwen2.5-vl-7b, the
+# windows through FA2 or through the fused kernel alike (H200, 2026-11-22).
+REL_TOL = 4e-2
 
 
 def smart_grid(height: int, width: int, frames: int, config) -> tuple[int, int, int]:
@@ -111,6 +114,7 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 def test_graphs_match_stock_tower_over_random_calls(pool, backend):
     name, tower, items = pool
     adapter = adapter_for(tower, attn_backend=backend)
+    adapter.align_weights()  # as enable_cuda_graphs does
     manager = EncoderCudaGraphManager(
         adapter,
         budgets=BUDGETS,
@@ -119,14 +123,17 @@ def test_graphs_match_stock_tower_over_random_calls(pool, backend):
         poison_pool_bytes=256 << 20,
         choose_by_cost=False,  # every sub-batch through its graph: this test is of the graphs
     )
-    manager.capture()
-    assert sorted(manager.graphs["default"]) == BUDGETS, manager.failed_budgets
-    manager.poison_buffers()
-    worst, stats = run_random_calls(manager, name, backend, items, CALLS[name])
+    try:
+        manager.capture()
+        assert sorted(manager.graphs["default"]) == BUDGETS, manager.failed_budgets
+        manager.poison_buffers()
+        worst, stats = run_random_calls(manager, name, backend, items, CALLS[name])
+    finally:
+        manager.close()
+        adapter.restore_weights()
     assert stats["graph_items"] == stats["items"], stats["paths"]
     assert stats["paths"]["default"]["hits"] > 0
     print(f"{name} {backend}: {stats['items']} items, worst rel err {worst:.2e}")
-    manager.close()
 
 
 # Compiling a real-size tower costs tens of seconds: two towers of different blocks are checked.
@@ -140,6 +147,7 @@ def test_compiled_blocks_in_graphs_and_cost_choice_match_stock_tower(pool):
     if name not in COMPILED_PRESETS:
         pytest.skip(f"compiled towers are checked on {COMPILED_PRESETS}")
     adapter = adapter_for(tower, attn_backend="torch")
+    adapter.align_weights()  # as enable_cuda_graphs does
     manager = EncoderCudaGraphManager(
         adapter, budgets=BUDGETS, max_items=MAX_ITEMS, max_frames=MAX_FRAMES, poison_pool_bytes=256 << 20
     )
@@ -157,6 +165,7 @@ def test_compiled_blocks_in_graphs_and_cost_choice_match_stock_tower(pool):
     finally:
         compiled.undo()
         manager.close()
+        adapter.restore_weights()
     assert graphs["graph_items"] == graphs["items"], graphs["paths"]
     print(f"{name} compiled in {compiled.seconds:.1f} s: {by_cost['items']} items by cost, worst rel err "
           f"{worst:.2e}, misses {by_cost['paths']['default']['miss_reasons']}, costs "

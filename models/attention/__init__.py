@@ -50,6 +50,12 @@ def sdpa_varlen_attention(
     return out.transpose(0, 1)
 
 
+def triton_runs(device: torch.device) -> bool:
+    """Whether this package's Triton kernels run on `device`: Triton present, a CUDA GPU of
+    Ampere or newer."""
+    return _TRITON and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 8
+
+
 def torch_varlen_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -178,11 +184,10 @@ def write_and_decode(
     slots] allows (the caller allows `slot`, as `decode_step` does). On CUDA one split-KV Triton
     kernel pair does both (`decode_kernel`); elsewhere (the CPU, no Triton, odd head widths, GPUs
     before Ampere) index_copy and sdpa."""
-    if _TRITON and query.is_cuda and torch.cuda.get_device_capability(query.device)[0] >= 8:
-        if fits_decode_kernel(query, keys, values, mask):
-            from encoder_graphs.models.attention import decode_kernel
+    if triton_runs(query.device) and fits_decode_kernel(query, keys, values, mask):
+        from encoder_graphs.models.attention import decode_kernel
 
-            return decode_kernel.write_and_attend(query, key, value, keys, values, slot, mask, scale)
+        return decode_kernel.write_and_attend(query, key, value, keys, values, slot, mask, scale)
     keys.index_copy_(2, slot, key)
     values.index_copy_(2, slot, value)
     return decode_attention(query, keys, values, mask[:, None, None, :], scale)

@@ -1,0 +1,131 @@
+"""Attention within short segments (Qwen2.5-VL's windows of at most 64 rows), with the rotary
+embedding applied to q and k as they load: one Triton kernel where there were two.
+
+FA2's varlen kernel tiles queries by 128 rows, so a 64-row window fills half a tile, and it
+launches a CTA per segment slot, used or not; rotary ran as a kernel of its own that wrote q and k
+back. At budget 4096 of Qwen2.5-VL-7B's tower (1313 window slots, 300 windows, H200, 2026-11-22)
+they took 0.142 + 0.056 ms a window layer. Here one program holds a whole (segment, head): one
+softmax, no running maximum. Programs are persistent, so an empty slot costs two loads.
+
+Rotary pairs dim i with dim i + head_dim/2 (transformers' `rotate_half`). q and k come with each
+head's dims interleaved by those pairs, i and i + head_dim/2 at 2i and 2i + 1
+(`models.qwen2_5_vl.interleave_pairs` reorders the qkv weights so, exactly: q.k is the same in
+any common order of dims). So a pair sits in one tile, and the head dim splits into power-of-two
+parts (80 = 64 + 16) instead of padding to 128.
+"""
+
+from functools import cache
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_ROWS = 64  # longer segments need more registers than a program holds
+PROGRAMS_PER_SM = 16
+
+
+@triton.jit
+def _rotate(x, Cos, Sin, rot, live, PAIRS: tl.constexpr):
+    """x [rows, 2 * PAIRS] of interleaved pairs (a, b) -> (a cos - b sin, b cos + a sin), in fp32
+    and rounded back to x's dtype, as transformers' rotary in fp32."""
+    c = tl.load(Cos + rot, mask=live, other=0.0)
+    s = tl.load(Sin + rot, mask=live, other=0.0)
+    a, b = tl.split(tl.reshape(x.to(tl.float32), [x.shape[0], PAIRS, 2]))
+    y = tl.join(a * c - b * s, b * c + a * s)
+    return tl.reshape(y, [x.shape[0], 2 * PAIRS]).to(x.dtype)
+
+
+@triton.jit
+def _window_kernel(
+    Q, K, V, Cos, Sin, Cu, Out,
+    sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, s_cos, so_n, so_h, rows, segments, scale,
+    D: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    h, first, programs = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
+    r, da, dp, pa = tl.arange(0, BLOCK), tl.arange(0, DA), tl.arange(0, D_PAD), tl.arange(0, DA // 2)
+    for seg in range(first, segments, programs):
+        start = tl.load(Cu + seg)
+        n = tl.load(Cu + seg + 1) - start
+        if n > 0:
+            row = (start + r).to(tl.int64)[:, None]
+            live = (r < n)[:, None]
+            q = tl.load(Q + row * sq_n + h * sq_h + da[None, :], mask=live, other=0.0)
+            k = tl.load(K + row * sk_n + h * sk_h + da[None, :], mask=live, other=0.0)
+            q = _rotate(q, Cos, Sin, row * s_cos + pa[None, :], live, DA // 2)
+            k = _rotate(k, Cos, Sin, row * s_cos + pa[None, :], live, DA // 2)
+            scores = tl.dot(q, tl.trans(k))
+            if DB > 0:  # the head dim's second part (16 of Qwen2.5-VL's 80), its pairs after DA's
+                db, pb = DA + tl.arange(0, DB), DA // 2 + tl.arange(0, DB // 2)
+                q_b = tl.load(Q + row * sq_n + h * sq_h + db[None, :], mask=live, other=0.0)
+                k_b = tl.load(K + row * sk_n + h * sk_h + db[None, :], mask=live, other=0.0)
+                q_b = _rotate(q_b, Cos, Sin, row * s_cos + pb[None, :], live, DB // 2)
+                k_b = _rotate(k_b, Cos, Sin, row * s_cos + pb[None, :], live, DB // 2)
+                scores += tl.dot(q_b, tl.trans(k_b))
+            scores = tl.where((r < n)[None, :], scores * scale, float("-inf"))
+            p = tl.exp(scores - tl.max(scores, 1)[:, None])
+            total = tl.sum(p, 1)[:, None]  # as FA2: the weights rounded unnormalised, the sum fp32
+            # One padded tile for v: a second dot of 16 columns gave wrong results (Triton 3.6/3.7).
+            full = live & (dp < D)[None, :]
+            v = tl.load(V + row * sv_n + h * sv_h + dp[None, :], mask=full, other=0.0)
+            out = (tl.dot(p.to(v.dtype), v) / total).to(v.dtype)
+            tl.store(Out + row * so_n + h * so_h + dp[None, :], out, mask=full)
+    if first == programs - 1:  # rows past the last segment come out zero, never stale
+        for row0 in range(tl.load(Cu + segments), rows, BLOCK):
+            row = (row0 + r).to(tl.int64)[:, None]
+            full = (row < rows) & (dp < D)[None, :]
+            tl.store(Out + row * so_n + h * so_h + dp[None, :], tl.zeros([BLOCK, D_PAD], Out.dtype.element_ty), mask=full)
+
+
+@cache
+def _programs_per_head(device: torch.device, heads: int) -> int:
+    return max(1, PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count // heads)
+
+
+def head_parts(head_dim: int) -> tuple[int, int]:
+    """head_dim as the largest power of two in it plus the rest, which must be a power of two
+    of at least 16 (or none): 80 = 64 + 16, 64 = 64 + 0."""
+    first = 1 << (head_dim.bit_length() - 1)
+    rest = head_dim - first
+    return first, rest
+
+
+def fits_window_kernel(head_dim: int, max_seqlen: int) -> bool:
+    """Whether `rotary_window_attention` takes heads of `head_dim` and segments of `max_seqlen`."""
+    first, rest = head_parts(head_dim)
+    return max_seqlen <= MAX_ROWS and first >= 16 and (rest == 0 or (rest >= 16 and rest & (rest - 1) == 0))
+
+
+def rotary_window_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    scale: float,
+) -> torch.Tensor:
+    """Non-causal attention within each segment of `cu_seqlens` (int32, on the device; at most
+    `max_seqlen` rows each, see `fits_window_kernel`). q, k [rows, heads, head_dim] with each
+    head's dims interleaved by rotary pairs, rotated here by `cos`, `sin` [rows, head_dim] (the
+    halves alike, as transformers builds them; pair i takes column i); v in its own order.
+    Half precision, any row and head strides, head dims contiguous. Returns [rows, heads,
+    head_dim]; rows that no segment covers are zero. No host sync: capturable."""
+    rows, heads, head_dim = q.shape
+    if not fits_window_kernel(head_dim, max_seqlen):
+        raise ValueError(f"window attention takes segments of at most {MAX_ROWS} rows (got {max_seqlen}) "
+                         f"and a head dim of two power-of-two parts of at least 16 (got {head_dim})")
+    if any(x.stride(-1) != 1 for x in (q, k, v, cos, sin)) or cos.stride() != sin.stride():
+        raise ValueError("window attention takes head dims contiguous, and cos and sin of one layout")
+    out = torch.empty_like(v, memory_format=torch.contiguous_format)
+    first, rest = head_parts(head_dim)
+    segments = cu_seqlens.shape[0] - 1
+    grid = (heads, max(1, min(segments, _programs_per_head(q.device, heads))))
+    _window_kernel[grid](
+        q, k, v, cos, sin, cu_seqlens, out,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
+        out.stride(0), out.stride(1), rows, segments, scale,
+        D=head_dim, DA=first, DB=rest, D_PAD=triton.next_power_of_2(head_dim),
+        BLOCK=max(16, triton.next_power_of_2(max_seqlen)), num_warps=4,
+    )  # fmt: skip
+    return out
