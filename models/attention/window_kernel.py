@@ -5,7 +5,8 @@ FA2's varlen kernel tiles queries by 128 rows, so a 64-row window fills half a t
 launches a CTA per segment slot, used or not; rotary ran as a kernel of its own that wrote q and k
 back. At budget 4096 of Qwen2.5-VL-7B's tower (1313 window slots, 300 windows, H200, 2026-11-22)
 they took 0.142 + 0.056 ms a window layer. Here one program holds a whole (segment, head): one
-softmax, no running maximum. Programs are persistent, so an empty slot costs two loads.
+softmax, no running maximum. Programs are persistent and stop at the first slot past the last
+segment, so the empty slots of a budget's layout cost nothing.
 
 Rotary pairs dim i with dim i + head_dim/2 (transformers' `rotate_half`). q and k come with each
 head's dims interleaved by those pairs, i and i + head_dim/2 at 2i and 2i + 1
@@ -43,8 +44,9 @@ def _window_kernel(
 ):  # fmt: skip
     h, first, programs = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
     r, da, dp, pa = tl.arange(0, BLOCK), tl.arange(0, DA), tl.arange(0, D_PAD), tl.arange(0, DA // 2)
-    for seg in range(first, segments, programs):
-        start = tl.load(Cu + seg)
+    total = tl.load(Cu + segments)
+    seg, start = first, tl.load(Cu + first)
+    while start < total:  # offsets are monotonic: past the last segment every slot is empty
         n = tl.load(Cu + seg + 1) - start
         if n > 0:
             row = (start + r).to(tl.int64)[:, None]
@@ -63,14 +65,16 @@ def _window_kernel(
                 scores += tl.dot(q_b, tl.trans(k_b))
             scores = tl.where((r < n)[None, :], scores * scale, float("-inf"))
             p = tl.exp(scores - tl.max(scores, 1)[:, None])
-            total = tl.sum(p, 1)[:, None]  # as FA2: the weights rounded unnormalised, the sum fp32
+            denom = tl.sum(p, 1)[:, None]  # as FA2: the weights rounded unnormalised, the sum fp32
             # One padded tile for v: a second dot of 16 columns gave wrong results (Triton 3.6/3.7).
             full = live & (dp < D)[None, :]
             v = tl.load(V + row * sv_n + h * sv_h + dp[None, :], mask=full, other=0.0)
-            out = (tl.dot(p.to(v.dtype), v) / total).to(v.dtype)
+            out = (tl.dot(p.to(v.dtype), v) / denom).to(v.dtype)
             tl.store(Out + row * so_n + h * so_h + dp[None, :], out, mask=full)
+        seg += programs
+        start = tl.load(Cu + seg, mask=seg < segments, other=total)
     if first == programs - 1:  # rows past the last segment come out zero, never stale
-        for row0 in range(tl.load(Cu + segments), rows, BLOCK):
+        for row0 in range(total, rows, BLOCK):
             row = (row0 + r).to(tl.int64)[:, None]
             full = (row < rows) & (dp < D)[None, :]
             tl.store(Out + row * so_n + h * so_h + dp[None, :], tl.zeros([BLOCK, D_PAD], Out.dtype.element_ty), mask=full)
