@@ -21,13 +21,12 @@ from encoder_graphs.decoder.generation import StockOnly, runner_arguments
 from encoder_graphs.decoder.runner import DecoderGraphRunner
 from encoder_graphs.engine.compile import CompiledBlocks, compile_blocks
 from encoder_graphs.engine.manager import EncoderCudaGraphManager
+from encoder_graphs.models.patching import patch_attribute
 from encoder_graphs.models.registry import adapter_for
 from encoder_graphs.models.text_stack import pointwise_parts, warm_up_parts
 from encoder_graphs.models.transformers_seam import check_version
 from encoder_graphs.protocols import ModelFamily
 from encoder_graphs.report import format_graph_stats
-
-_MISSING = object()
 
 
 class EncoderGraphsHandle:
@@ -48,12 +47,11 @@ class EncoderGraphsHandle:
         self.decoder = decoder
         self.compiled = compiled
         self.generate_fallbacks: Counter = Counter()  # reason -> generate calls sent to the original
-        self._patched: list[tuple[nn.Module, str, Any]] = []
+        self._undo_patches: list[Callable[[], None]] = []
 
     def patch(self, owner: nn.Module, name: str, replacement: Callable) -> None:
         """Set `owner.name` on the instance, remembering what `disable()` must restore."""
-        self._patched.append((owner, name, owner.__dict__.get(name, _MISSING)))
-        setattr(owner, name, replacement)
+        self._undo_patches.append(patch_attribute(owner, name, replacement))
 
     def stats(self) -> dict:
         return {
@@ -67,12 +65,9 @@ class EncoderGraphsHandle:
 
     def disable(self) -> None:
         """Restore every patched attribute and free the graphs."""
-        for owner, name, original in reversed(self._patched):
-            if original is _MISSING:
-                delattr(owner, name)
-            else:
-                setattr(owner, name, original)
-        self._patched.clear()
+        for undo in reversed(self._undo_patches):
+            undo()
+        self._undo_patches.clear()
         if self.compiled is not None:
             self.compiled.undo()
         self.adapter.restore_weights()

@@ -11,8 +11,9 @@ import torch
 
 from encoder_graphs.models.aligned_mlp import align_gated_mlps, set_gated_mlp_width
 from encoder_graphs.models.attention import triton_runs
-from encoder_graphs.models.qwen_vision import Layout, QwenVisionAdapter, override_forward, pad_offsets
-from encoder_graphs.models.transformers_seam import get_vision_window_index, window_attention_forward
+from encoder_graphs.models.patching import patch_attribute
+from encoder_graphs.models.qwen_vision import Layout, QwenVisionAdapter, pad_offsets
+from encoder_graphs.models.transformers_seam import get_vision_window_index, permute_qk, window_attention_forward
 
 
 def interleave_pairs(head_dim: int) -> torch.Tensor:
@@ -20,16 +21,6 @@ def interleave_pairs(head_dim: int) -> torch.Tensor:
     as `window_kernel` takes q and k."""
     half = head_dim // 2
     return torch.stack([torch.arange(half), torch.arange(half, head_dim)], dim=1).flatten()
-
-
-def permute_qk(attention: torch.nn.Module, order: torch.Tensor) -> None:
-    """Reorder every q and k head's dims of `attention`'s fused qkv projection by `order` (one
-    head's dims), in place; v keeps its order. Exact, and undone by the inverse order."""
-    heads, head_dim = attention.num_heads, attention.head_dim
-    qk = (torch.arange(2 * heads)[:, None] * head_dim + order[None, :]).flatten()
-    rows = torch.cat([qk, torch.arange(2 * heads * head_dim, 3 * heads * head_dim)]).to(attention.qkv.weight.device)
-    for param in (attention.qkv.weight, attention.qkv.bias):
-        param.data.copy_(param.data[rows])
 
 
 class Qwen2_5_VLAdapter(QwenVisionAdapter):
@@ -47,7 +38,9 @@ class Qwen2_5_VLAdapter(QwenVisionAdapter):
         if self._original_mlp_width is None:
             self._original_mlp_width = align_gated_mlps([block.mlp for block in self.visual.blocks])
         if self._undo_windows is None and self.fuses_windows:
-            self._undo_windows = [self._fuse_window(attention) for attention in self._window_attentions()]
+            self._undo_windows = []  # filled as it goes: a failure midway leaves what restore undoes
+            for attention in self._window_attentions():
+                self._undo_windows.append(self._fuse_window(attention))
 
     def restore_weights(self) -> None:
         super().restore_weights()
@@ -62,14 +55,21 @@ class Qwen2_5_VLAdapter(QwenVisionAdapter):
     @property
     def fuses_windows(self) -> bool:
         """Whether the window blocks run `window_kernel`: PyTorch's FA2 as the backend (the CUDA
-        default; another backend asked for is kept everywhere), half precision, Triton, and
-        windows and heads the kernel takes."""
+        default; another backend asked for is kept everywhere), half precision, Triton, weights
+        on the device (offloaded ones would not take the reordering), and windows and heads the
+        kernel takes."""
         half = self.dtype in (torch.float16, torch.bfloat16)
         if not (self.attn_backend == "torch" and half and triton_runs(self.device)):
             return False
+        if any(param.device != self.device for param in self.visual.parameters()):
+            return False
         from encoder_graphs.models.attention.window_kernel import fits_window_kernel
 
-        return fits_window_kernel(self.visual.config.hidden_size // self.visual.config.num_heads, self.window_rows)
+        return fits_window_kernel(self.head_dim, self.window_rows)
+
+    @property
+    def head_dim(self) -> int:
+        return self.visual.config.hidden_size // self.visual.config.num_heads
 
     def _window_attentions(self) -> list[torch.nn.Module]:
         full = set(self.visual.config.fullatt_block_indexes)
@@ -79,10 +79,10 @@ class Qwen2_5_VLAdapter(QwenVisionAdapter):
         """q and k dims interleaved by rotary pairs, the fused forward on; returns the undo."""
         from encoder_graphs.models.attention.window_kernel import rotary_window_attention
 
-        order = interleave_pairs(attention.head_dim)
+        order = interleave_pairs(self.head_dim)
         permute_qk(attention, order)
         attend = torch.compiler.disable(partial(rotary_window_attention, max_seqlen=self.window_rows))
-        undo_forward = override_forward(attention, window_attention_forward(attention, attend))
+        undo_forward = patch_attribute(attention, "forward", window_attention_forward(attention, attend))
 
         def undo() -> None:
             undo_forward()

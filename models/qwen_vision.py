@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from encoder_graphs.models.attention import default_attention_backend
+from encoder_graphs.models.patching import patch_attribute
 from encoder_graphs.models.transformers_seam import (
     attention_implementation,
     get_vision_cu_seqlens,
@@ -38,7 +39,6 @@ PATH = "default"
 BUDGET_STEPS_PER_DOUBLING = 4
 Grid = tuple[int, int, int]
 METADATA_CACHE = 64  # (grids, layout) entries: a dataset's common image sizes and batches
-_ORIGINAL = object()  # no instance forward before an override
 # Requests for per-layer vision outputs that only the stock forward can answer.
 _STOCK_ONLY_KWARGS = ("output_hidden_states", "output_attentions")
 # The stock feature methods' names for their inputs, which are VisionBatch's field names too.
@@ -115,20 +115,6 @@ def pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
     if tensor.shape[0] > rows:
         raise ValueError(f"{tensor.shape[0]} rows do not fit in {rows}")
     return torch.cat([tensor, tensor.new_zeros((rows - tensor.shape[0], *tensor.shape[1:]))])
-
-
-def override_forward(module: torch.nn.Module, forward: Callable) -> Callable[[], None]:
-    """Set `forward` on the instance `module`; returns what undoes it, giving back an instance
-    forward set before (a hook's, such as accelerate's)."""
-    before = module.__dict__.get("forward", _ORIGINAL)
-    module.forward = forward
-
-    def undo() -> None:
-        del module.forward
-        if before is not _ORIGINAL:
-            module.forward = before
-
-    return undo
 
 
 def linear_patch_embed(embed: torch.nn.Module, pixels: torch.Tensor) -> torch.Tensor:
@@ -217,7 +203,7 @@ class QwenVisionAdapter:
         family may change more (Qwen2.5-VL pads its MLP, fuses its window attention)."""
         if self._undo_patch_embed is None:  # idempotent
             embed = self.visual.patch_embed
-            self._undo_patch_embed = override_forward(embed, partial(linear_patch_embed, embed))
+            self._undo_patch_embed = patch_attribute(embed, "forward", partial(linear_patch_embed, embed))
 
     def restore_weights(self) -> None:
         """Undo `align_weights`, and drop the cached metadata."""

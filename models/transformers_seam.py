@@ -56,6 +56,7 @@ __all__ = [
     "get_vision_window_index",
     "layer_key_values",
     "packed_sequences",
+    "permute_qk",
     "prepare_generation_config",
     "register_dense_attention",
     "register_varlen_attention",
@@ -125,10 +126,12 @@ def register_varlen_attention(backend: str) -> str:
 
 # 5.17.0, 5.23.0: a Qwen2.5-VL vision block calls its attention as `attn(hidden, cu_seqlens=,
 # max_seqlen=, position_embeddings=(cos, sin))`, cos and sin [rows, head_dim] with equal halves
-# (the rotary's `recomposition_frequencies`). The module holds one fused `qkv` projection (q, k, v,
-# each num_heads x head_dim), `proj`, `num_heads`, `head_dim` and `scaling`; it rotates q and k with
-# `rotate_half` in fp32, attends within each segment, and projects.
-def window_attention_forward(attention: torch.nn.Module, attend: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+# (the rotary's `recomposition_frequencies`). The module holds one fused `qkv` projection (its
+# outputs q, k, v, each num_heads x head_dim, head-major), `proj`, `num_heads`, `head_dim` and
+# `scaling`; it rotates q and k with `rotate_half` in fp32, attends within each segment, projects.
+def window_attention_forward(
+    attention: torch.nn.Module, attend: Callable[..., torch.Tensor]
+) -> Callable[..., torch.Tensor]:
     """A forward for Qwen2.5-VL vision attention `attention` that hands q, k, v (views of its qkv
     output), cos, sin and cu_seqlens to `attend` (`rotary_window_attention`), which rotates and
     attends in one kernel."""
@@ -145,6 +148,17 @@ def window_attention_forward(attention: torch.nn.Module, attend: Callable[..., t
         return attention.proj(attend(q, k, v, cos, sin, cu_seqlens, scale=attention.scaling).flatten(1))
 
     return forward
+
+
+def permute_qk(attention: torch.nn.Module, order: torch.Tensor) -> None:
+    """Reorder the dims of every q and k head of Qwen2.5-VL vision attention `attention` by
+    `order` (one head's dims), in its qkv weights and bias, in place; v keeps its order. Exact,
+    and undone by the inverse order."""
+    heads, head_dim = attention.num_heads, attention.head_dim
+    qk = (torch.arange(2 * heads)[:, None] * head_dim + order[None, :]).flatten()
+    rows = torch.cat([qk, torch.arange(2 * heads * head_dim, 3 * heads * head_dim)])
+    for param in (attention.qkv.weight, attention.qkv.bias):
+        param.data.copy_(param.data[rows.to(param.device)])
 
 
 # 5.17.0, 5.23.0: an implementation name that transformers has no mask function for gets no mask

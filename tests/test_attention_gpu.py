@@ -209,10 +209,16 @@ def window_kernel_call(q, k, v, cos, sin, cu_seqlens, scale):
     return rotary_window_attention(q[..., order], k[..., order], v, cos, sin, cu_seqlens, 64, scale)
 
 
+@pytest.mark.parametrize("programs", [None, 3])
 @pytest.mark.parametrize("heads, head_dim", [(16, 80), (2, 16), (12, 64), (4, 96)])
-def test_rotary_window_kernel_matches_rotary_then_fp32_sdpa(heads, head_dim):
+def test_rotary_window_kernel_matches_rotary_then_fp32_sdpa(heads, head_dim, programs, monkeypatch):
     """Head dims of one power-of-two part and of two (80 = 64 + 16, 96 = 64 + 32); empty,
-    one-row and full windows; the rows past the last window (NaN in q, k, v) come out zero."""
+    one-row and full windows; the rows past the last window (NaN in q, k, v) come out zero. With
+    3 programs a head, each loops over several windows, past empty ones, to the end."""
+    from encoder_graphs.models.attention import window_kernel
+
+    if programs is not None:
+        monkeypatch.setattr(window_kernel, "_programs_per_head", lambda device, heads: programs)
     for seed in range(3):
         q, k, v, cos, sin, cu_seqlens = window_case(heads, head_dim, seed)
         covered = int(cu_seqlens[-1])
@@ -246,3 +252,35 @@ def test_rotary_window_kernel_replays_new_windows():
     covered = int(cu_seqlens[-1])
     assert relative_error(out[:covered], reference_window(q, k, v, cos, sin, cu_seqlens, 0.1)) < 1e-2
     assert torch.equal(out[covered:], torch.zeros_like(out[covered:]))
+
+
+def test_fused_window_forward_matches_stock_attention():
+    """A real-size Qwen2.5-VL window attention module, its qkv reordered and the fused forward
+    on, against its stock forward (sdpa) on the original weights: the same output, also with
+    cu_seqlens on the CPU (the stock tower builds them on grid_thw's device); with gradients
+    wanted, a clear error rather than none."""
+    from functools import partial
+
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLVisionAttention
+
+    from encoder_graphs.models.attention.window_kernel import rotary_window_attention
+    from encoder_graphs.models.presets import get_config
+    from encoder_graphs.models.transformers_seam import permute_qk, window_attention_forward
+
+    config = get_config("qwen2.5-vl-7b").vision_config
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    attention = Qwen2_5_VLVisionAttention(config).to("cuda", torch.bfloat16)
+    _, _, _, cos, sin, cu_seqlens = window_case(config.num_heads, attention.head_dim, seed=3)
+    covered = int(cu_seqlens[-1])
+    hidden = torch.randn(covered, config.hidden_size, device="cuda", dtype=torch.bfloat16)
+    cos, sin, cu_seqlens = cos[:covered], sin[:covered], torch.unique_consecutive(cu_seqlens)
+    with torch.no_grad():
+        stock = attention(hidden, cu_seqlens=cu_seqlens, position_embeddings=(cos, sin))
+        permute_qk(attention, interleave_pairs(attention.head_dim))
+        fused = window_attention_forward(attention, partial(rotary_window_attention, max_seqlen=64))
+        for offsets in (cu_seqlens, cu_seqlens.cpu()):
+            out = fused(hidden, cu_seqlens=offsets, position_embeddings=(cos, sin))
+            assert relative_error(out, stock.float()) < 1e-2
+    with pytest.raises(RuntimeError, match="no backward"):
+        fused(hidden, cu_seqlens=cu_seqlens, position_embeddings=(cos, sin))

@@ -46,9 +46,9 @@ POOL_IMAGES, POOL_VIDEOS = 28, 8
 MAX_PIXELS = 1024 * 1024
 # bf16 through 24-32 random layers, FA2 vs the stock per-frame SDPA: relative L2 error per item.
 # The aligned weights (the patch embedding as a GEMM) round differently from the stock Conv3d, and
-# random layers amplify that: worst item 2.37e-2 unaligned, 2.75e-2 aligned on qwen2.5-vl-7b, the
-# windows through FA2 or through the fused kernel alike (H200, 2026-11-22).
-REL_TOL = 4e-2
+# random layers amplify that: worst item 2.37e-2 unaligned, 2.75e-2 aligned (2.85e-2 compiled) on
+# qwen2.5-vl-7b, the windows through FA2 or the fused kernel alike (H200, 2026-11-22).
+REL_TOL = 3e-2
 
 
 def smart_grid(height: int, width: int, frames: int, config) -> tuple[int, int, int]:
@@ -114,7 +114,12 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 def test_graphs_match_stock_tower_over_random_calls(pool, backend):
     name, tower, items = pool
     adapter = adapter_for(tower, attn_backend=backend)
+    attention = tower.blocks[0].attn  # a window block in Qwen2.5-VL
+    weights = {key: value.clone() for key, value in attention.state_dict().items()}
     adapter.align_weights()  # as enable_cuda_graphs does
+    fused = name.startswith("qwen2.5") and backend == "torch"
+    assert getattr(adapter, "fuses_windows", False) == fused
+    assert ("forward" in attention.__dict__) == fused
     manager = EncoderCudaGraphManager(
         adapter,
         budgets=BUDGETS,
@@ -131,6 +136,8 @@ def test_graphs_match_stock_tower_over_random_calls(pool, backend):
     finally:
         manager.close()
         adapter.restore_weights()
+    assert "forward" not in attention.__dict__
+    assert all(torch.equal(weights[key], value) for key, value in attention.state_dict().items())
     assert stats["graph_items"] == stats["items"], stats["paths"]
     assert stats["paths"]["default"]["hits"] > 0
     print(f"{name} {backend}: {stats['items']} items, worst rel err {worst:.2e}")

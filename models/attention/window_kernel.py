@@ -77,7 +77,8 @@ def _window_kernel(
         for row0 in range(total, rows, BLOCK):
             row = (row0 + r).to(tl.int64)[:, None]
             full = (row < rows) & (dp < D)[None, :]
-            tl.store(Out + row * so_n + h * so_h + dp[None, :], tl.zeros([BLOCK, D_PAD], Out.dtype.element_ty), mask=full)
+            zeros = tl.zeros([BLOCK, D_PAD], Out.dtype.element_ty)
+            tl.store(Out + row * so_n + h * so_h + dp[None, :], zeros, mask=full)
 
 
 @cache
@@ -109,18 +110,22 @@ def rotary_window_attention(
     max_seqlen: int,
     scale: float,
 ) -> torch.Tensor:
-    """Non-causal attention within each segment of `cu_seqlens` (int32, on the device; at most
-    `max_seqlen` rows each, see `fits_window_kernel`). q, k [rows, heads, head_dim] with each
+    """Non-causal attention within each segment of `cu_seqlens` (int32; segments of at most
+    `max_seqlen` rows, see `fits_window_kernel`). q, k [rows, heads, head_dim] with each
     head's dims interleaved by rotary pairs, rotated here by `cos`, `sin` [rows, head_dim] (the
     halves alike, as transformers builds them; pair i takes column i); v in its own order.
     Half precision, any row and head strides, head dims contiguous. Returns [rows, heads,
     head_dim]; rows that no segment covers are zero. No host sync: capturable."""
     rows, heads, head_dim = q.shape
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
+        raise RuntimeError("rotary window attention has no backward: run under torch.no_grad or "
+                           "torch.inference_mode, or restore the stock weights first")
     if not fits_window_kernel(head_dim, max_seqlen):
         raise ValueError(f"window attention takes segments of at most {MAX_ROWS} rows (got {max_seqlen}) "
                          f"and a head dim of two power-of-two parts of at least 16 (got {head_dim})")
     if any(x.stride(-1) != 1 for x in (q, k, v, cos, sin)) or cos.stride() != sin.stride():
         raise ValueError("window attention takes head dims contiguous, and cos and sin of one layout")
+    cu_seqlens = cu_seqlens.to(q.device)  # the stock tower builds it on grid_thw's, maybe the CPU
     out = torch.empty_like(v, memory_format=torch.contiguous_format)
     first, rest = head_parts(head_dim)
     segments = cu_seqlens.shape[0] - 1
