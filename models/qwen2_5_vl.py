@@ -38,9 +38,13 @@ class Qwen2_5_VLAdapter(QwenVisionAdapter):
         if self._original_mlp_width is None:
             self._original_mlp_width = align_gated_mlps([block.mlp for block in self.visual.blocks])
         if self._undo_windows is None and self.fuses_windows:
+            from encoder_graphs.models.attention.window_kernel import rotary_window_attention
+
+            # One wrapper for every window block, out of torch.compile'd code as the varlen backends.
+            attend = torch.compiler.disable(partial(rotary_window_attention, max_seqlen=self.window_rows))
             self._undo_windows = []  # filled as it goes: a failure midway leaves what restore undoes
             for attention in self._window_attentions():
-                self._undo_windows.append(self._fuse_window(attention))
+                self._undo_windows.append(self._fuse_window(attention, attend))
 
     def restore_weights(self) -> None:
         super().restore_weights()
@@ -75,13 +79,11 @@ class Qwen2_5_VLAdapter(QwenVisionAdapter):
         full = set(self.visual.config.fullatt_block_indexes)
         return [block.attn for index, block in enumerate(self.visual.blocks) if index not in full]
 
-    def _fuse_window(self, attention: torch.nn.Module) -> Callable[[], None]:
-        """q and k dims interleaved by rotary pairs, the fused forward on; returns the undo."""
-        from encoder_graphs.models.attention.window_kernel import rotary_window_attention
-
+    def _fuse_window(self, attention: torch.nn.Module, attend: Callable[..., torch.Tensor]) -> Callable[[], None]:
+        """q and k dims interleaved by rotary pairs, the fused forward (through `attend`) on;
+        returns the undo."""
         order = interleave_pairs(self.head_dim)
         permute_qk(attention, order)
-        attend = torch.compiler.disable(partial(rotary_window_attention, max_seqlen=self.window_rows))
         undo_forward = patch_attribute(attention, "forward", window_attention_forward(attention, attend))
 
         def undo() -> None:

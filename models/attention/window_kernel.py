@@ -86,7 +86,7 @@ def _programs_per_head(device: torch.device, heads: int) -> int:
     return max(1, PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count // heads)
 
 
-def head_parts(head_dim: int) -> tuple[int, int]:
+def _head_parts(head_dim: int) -> tuple[int, int]:
     """head_dim as the largest power of two in it plus the rest, which must be a power of two
     of at least 16 (or none): 80 = 64 + 16, 64 = 64 + 0."""
     first = 1 << (head_dim.bit_length() - 1)
@@ -96,7 +96,7 @@ def head_parts(head_dim: int) -> tuple[int, int]:
 
 def fits_window_kernel(head_dim: int, max_seqlen: int) -> bool:
     """Whether `rotary_window_attention` takes heads of `head_dim` and segments of `max_seqlen`."""
-    first, rest = head_parts(head_dim)
+    first, rest = _head_parts(head_dim)
     return max_seqlen <= MAX_ROWS and first >= 16 and (rest == 0 or (rest >= 16 and rest & (rest - 1) == 0))
 
 
@@ -127,7 +127,7 @@ def rotary_window_attention(
         raise ValueError("window attention takes head dims contiguous, and cos and sin of one layout")
     cu_seqlens = cu_seqlens.to(q.device)  # the stock tower builds it on grid_thw's, maybe the CPU
     out = torch.empty_like(v, memory_format=torch.contiguous_format)
-    first, rest = head_parts(head_dim)
+    first, rest = _head_parts(head_dim)
     segments = cu_seqlens.shape[0] - 1
     grid = (heads, max(1, min(segments, _programs_per_head(q.device, heads))))
     _window_kernel[grid](
