@@ -11,6 +11,7 @@ import torch
 
 from encoder_graphs.models.aligned_mlp import align_gated_mlps, set_gated_mlp_width
 from encoder_graphs.models.attention import triton_runs
+from encoder_graphs.models.fused_mlp import fuse_gated_mlp, fuses_gated_mlp
 from encoder_graphs.models.patching import patch_attribute
 from encoder_graphs.models.qwen_vision import Layout, QwenVisionAdapter, pad_offsets
 from encoder_graphs.models.transformers_seam import get_vision_window_index, permute_qk, window_attention_forward
@@ -28,33 +29,40 @@ class Qwen2_5_VLAdapter(QwenVisionAdapter):
     static_keys = (*QwenVisionAdapter.static_keys, "max_window_seqlen")
 
     _original_mlp_width: int | None = None
-    _undo_windows: list[Callable[[], None]] | None = None
+    _undo_fusions: list[Callable[[], None]] | None = None
 
     def align_weights(self) -> None:
         """Pad the blocks' MLP width (3420 in the real models) to a multiple of 8: exact, and
         cuBLAS then picks its fast kernels; the patch embedding as a GEMM; and, where Triton runs,
-        the window blocks' rotary and attention in one kernel (`window_kernel`)."""
+        the window blocks' rotary and attention in one kernel (`window_kernel`) and each MLP's
+        gate, up and SiLU in one GEMM (`swiglu_kernel`)."""
         super().align_weights()
         if self._original_mlp_width is None:
             self._original_mlp_width = align_gated_mlps([block.mlp for block in self.visual.blocks])
-        if self._undo_windows is None and self.fuses_windows:
-            from encoder_graphs.models.attention.window_kernel import rotary_window_attention
+        if self._undo_fusions is None:
+            self._undo_fusions = []  # filled as it goes: a failure midway leaves what restore undoes
+            if self.fuses_windows:
+                from encoder_graphs.models.attention.window_kernel import rotary_window_attention
 
-            # One wrapper for every window block, out of torch.compile'd code as the varlen backends.
-            attend = torch.compiler.disable(partial(rotary_window_attention, max_seqlen=self.window_rows))
-            self._undo_windows = []  # filled as it goes: a failure midway leaves what restore undoes
-            for attention in self._window_attentions():
-                self._undo_windows.append(self._fuse_window(attention, attend))
+                # One wrapper for every window block, out of torch.compile'd code as the varlen backends.
+                attend = torch.compiler.disable(partial(rotary_window_attention, max_seqlen=self.window_rows))
+                for attention in self._window_attentions():
+                    self._undo_fusions.append(self._fuse_window(attention, attend))
+            for block in self.visual.blocks:
+                if fuses_gated_mlp(block.mlp):
+                    from encoder_graphs.models.swiglu_kernel import swiglu_linear
+
+                    self._undo_fusions.append(fuse_gated_mlp(block.mlp, swiglu_linear))
 
     def restore_weights(self) -> None:
-        super().restore_weights()
+        for undo in reversed(self._undo_fusions or []):
+            undo()
+        self._undo_fusions = None
         if self._original_mlp_width is not None:
             for block in self.visual.blocks:
                 set_gated_mlp_width(block.mlp, self._original_mlp_width)
             self._original_mlp_width = None
-        for undo in self._undo_windows or []:
-            undo()
-        self._undo_windows = None
+        super().restore_weights()
 
     @property
     def fuses_windows(self) -> bool:

@@ -15,6 +15,9 @@ import transformers
 from packaging.version import Version
 from transformers import AttentionInterface, DynamicCache, GenerationConfig, PretrainedConfig, PreTrainedModel
 
+# 5.17.0, 5.23.0: what `ACT2FN["silu"]` builds (not an nn.SiLU).
+from transformers.activations import SiLUActivation
+
 # 5.17.0, 5.23.0: the cache layer API the decoder's static cache implements (update, lazy init,
 # mask sizes, sequence length; is_compileable / is_sliding / is_initialized), and a Cache built
 # from a list of layers.
@@ -49,11 +52,13 @@ __all__ = [
     "deepstack_output",
     "dynamic_cache",
     "from_config",
+    "gated_silu_mlp_forward",
     "generation_position_ids",
     "get_vision_cu_seqlens",
     "get_vision_interpolation_indices_and_weights",
     "get_vision_position_ids",
     "get_vision_window_index",
+    "is_gated_silu_mlp",
     "layer_key_values",
     "packed_sequences",
     "permute_qk",
@@ -159,6 +164,28 @@ def permute_qk(attention: torch.nn.Module, order: torch.Tensor) -> None:
     rows = torch.cat([qk, torch.arange(2 * heads * head_dim, 3 * heads * head_dim)])
     for param in (attention.qkv.weight, attention.qkv.bias):
         param.data.copy_(param.data[rows.to(param.device)])
+
+
+# 5.17.0, 5.23.0: a Qwen2.5-VL vision MLP computes `down_proj(act_fn(gate_proj(x)) * up_proj(x))`
+# with `act_fn` from its config's hidden_act (SiLU in the released models).
+def is_gated_silu_mlp(mlp: torch.nn.Module) -> bool:
+    """Whether `mlp` is a stock gated MLP with a SiLU gate."""
+    act = getattr(mlp, "act_fn", None)
+    return isinstance(act, (SiLUActivation, torch.nn.SiLU)) and all(
+        hasattr(mlp, name) for name in ("gate_proj", "up_proj", "down_proj")
+    )
+
+
+def gated_silu_mlp_forward(
+    mlp: torch.nn.Module, gated: Callable[[torch.Tensor], torch.Tensor]
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A forward for the gated MLP `mlp` (`is_gated_silu_mlp`) whose SiLU(gate(x)) * up(x) is
+    `gated(x)` (`swiglu_kernel.swiglu_linear`)."""
+
+    def forward(hidden_state: torch.Tensor) -> torch.Tensor:
+        return mlp.down_proj(gated(hidden_state))
+
+    return forward
 
 
 # 5.17.0, 5.23.0: an implementation name that transformers has no mask function for gets no mask

@@ -2,7 +2,9 @@ import torch
 
 from encoder_graphs import enable_cuda_graphs
 from encoder_graphs.models import Qwen2_5_VLAdapter, VisionBatch
+from encoder_graphs.models.fused_mlp import fuse_gated_mlp, fuses_gated_mlp
 from encoder_graphs.models.presets import build_model, build_vision_tower, get_config
+from encoder_graphs.models.transformers_seam import is_gated_silu_mlp
 
 
 def test_aligned_mlp_is_exact_and_restorable():
@@ -78,5 +80,33 @@ def test_window_blocks_are_fused_only_where_triton_runs():
     adapter = Qwen2_5_VLAdapter(tower)
     assert not adapter.fuses_windows
     adapter.align_weights()
-    assert not any("forward" in block.attn.__dict__ for block in tower.blocks)
+    assert not any("forward" in block.attn.__dict__ or "forward" in block.mlp.__dict__ for block in tower.blocks)
     adapter.restore_weights()
+
+
+def interleaved_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """What `swiglu_kernel.swiglu_linear` computes, in plain torch: gate rows even, up rows odd."""
+    y = torch.nn.functional.linear(x, weight, bias)
+    return torch.nn.functional.silu(y[..., 0::2]) * y[..., 1::2]
+
+
+def test_fused_mlp_runs_on_interleaved_views_and_is_undone_bit_for_bit():
+    tower = build_vision_tower("tiny-qwen2.5-vl")
+    mlp = tower.blocks[0].mlp
+    assert is_gated_silu_mlp(mlp)
+    assert not fuses_gated_mlp(mlp), "the kernel needs a CUDA GPU"
+    before = {k: v.clone() for k, v in mlp.state_dict().items()}
+    x = torch.randn(7, mlp.gate_proj.in_features)
+    with torch.inference_mode():
+        reference = mlp(x)
+        undo = fuse_gated_mlp(mlp, interleaved_reference)
+        assert "forward" in mlp.__dict__
+        assert mlp.gate_proj.weight.stride(0) == 2 * mlp.gate_proj.in_features  # a view, no copy
+        assert mlp.gate_proj.weight.untyped_storage().data_ptr() == mlp.up_proj.weight.untyped_storage().data_ptr()
+        assert all(torch.equal(before[k], v) for k, v in mlp.state_dict().items())
+        torch.testing.assert_close(mlp(x), reference, rtol=1e-5, atol=1e-6)
+        undo()
+        torch.testing.assert_close(mlp(x), reference, rtol=0, atol=0)
+    assert "forward" not in mlp.__dict__
+    assert all(p.is_contiguous() for p in mlp.parameters())
+    assert all(torch.equal(before[k], v) for k, v in mlp.state_dict().items())

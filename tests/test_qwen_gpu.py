@@ -114,12 +114,13 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 def test_graphs_match_stock_tower_over_random_calls(pool, backend):
     name, tower, items = pool
     adapter = adapter_for(tower, attn_backend=backend)
-    attention = tower.blocks[0].attn  # a window block in Qwen2.5-VL
-    weights = {key: value.clone() for key, value in attention.state_dict().items()}
+    attention, mlp = tower.blocks[0].attn, tower.blocks[0].mlp  # a window block in Qwen2.5-VL
+    weights = {key: value.clone() for key, value in tower.blocks[0].state_dict().items()}
     adapter.align_weights()  # as enable_cuda_graphs does
     fused = name.startswith("qwen2.5") and backend == "torch"
     assert getattr(adapter, "fuses_windows", False) == fused
     assert ("forward" in attention.__dict__) == fused
+    assert ("forward" in mlp.__dict__) == name.startswith("qwen2.5")  # gated MLPs, any backend
     manager = EncoderCudaGraphManager(
         adapter,
         budgets=BUDGETS,
@@ -136,8 +137,8 @@ def test_graphs_match_stock_tower_over_random_calls(pool, backend):
     finally:
         manager.close()
         adapter.restore_weights()
-    assert "forward" not in attention.__dict__
-    assert all(torch.equal(weights[key], value) for key, value in attention.state_dict().items())
+    assert "forward" not in attention.__dict__ and "forward" not in mlp.__dict__
+    assert all(torch.equal(weights[key], value) for key, value in tower.blocks[0].state_dict().items())
     assert stats["graph_items"] == stats["items"], stats["paths"]
     assert stats["paths"]["default"]["hits"] > 0
     print(f"{name} {backend}: {stats['items']} items, worst rel err {worst:.2e}")
