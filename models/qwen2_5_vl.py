@@ -48,11 +48,12 @@ class Qwen2_5_VLAdapter(QwenVisionAdapter):
                 attend = torch.compiler.disable(partial(rotary_window_attention, max_seqlen=self.window_rows))
                 for attention in self._window_attentions():
                     self._undo_fusions.append(self._fuse_window(attention, attend))
-            for block in self.visual.blocks:
-                if fuses_gated_mlp(block.mlp):
-                    from encoder_graphs.models.swiglu_kernel import swiglu_linear
+            mlps = [block.mlp for block in self.visual.blocks if fuses_gated_mlp(block.mlp)]
+            if mlps:
+                from encoder_graphs.models.swiglu_kernel import swiglu_linear
 
-                    self._undo_fusions.append(fuse_gated_mlp(block.mlp, swiglu_linear))
+                for mlp in mlps:
+                    self._undo_fusions.append(fuse_gated_mlp(mlp, swiglu_linear))
 
     def restore_weights(self) -> None:
         for undo in reversed(self._undo_fusions or []):
