@@ -12,21 +12,18 @@ from torch import nn
 
 from encoder_graphs.models.attention import triton_runs
 from encoder_graphs.models.patching import patch_attribute
+from encoder_graphs.models.stacked_linear import own_copies, plain_linears, set_parameters
 from encoder_graphs.models.transformers_seam import gated_silu_mlp_forward, is_gated_silu_mlp
 
 
 def fuses_gated_mlp(mlp: nn.Module) -> bool:
-    """Whether `fuse_gated_mlp` takes `mlp`: a stock gated SiLU MLP of plain dense linears (not
-    LoRA, quantized or offloaded ones), all with a bias or none, that the kernel runs."""
-    if not is_gated_silu_mlp(mlp):
+    """Whether `fuse_gated_mlp` takes `mlp`: a stock gated SiLU MLP whose gate and up are plain
+    dense linears (not LoRA, quantized or offloaded ones) of one device and dtype, that the
+    kernel runs."""
+    if not (is_gated_silu_mlp(mlp) and plain_linears([mlp.gate_proj, mlp.up_proj])):
         return False
-    linears = (mlp.gate_proj, mlp.up_proj)
-    if not all(type(linear) is nn.Linear and type(linear.weight) is nn.Parameter for linear in linears):
-        return False
-    weight = mlp.gate_proj.weight
-    if len({linear.bias is not None for linear in linears}) != 1 or not triton_runs(weight.device):
-        return False
-    if mlp.up_proj.weight.device != weight.device or mlp.up_proj.weight.dtype != weight.dtype:
+    weight, other = mlp.gate_proj.weight, mlp.up_proj.weight
+    if (other.device, other.dtype) != (weight.device, weight.dtype) or not triton_runs(weight.device):
         return False
     from encoder_graphs.models.swiglu_kernel import fits_swiglu_kernel
 
@@ -36,12 +33,6 @@ def fuses_gated_mlp(mlp: nn.Module) -> bool:
 def _interleave(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """Rows (or entries) of gate and up alternating: gate 0, up 0, gate 1, up 1, ..."""
     return torch.stack([gate, up], dim=1).flatten(0, 1)
-
-
-def _set(linear: nn.Linear, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-    linear.weight = nn.Parameter(weight, requires_grad=linear.weight.requires_grad)
-    if bias is not None:
-        linear.bias = nn.Parameter(bias, requires_grad=linear.bias.requires_grad)
 
 
 GatedLinear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
@@ -55,8 +46,8 @@ def fuse_gated_mlp(mlp: nn.Module, gated_linear: GatedLinear) -> Callable[[], No
     with torch.inference_mode(False), torch.no_grad():
         weight = _interleave(gate.weight, up.weight)
         bias = _interleave(gate.bias, up.bias) if gate.bias is not None else None
-        _set(gate, weight[0::2], bias[0::2] if bias is not None else None)
-        _set(up, weight[1::2], bias[1::2] if bias is not None else None)
+        set_parameters(gate, weight[0::2], bias[0::2] if bias is not None else None)
+        set_parameters(up, weight[1::2], bias[1::2] if bias is not None else None)
 
     stock = [param for linear in (gate, up) for param in linear.parameters()]
 
@@ -70,8 +61,6 @@ def fuse_gated_mlp(mlp: nn.Module, gated_linear: GatedLinear) -> Callable[[], No
 
     def undo() -> None:
         undo_forward()
-        with torch.inference_mode(False), torch.no_grad():
-            for linear in (gate, up):
-                _set(linear, linear.weight.contiguous(), linear.bias.contiguous() if linear.bias is not None else None)
+        own_copies([gate, up])
 
     return undo

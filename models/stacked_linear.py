@@ -15,13 +15,30 @@ import torch.nn.functional as F
 from torch import nn
 
 
-def _stackable(linears: Sequence[nn.Module]) -> bool:
+def plain_linears(linears: Sequence[nn.Module]) -> bool:
     """Plain `nn.Linear`s with dense weights in memory, all with a bias or none."""
     return (
         all(type(linear) is nn.Linear and type(linear.weight) is nn.Parameter for linear in linears)
         and not any(linear.weight.is_meta for linear in linears)
         and len({linear.bias is not None for linear in linears}) == 1
     )
+
+
+def set_parameters(linear: nn.Linear, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """`linear`'s weight (and bias, where given) as new parameters over these tensors, wanting
+    gradients as the old ones did."""
+    linear.weight = nn.Parameter(weight, requires_grad=linear.weight.requires_grad)
+    if bias is not None:
+        linear.bias = nn.Parameter(bias, requires_grad=linear.bias.requires_grad)
+
+
+def own_copies(linears: Sequence[nn.Linear]) -> None:
+    """Each of `linears`, holding views of a shared tensor, gets its own contiguous copy back:
+    ordinary tensors whatever mode the caller is in, as the stock weights were."""
+    with torch.inference_mode(False), torch.no_grad():
+        for linear in linears:
+            bias = linear.bias.clone(memory_format=torch.contiguous_format) if linear.bias is not None else None
+            set_parameters(linear, linear.weight.clone(memory_format=torch.contiguous_format), bias)
 
 
 class StackedLinear(nn.Module):
@@ -33,7 +50,7 @@ class StackedLinear(nn.Module):
         self.linears = list(linears)  # a plain list: the stock modules are not this module's children
         self.sizes = [linear.out_features for linear in linears]
         self.weight = self.bias = None
-        if not _stackable(linears):
+        if not plain_linears(linears):
             return
         # Ordinary tensors whatever mode the caller is in: inference tensors as stock weights
         # would refuse backward and load_state_dict later.
@@ -43,9 +60,7 @@ class StackedLinear(nn.Module):
                 self.bias = nn.Parameter(torch.cat([linear.bias for linear in linears]), requires_grad=False)
             biases = self.bias.split(self.sizes) if self.bias is not None else [None] * len(self.sizes)
             for linear, weight, bias in zip(self.linears, self.weight.split(self.sizes), biases, strict=True):
-                linear.weight = nn.Parameter(weight, requires_grad=linear.weight.requires_grad)
-                if bias is not None:
-                    linear.bias = nn.Parameter(bias, requires_grad=linear.bias.requires_grad)
+                set_parameters(linear, weight, bias)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if self.weight is None:
@@ -57,9 +72,5 @@ class StackedLinear(nn.Module):
         spent (its stacked tensors are freed with the last view)."""
         if self.weight is None:
             return
-        with torch.inference_mode(False), torch.no_grad():
-            for linear in self.linears:
-                linear.weight = nn.Parameter(linear.weight.clone(), requires_grad=linear.weight.requires_grad)
-                if linear.bias is not None:
-                    linear.bias = nn.Parameter(linear.bias.clone(), requires_grad=linear.bias.requires_grad)
+        own_copies(self.linears)
         self.weight = self.bias = None

@@ -2,6 +2,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from test_aligned_mlp import interleaved_reference
+from test_attention_gpu import relative_error
 
 from encoder_graphs.models.fused_mlp import fuse_gated_mlp, fuses_gated_mlp
 from encoder_graphs.models.presets import build_vision_tower
@@ -19,10 +20,6 @@ def poisoned_empty_cache() -> None:
     comes out NaN."""
     torch.cuda.empty_cache()
     torch.full((1 << 28,), float("nan"), device="cuda", dtype=torch.bfloat16)  # freed at once, cached
-
-
-def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got.float() - want).norm() / want.norm()).item()
 
 
 @pytest.mark.parametrize("bias", [True, False])
