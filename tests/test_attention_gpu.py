@@ -214,11 +214,11 @@ def window_kernel_call(q, k, v, cos, sin, cu_seqlens, scale):
 def test_rotary_window_kernel_matches_rotary_then_fp32_sdpa(heads, head_dim, programs, monkeypatch):
     """Head dims of one power-of-two part and of two (80 = 64 + 16, 96 = 64 + 32); empty,
     one-row and full windows; the rows past the last window (NaN in q, k, v) come out zero. With
-    3 programs a head, each loops over several windows, past empty ones, to the end."""
+    3 programs a head group, each loops over several windows, past empty ones, to the end."""
     from encoder_graphs.models.attention import window_kernel
 
     if programs is not None:
-        monkeypatch.setattr(window_kernel, "_programs_per_head", lambda device, heads: programs)
+        monkeypatch.setattr(window_kernel, "_programs_per_group", lambda device, groups: programs)
     for seed in range(3):
         q, k, v, cos, sin, cu_seqlens = window_case(heads, head_dim, seed)
         covered = int(cu_seqlens[-1])
