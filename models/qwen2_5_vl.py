@@ -11,6 +11,7 @@ import torch
 
 from encoder_graphs.models.aligned_mlp import align_gated_mlps, set_gated_mlp_width
 from encoder_graphs.models.attention import triton_runs
+from encoder_graphs.models.chained_blocks import chain_blocks, chains_blocks
 from encoder_graphs.models.fused_mlp import fuse_gated_mlp, fuses_gated_mlp
 from encoder_graphs.models.patching import patch_attribute
 from encoder_graphs.models.qwen_vision import Layout, QwenVisionAdapter, pad_offsets
@@ -34,8 +35,9 @@ class Qwen2_5_VLAdapter(QwenVisionAdapter):
     def align_weights(self) -> None:
         """Pad the blocks' MLP width (3420 in the real models) to a multiple of 8: exact, and
         cuBLAS then picks its fast kernels; the patch embedding as a GEMM; and, where Triton runs,
-        the window blocks' rotary and attention in one kernel (`window_kernel`) and each MLP's
-        gate, up and SiLU in one GEMM (`swiglu_kernel`)."""
+        the window blocks' rotary and attention in one kernel (`window_kernel`), each MLP's gate,
+        up and SiLU in one GEMM (`swiglu_kernel`), and each block's last residual add with the
+        next block's first norm (`chained_blocks`)."""
         super().align_weights()
         if self._original_mlp_width is None:
             self._original_mlp_width = align_gated_mlps([block.mlp for block in self.visual.blocks])
@@ -54,6 +56,11 @@ class Qwen2_5_VLAdapter(QwenVisionAdapter):
 
                 for mlp in mlps:
                     self._undo_fusions.append(fuse_gated_mlp(mlp, swiglu_linear))
+            blocks = list(self.visual.blocks)
+            if chains_blocks(blocks, self.dtype):
+                from encoder_graphs.models.add_norm_kernel import add_rms_norm
+
+                self._undo_fusions.extend(chain_blocks(blocks, add_rms_norm))
 
     def restore_weights(self) -> None:
         for undo in reversed(self._undo_fusions or []):

@@ -47,6 +47,7 @@ __all__ = [
     "CacheLayerMixin",
     "GenerationMode",
     "attention_implementation",
+    "chained_block_forward",
     "check_version",
     "decode_rotary",
     "deepstack_output",
@@ -59,6 +60,7 @@ __all__ = [
     "get_vision_position_ids",
     "get_vision_window_index",
     "is_gated_silu_mlp",
+    "is_qwen2_5_vision_block",
     "layer_key_values",
     "packed_sequences",
     "permute_qk",
@@ -184,6 +186,53 @@ def gated_silu_mlp_forward(
 
     def forward(hidden_state: torch.Tensor) -> torch.Tensor:
         return mlp.down_proj(gated(hidden_state))
+
+    return forward
+
+
+# 5.17.0, 5.23.0: a Qwen2.5-VL vision block computes `h + attn(norm1(h), cu_seqlens=, max_seqlen=,
+# position_embeddings=)`, then `h + mlp(norm2(h))`; its norms are RMSNorms (`weight`,
+# `variance_epsilon`); the tower hands each block's output to the next block alone, the last one's
+# to its merger.
+def is_qwen2_5_vision_block(block: torch.nn.Module) -> bool:
+    """Whether `block` is a stock Qwen2.5-VL vision block with its stock RMSNorms."""
+    # Imported here: the modeling module takes seconds to import, and only this family needs it.
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLRMSNorm, Qwen2_5_VLVisionBlock
+
+    return type(block) is Qwen2_5_VLVisionBlock and all(
+        type(norm) is Qwen2_5_VLRMSNorm for norm in (block.norm1, block.norm2)
+    )
+
+
+AddNorm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+
+
+def chained_block_forward(
+    block: torch.nn.Module, add_norm: AddNorm, following: torch.nn.Module | None, takes_pair: bool
+) -> Callable[..., torch.Tensor]:
+    """A forward for Qwen2.5-VL vision block `block` (`is_qwen2_5_vision_block`) whose last
+    residual add comes with the next block's first norm, `following`: it returns `add_norm(h,
+    update, following.weight, following.variance_epsilon)` (`add_norm_kernel.add_rms_norm`), the
+    sum and its norm side by side, and the next block (`takes_pair`) takes the halves instead of
+    norming its input. With no `following` (the last block) it returns the sum alone."""
+
+    def forward(
+        hidden_states: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        **kwargs,
+    ) -> torch.Tensor:
+        if takes_pair:
+            hidden_states, normed = hidden_states.chunk(2, dim=-1)
+        else:
+            normed = block.norm1(hidden_states)
+        hidden_states = hidden_states + block.attn(
+            normed, cu_seqlens=cu_seqlens, position_embeddings=position_embeddings, **kwargs
+        )
+        update = block.mlp(block.norm2(hidden_states))
+        if following is None:
+            return hidden_states + update
+        return add_norm(hidden_states, update, following.weight, following.variance_epsilon)
 
     return forward
 

@@ -121,6 +121,7 @@ def test_graphs_match_stock_tower_over_random_calls(pool, backend):
     assert getattr(adapter, "fuses_windows", False) == fused
     assert ("forward" in attention.__dict__) == fused
     assert ("forward" in mlp.__dict__) == name.startswith("qwen2.5")  # gated MLPs, any backend
+    assert all(("forward" in block.__dict__) == name.startswith("qwen2.5") for block in tower.blocks)  # chained
     manager = EncoderCudaGraphManager(
         adapter,
         budgets=BUDGETS,
@@ -138,6 +139,7 @@ def test_graphs_match_stock_tower_over_random_calls(pool, backend):
         manager.close()
         adapter.restore_weights()
     assert "forward" not in attention.__dict__ and "forward" not in mlp.__dict__
+    assert not any("forward" in block.__dict__ for block in tower.blocks)
     assert all(torch.equal(weights[key], value) for key, value in tower.blocks[0].state_dict().items())
     assert stats["graph_items"] == stats["items"], stats["paths"]
     assert stats["paths"]["default"]["hits"] > 0
@@ -159,23 +161,29 @@ def test_compiled_blocks_in_graphs_and_cost_choice_match_stock_tower(pool):
     manager = EncoderCudaGraphManager(
         adapter, budgets=BUDGETS, max_items=MAX_ITEMS, max_frames=MAX_FRAMES, poison_pool_bytes=256 << 20
     )
-    compiled = compile_blocks(adapter.repeated_blocks(), manager.warm_up)
-    try:
-        assert compiled.error is None and len(compiled.blocks) == len(tower.blocks)
-        manager.capture()
-        assert sorted(manager.graphs["default"]) == BUDGETS, manager.failed_budgets
-        assert sorted(manager.costs["default"].replay_ms) == BUDGETS
-        manager.poison_buffers()
-        worst, by_cost = run_random_calls(manager, name, "compiled, by cost", items, CALLS[name] // 2)
-        manager.costs["default"] = BudgetCosts()  # unmeasured: every fitting sub-batch replays
-        manager.reset_stats()
-        worst_graphs, graphs = run_random_calls(manager, name, "compiled, graphs", items, CALLS[name] // 2)
-    finally:
-        compiled.undo()
-        manager.close()
-        adapter.restore_weights()
+    # A guard on each block's own modules (the chained forwards hold the next block's norm) would
+    # compile block by block up to dynamo's limit and leave the blocks past it eager: fail instead.
+    torch._dynamo.utils.counters.clear()
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        compiled = compile_blocks(adapter.repeated_blocks(), manager.warm_up)
+        try:
+            assert compiled.error is None and len(compiled.blocks) == len(tower.blocks), compiled.error
+            manager.capture()
+            assert sorted(manager.graphs["default"]) == BUDGETS, manager.failed_budgets
+            assert sorted(manager.costs["default"].replay_ms) == BUDGETS
+            manager.poison_buffers()
+            worst, by_cost = run_random_calls(manager, name, "compiled, by cost", items, CALLS[name] // 2)
+            manager.costs["default"] = BudgetCosts()  # unmeasured: every fitting sub-batch replays
+            manager.reset_stats()
+            worst_graphs, graphs = run_random_calls(manager, name, "compiled, graphs", items, CALLS[name] // 2)
+        finally:
+            compiled.undo()
+            manager.close()
+            adapter.restore_weights()
+    graphs_compiled = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     assert graphs["graph_items"] == graphs["items"], graphs["paths"]
-    print(f"{name} compiled in {compiled.seconds:.1f} s: {by_cost['items']} items by cost, worst rel err "
+    print(f"{name} compiled in {compiled.seconds:.1f} s ({graphs_compiled} graphs): {by_cost['items']} items by cost, "
+          f"worst rel err "
           f"{worst:.2e}, misses {by_cost['paths']['default']['miss_reasons']}, costs "
           f"{by_cost['budget_costs_ms']['default']}; all graphed: worst rel err {worst_graphs:.2e}")
 

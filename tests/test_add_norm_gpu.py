@@ -1,0 +1,102 @@
+"""The residual add and RMSNorm kernel (`models/add_norm_kernel.py`) against plain torch, in
+compiled code and graphs, and the chained blocks of a real Qwen2.5-VL tower module on a GPU."""
+
+import pytest
+import torch
+from test_attention_gpu import relative_error
+from test_chained_blocks import add_norm_reference
+from test_swiglu_gpu import poisoned_empty_cache
+
+from encoder_graphs.models.chained_blocks import chain_blocks, chains_blocks
+from encoder_graphs.models.presets import build_vision_tower
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+@pytest.mark.parametrize("pair_input", [False, True])
+@pytest.mark.parametrize(("rows", "dim"), [(1, 1280), (7, 1280), (4099, 1280), (11584, 1280), (333, 96)])
+def test_add_rms_norm_matches_the_stock_ops(rows, dim, pair_input):
+    """The sum bit for bit; its norm within two bf16 roundings (the kernel's fp32 sum of squares
+    adds in another order: a few elements in millions round the other way); every output written (the allocator poisoned with NaN). `pair_input`:
+    x is the left half of a previous pair, a strided view, as the chained blocks hand it on."""
+    from encoder_graphs.models.add_norm_kernel import add_rms_norm
+
+    generator = torch.Generator(device="cuda").manual_seed(rows + dim)
+    x = torch.randn(rows, 2 * dim if pair_input else dim, generator=generator, device="cuda").to(torch.bfloat16)[:, :dim]
+    update = torch.randn(rows, dim, generator=generator, device="cuda").to(torch.bfloat16)
+    weight = (1 + torch.randn(dim, generator=generator, device="cuda") / 4).to(torch.bfloat16)
+    want = add_norm_reference(x, update, weight, 1e-6)
+    poisoned_empty_cache()
+    with torch.inference_mode():
+        out = add_rms_norm(x, update, weight, 1e-6)
+    assert out.shape == (rows, 2 * dim) and out.dtype == torch.bfloat16 and out.is_contiguous()
+    assert torch.equal(out[:, :dim], want[:, :dim])
+    torch.testing.assert_close(out[:, dim:], want[:, dim:], rtol=2**-6, atol=1e-5)
+
+
+def test_add_rms_norm_in_compiled_code_and_graphs_without_a_break():
+    from encoder_graphs.models.add_norm_kernel import add_rms_norm
+
+    weight = torch.randn(1280, device="cuda", dtype=torch.bfloat16)
+
+    @torch.compile(dynamic=True, fullgraph=True)  # fullgraph: a graph break would raise
+    def chained(x, update):
+        return add_rms_norm(x * 2, update, weight, 1e-6)  # x * 2: exact, as in eager
+
+    with torch.inference_mode():
+        for rows in (300, 4096, 2000):
+            x, update = torch.randn(2, rows, 1280, device="cuda", dtype=torch.bfloat16)
+            torch.testing.assert_close(chained(x, update), add_rms_norm(x * 2, update, weight, 1e-6), rtol=0, atol=0)
+        static = torch.randn(2, 4096, 1280, device="cuda", dtype=torch.bfloat16)
+        chained(*static)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = chained(*static)
+        static.copy_(torch.randn_like(static))
+        graph.replay()
+        torch.testing.assert_close(out, add_rms_norm(static[0] * 2, static[1], weight, 1e-6), rtol=0, atol=0)
+
+
+def test_chained_stock_blocks_match_and_refuse_gradients():
+    """Three real-size Qwen2.5-VL-7B blocks (window attention through sdpa), chained through the
+    kernel, against the same blocks stock: within bf16 tolerance of each other, and nearer fp32
+    than the stock bf16 blocks are, or about as near."""
+    from encoder_graphs.models.add_norm_kernel import add_rms_norm
+
+    tower = build_vision_tower("qwen2.5-vl-7b", device="cuda")
+    blocks = list(tower.blocks[:3])
+    del tower
+    rows, dim = 1000, blocks[0].norm1.weight.shape[0]
+    head_dim = blocks[0].attn.head_dim
+    angles = torch.rand(rows, head_dim // 2, device="cuda") * 10
+    angles = torch.cat([angles, angles], -1)
+    args = {"cu_seqlens": torch.tensor([0, 64, 400, rows], dtype=torch.int32, device="cuda"),
+            "position_embeddings": (angles.cos(), angles.sin())}
+    x = torch.randn(rows, dim, device="cuda")
+
+    def run(inputs):
+        for block in blocks:
+            inputs = block(inputs, **args)
+        return inputs
+
+    with torch.inference_mode():
+        exact = run(x)
+    for block in blocks:
+        block.bfloat16()  # outside inference mode: the gradient check below needs ordinary weights
+    with torch.inference_mode():
+        stock = run(x.bfloat16())
+    assert chains_blocks(blocks, torch.bfloat16)
+    undos = chain_blocks(blocks, add_rms_norm)
+    try:
+        with torch.inference_mode():
+            chained = run(x.bfloat16())
+        assert chained.shape == (rows, dim)
+        assert relative_error(chained, exact) <= relative_error(stock, exact) * 1.1
+        with pytest.raises(RuntimeError, match="no backward"):
+            run(x.bfloat16())
+    finally:
+        for undo in reversed(undos):
+            undo()
