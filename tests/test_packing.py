@@ -129,13 +129,14 @@ def test_budget_costs_interpolate_eager_and_prefer_the_cheaper_way():
     costs = BudgetCosts()
     costs.record(64, replay_ms=0.5, eager_ms=4.0)  # launch-bound: the graph wins by far
     costs.record(1024, replay_ms=20.0, eager_ms=21.0)
-    costs.record(2048, replay_ms=40.0, eager_ms=41.0)
+    costs.record(2048, replay_ms=37.0, eager_ms=41.0)
     assert costs.eager_estimate(10) == 4.0  # below the smallest budget: its launch-bound time
     assert costs.eager_estimate(1536) == pytest.approx(31.0)
     assert costs.eager_estimate(4096) == pytest.approx(82.0)
     assert not costs.prefer_eager(60, 64)
-    assert not costs.prefer_eager(2000, 2048)  # nearly full: the replay is cheaper
-    assert costs.prefer_eager(1100, 2048)  # half padding: eager at ~22 ms beats the 40 ms replay
+    assert not costs.prefer_eager(2000, 2048)  # nearly full: the replay is cheaper (40.1 vs 37 ms)
+    assert costs.prefer_eager(1900, 2048)  # eager estimated 38.1 ms: replay less than 5% cheaper
+    assert costs.prefer_eager(1100, 2048)  # half padding: eager at ~22 ms beats the 37 ms replay
     assert not costs.prefer_eager(100, 128)  # an unmeasured budget always replays
     with pytest.raises(ValueError):
         costs.record(0, 1.0, 1.0)
