@@ -63,5 +63,9 @@ def add_rms_norm(x: torch.Tensor, update: torch.Tensor, weight: torch.Tensor, ep
         raise RuntimeError("the fused add and norm have no backward: run under torch.no_grad or "
                            "torch.inference_mode, or restore the stock blocks first")
     dim = x.shape[-1]
+    if update.shape != x.shape or weight.shape != (dim,) or weight.stride(0) != 1 or not x.dtype == update.dtype == weight.dtype:
+        raise ValueError(f"add_rms_norm takes x and update of one shape and a contiguous weight [{dim}], all of one "
+                         f"dtype (got {tuple(x.shape)}, {tuple(update.shape)}, {tuple(weight.shape)}; "
+                         f"{x.dtype}, {update.dtype}, {weight.dtype})")
     out = torch.ops.encoder_graphs.add_rms_norm(x.reshape(-1, dim), update.reshape(-1, dim), weight, eps)
     return out.reshape(*x.shape[:-1], 2 * dim)

@@ -3,9 +3,12 @@ norm in one kernel (`add_norm_kernel`), the pair handed on as one tensor of both
 
 Blocks are compiled one by one, so inductor cannot fuse across them; the stock tower hands each
 block's output to the next one alone, so that output carries the sum and its norm side by side.
+The chained forwards are on only for the adapter's own calls of the tower (`chained`): a stock
+call that records per-layer outputs must see each block's output as the stock one.
 """
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -14,11 +17,13 @@ from encoder_graphs.models.attention import triton_runs
 from encoder_graphs.models.patching import patch_attribute
 from encoder_graphs.models.transformers_seam import AddNorm, chained_block_forward, is_qwen2_5_vision_block
 
+Forward = Callable[..., torch.Tensor]
+
 
 def chains_blocks(blocks: Sequence[nn.Module], dtype: torch.dtype) -> bool:
-    """Whether `chain_blocks` takes `blocks`: two or more stock Qwen2.5-VL vision blocks running
-    in half-precision `dtype`, their norm weights of it too (the kernel rounds as those norms do),
-    on one GPU where Triton runs."""
+    """Whether `chained_forwards` takes `blocks`: two or more stock Qwen2.5-VL vision blocks
+    running in half-precision `dtype`, their norm weights of it too (the kernel rounds as those
+    norms do), on one GPU where Triton runs."""
     if len(blocks) < 2 or not all(is_qwen2_5_vision_block(block) for block in blocks):
         return False
     weights = [norm.weight for block in blocks for norm in (block.norm1, block.norm2)]
@@ -27,12 +32,26 @@ def chains_blocks(blocks: Sequence[nn.Module], dtype: torch.dtype) -> bool:
     return same and dtype in (torch.float16, torch.bfloat16) and triton_runs(device)
 
 
-def chain_blocks(blocks: Sequence[nn.Module], add_norm: AddNorm) -> list[Callable[[], None]]:
-    """Each of `blocks` (`chains_blocks`, in the tower's order) ends with the next one's first
-    norm through `add_norm` (`add_norm_kernel.add_rms_norm`); returns the undos."""
+def chained_forwards(blocks: Sequence[nn.Module], add_norm: AddNorm) -> list[Forward]:
+    """A forward for each of `blocks` (`chains_blocks`, in the tower's order) that ends with the
+    next block's first norm through `add_norm` (`add_norm_kernel.add_rms_norm`)."""
+    return [
+        chained_block_forward(
+            block, add_norm, blocks[index + 1].norm1 if index + 1 < len(blocks) else None, takes_pair=index > 0
+        )
+        for index, block in enumerate(blocks)
+    ]
+
+
+@contextmanager
+def chained(blocks: Sequence[nn.Module], forwards: Sequence[Forward]) -> Iterator[None]:
+    """`blocks` run `forwards` (`chained_forwards`) inside the context, their own after it. The
+    same function objects each time: compiled blocks keep one set of guards."""
     undos = []
-    for index, block in enumerate(blocks):
-        following = blocks[index + 1].norm1 if index + 1 < len(blocks) else None
-        forward = chained_block_forward(block, add_norm, following, takes_pair=index > 0)
-        undos.append(patch_attribute(block, "forward", forward))
-    return undos
+    try:
+        for block, forward in zip(blocks, forwards, strict=True):
+            undos.append(patch_attribute(block, "forward", forward))
+        yield
+    finally:
+        for undo in reversed(undos):
+            undo()

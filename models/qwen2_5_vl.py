@@ -11,7 +11,7 @@ import torch
 
 from encoder_graphs.models.aligned_mlp import align_gated_mlps, set_gated_mlp_width
 from encoder_graphs.models.attention import triton_runs
-from encoder_graphs.models.chained_blocks import chain_blocks, chains_blocks
+from encoder_graphs.models.chained_blocks import Forward, chained, chained_forwards, chains_blocks
 from encoder_graphs.models.fused_mlp import fuse_gated_mlp, fuses_gated_mlp
 from encoder_graphs.models.patching import patch_attribute
 from encoder_graphs.models.qwen_vision import Layout, QwenVisionAdapter, pad_offsets
@@ -31,6 +31,7 @@ class Qwen2_5_VLAdapter(QwenVisionAdapter):
 
     _original_mlp_width: int | None = None
     _undo_fusions: list[Callable[[], None]] | None = None
+    _chained_forwards: list[Forward] | None = None  # on during the adapter's own tower calls
 
     def align_weights(self) -> None:
         """Pad the blocks' MLP width (3420 in the real models) to a multiple of 8: exact, and
@@ -60,9 +61,10 @@ class Qwen2_5_VLAdapter(QwenVisionAdapter):
             if chains_blocks(blocks, self.dtype):
                 from encoder_graphs.models.add_norm_kernel import add_rms_norm
 
-                self._undo_fusions.extend(chain_blocks(blocks, add_rms_norm))
+                self._chained_forwards = chained_forwards(blocks, add_rms_norm)
 
     def restore_weights(self) -> None:
+        self._chained_forwards = None
         for undo in reversed(self._undo_fusions or []):
             undo()
         self._undo_fusions = None
@@ -71,6 +73,13 @@ class Qwen2_5_VLAdapter(QwenVisionAdapter):
                 set_gated_mlp_width(block.mlp, self._original_mlp_width)
             self._original_mlp_width = None
         super().restore_weights()
+
+    def _run_tower(self, pixels: torch.Tensor, kwargs: dict) -> torch.Tensor:
+        """The blocks chained for this call only (`chained_blocks`), where they chain."""
+        if self._chained_forwards is None:
+            return super()._run_tower(pixels, kwargs)
+        with chained(self.visual.blocks, self._chained_forwards):
+            return super()._run_tower(pixels, kwargs)
 
     @property
     def fuses_windows(self) -> bool:

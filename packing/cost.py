@@ -10,7 +10,7 @@ Both timings run on the capture's inputs: an empty layout whose padding is one a
 of the whole budget. Real sub-batches attend within their images, so both ways cost them less
 than timed; the comparison, same layout against same layout, is what the choice uses. It is one
 timing each, on another layout than the real one, so a replay is chosen only where it is
-estimated `REPLAY_MARGIN` cheaper: 8 mixed images at budget 4096 were estimated 53.4 ms eager
+estimated `replay_margin` (5%) cheaper: 8 mixed images at budget 4096 were estimated 53.4 ms eager
 against 53.0 replayed, and measured 40.9 eager against 42.2 replayed (H200, 2026-11-22). In a
 close call eager costs at most about that margin, and a replay that is not clearly cheaper may be
 slower.
@@ -19,15 +19,19 @@ slower.
 from bisect import bisect_left
 from dataclasses import dataclass, field
 
-REPLAY_MARGIN = 0.05
-
 
 @dataclass
 class BudgetCosts:
-    """Milliseconds per budget of one path: its graph's replay, and the eager forward at its size."""
+    """Milliseconds per budget of one path: its graph's replay, and the eager forward at its size;
+    how much cheaper a replay must be estimated to be chosen."""
 
     replay_ms: dict[int, float] = field(default_factory=dict)
     eager_ms: dict[int, float] = field(default_factory=dict)
+    replay_margin: float = 0.05
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.replay_margin < 1:
+            raise ValueError(f"replay_margin {self.replay_margin}: a fraction in [0, 1)")
 
     def record(self, budget: int, replay_ms: float, eager_ms: float) -> None:
         if budget <= 0 or replay_ms < 0 or eager_ms < 0:
@@ -52,7 +56,7 @@ class BudgetCosts:
 
     def prefer_eager(self, tokens: int, budget: int) -> bool:
         """Whether `tokens` run eagerly rather than through the graph of `budget`: unless the
-        replay is estimated `REPLAY_MARGIN` cheaper (unmeasured: always replay)."""
+        replay is estimated `replay_margin` cheaper (unmeasured: always replay)."""
         if budget not in self.replay_ms:
             return False
-        return self.eager_estimate(tokens) < self.replay_ms[budget] * (1 + REPLAY_MARGIN)
+        return self.eager_estimate(tokens) < self.replay_ms[budget] * (1 + self.replay_margin)

@@ -7,7 +7,7 @@ from test_attention_gpu import relative_error
 from test_chained_blocks import add_norm_reference
 from test_swiglu_gpu import poisoned_empty_cache
 
-from encoder_graphs.models.chained_blocks import chain_blocks, chains_blocks
+from encoder_graphs.models.chained_blocks import chained, chained_forwards, chains_blocks
 from encoder_graphs.models.presets import build_vision_tower
 
 pytestmark = [
@@ -61,14 +61,18 @@ def test_add_rms_norm_in_compiled_code_and_graphs_without_a_break():
 
 
 def test_chained_stock_blocks_match_and_refuse_gradients():
-    """Three real-size Qwen2.5-VL-7B blocks (window attention through sdpa), chained through the
-    kernel, against the same blocks stock: within bf16 tolerance of each other, and nearer fp32
-    than the stock bf16 blocks are, or about as near."""
+    """Three real-size Qwen2.5-VL-7B blocks (window attention through sdpa; each norm weight its
+    own), chained through the kernel, against the same blocks stock: nearer fp32 than the stock
+    bf16 blocks are, or about as near; and refusing gradients."""
     from encoder_graphs.models.add_norm_kernel import add_rms_norm
 
     tower = build_vision_tower("qwen2.5-vl-7b", device="cuda")
     blocks = list(tower.blocks[:3])
     del tower
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    with torch.no_grad():
+        for norm in (module for block in blocks for module in (block.norm1, block.norm2)):
+            norm.weight.copy_(1 + torch.randn(norm.weight.shape, generator=generator, device="cuda") / 2)
     rows, dim = 1000, blocks[0].norm1.weight.shape[0]
     head_dim = blocks[0].attn.head_dim
     angles = torch.rand(rows, head_dim // 2, device="cuda") * 10
@@ -77,26 +81,22 @@ def test_chained_stock_blocks_match_and_refuse_gradients():
             "position_embeddings": (angles.cos(), angles.sin())}
     x = torch.randn(rows, dim, device="cuda")
 
-    def run(inputs):
+    def run(blocks, inputs):
         for block in blocks:
             inputs = block(inputs, **args)
         return inputs
 
     with torch.inference_mode():
-        exact = run(x)
+        exact = run(blocks, x)
     for block in blocks:
-        block.bfloat16()  # outside inference mode: the gradient check below needs ordinary weights
+        block.bfloat16()
     with torch.inference_mode():
-        stock = run(x.bfloat16())
+        stock = run(blocks, x.bfloat16())
     assert chains_blocks(blocks, torch.bfloat16)
-    undos = chain_blocks(blocks, add_rms_norm)
-    try:
+    with chained(blocks, chained_forwards(blocks, add_rms_norm)):
         with torch.inference_mode():
-            chained = run(x.bfloat16())
-        assert chained.shape == (rows, dim)
-        assert relative_error(chained, exact) <= relative_error(stock, exact) * 1.1
+            got = run(blocks, x.bfloat16())
         with pytest.raises(RuntimeError, match="no backward"):
-            run(x.bfloat16())
-    finally:
-        for undo in reversed(undos):
-            undo()
+            run(blocks, x.bfloat16())  # ordinary weights, gradients wanted
+    assert got.shape == (rows, dim)
+    assert relative_error(got, exact) <= relative_error(stock, exact) * 1.1

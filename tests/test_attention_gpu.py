@@ -210,9 +210,10 @@ def window_kernel_call(q, k, v, cos, sin, cu_seqlens, scale):
 
 
 @pytest.mark.parametrize("programs", [None, 3])
-@pytest.mark.parametrize("heads, head_dim", [(16, 80), (2, 16), (12, 64), (4, 96)])
+@pytest.mark.parametrize("heads, head_dim", [(16, 80), (2, 16), (12, 64), (4, 96), (6, 80), (5, 32)])
 def test_rotary_window_kernel_matches_rotary_then_fp32_sdpa(heads, head_dim, programs, monkeypatch):
-    """Head dims of one power-of-two part and of two (80 = 64 + 16, 96 = 64 + 32); empty,
+    """Head dims of one power-of-two part and of two (80 = 64 + 16, 96 = 64 + 32); 4, 2 and 1
+    heads a program (16 and 12, 6, 5 heads); empty,
     one-row and full windows; the rows past the last window (NaN in q, k, v) come out zero. With
     3 programs a head group, each loops over several windows, past empty ones, to the end."""
     from encoder_graphs.models.attention import window_kernel

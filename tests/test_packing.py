@@ -138,6 +138,12 @@ def test_budget_costs_interpolate_eager_and_prefer_the_cheaper_way():
     assert costs.prefer_eager(1900, 2048)  # eager estimated 38.1 ms: replay less than 5% cheaper
     assert costs.prefer_eager(1100, 2048)  # half padding: eager at ~22 ms beats the 37 ms replay
     assert not costs.prefer_eager(100, 128)  # an unmeasured budget always replays
+    exact = BudgetCosts(replay_margin=0.0)
+    exact.record(1024, replay_ms=20.0, eager_ms=21.0)
+    exact.record(2048, replay_ms=37.0, eager_ms=41.0)
+    assert not exact.prefer_eager(1900, 2048)  # no margin: the 37 ms replay beats 38.1 eager
+    with pytest.raises(ValueError, match="replay_margin"):
+        BudgetCosts(replay_margin=1.5)
     with pytest.raises(ValueError):
         costs.record(0, 1.0, 1.0)
     with pytest.raises(ValueError, match="no budget"):

@@ -100,7 +100,11 @@ def _programs_per_group(device: torch.device, groups: int) -> int:
 
 
 def _heads_per_program(heads: int) -> int:
-    return next(n for n in (HEADS_PER_PROGRAM, 2, 1) if heads % n == 0)
+    """HEADS_PER_PROGRAM, halved until it divides `heads`."""
+    per_program = HEADS_PER_PROGRAM
+    while heads % per_program:
+        per_program //= 2
+    return per_program
 
 
 def _head_parts(head_dim: int) -> tuple[int, int]:
