@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from encoder_graphs.models.attention import refuse_gradients
+
 ROWS = 4  # a program's rows
 
 
@@ -59,9 +61,7 @@ def add_rms_norm(x: torch.Tensor, update: torch.Tensor, weight: torch.Tensor, ep
     `weight`, side by side: [..., 2 x dim]. x, update and weight of one half-precision dtype on a
     GPU where Triton runs. A custom op: compiled code calls it without a graph break. No host
     sync: capturable. No backward: refuses calls that want one."""
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, update, weight)):
-        raise RuntimeError("the fused add and norm have no backward: run under torch.no_grad or "
-                           "torch.inference_mode, or restore the stock blocks first")
+    refuse_gradients("the fused add and norm", (x, update, weight))
     dim = x.shape[-1]
     if update.shape != x.shape or weight.shape != (dim,) or weight.stride(0) != 1 or not x.dtype == update.dtype == weight.dtype:
         raise ValueError(f"add_rms_norm takes x and update of one shape and a contiguous weight [{dim}], all of one "

@@ -10,7 +10,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from encoder_graphs.models.attention import triton_runs
+from encoder_graphs.models.attention import refuse_gradients, triton_runs
 from encoder_graphs.models.patching import patch_attribute
 from encoder_graphs.models.stacked_linear import own_copies, plain_linears, set_parameters
 from encoder_graphs.models.transformers_seam import gated_silu_mlp_forward, is_gated_silu_mlp
@@ -52,9 +52,7 @@ def fuse_gated_mlp(mlp: nn.Module, gated_linear: GatedLinear) -> Callable[[], No
     stock = [param for linear in (gate, up) for param in linear.parameters()]
 
     def gated(x: torch.Tensor) -> torch.Tensor:
-        if torch.is_grad_enabled() and (x.requires_grad or any(param.requires_grad for param in stock)):
-            raise RuntimeError("the fused gated MLP has no backward: run under torch.no_grad or "
-                               "torch.inference_mode, or restore the stock weights first")
+        refuse_gradients("the fused gated MLP", (x, *stock))
         return gated_linear(x, weight, bias)
 
     undo_forward = patch_attribute(mlp, "forward", gated_silu_mlp_forward(mlp, gated))

@@ -121,3 +121,14 @@ def test_flashinfer_metadata_pads_with_the_last_offset():
     assert bound == 16
     assert ragged_metadata(cu_seqlens, 300, row_elements=5)[2] == 512
     assert ragged_metadata(torch.arange(10, dtype=torch.int32), 1, 1)[0].shape[0] == 16
+
+
+def test_refuse_gradients_only_where_autograd_wants_a_backward():
+    from encoder_graphs.models.attention import refuse_gradients
+
+    weight = torch.nn.Parameter(torch.ones(3))
+    with pytest.raises(RuntimeError, match="the kernel has no backward"):
+        refuse_gradients("the kernel", (torch.zeros(3), weight))
+    refuse_gradients("the kernel", (torch.zeros(3),))  # nothing wants a gradient
+    with torch.no_grad():
+        refuse_gradients("the kernel", (weight,))

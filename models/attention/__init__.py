@@ -7,7 +7,7 @@ head_dim]. None of them syncs with the host, so all of them can be captured.
 """
 
 import importlib.util
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from itertools import pairwise
 
 import torch
@@ -48,6 +48,14 @@ def sdpa_varlen_attention(
         q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale
     )
     return out.transpose(0, 1)
+
+
+def refuse_gradients(what: str, tensors: Iterable[torch.Tensor]) -> None:
+    """Raise where autograd would want a backward of `what` (one of this package's kernels, which
+    have none): grad mode on and any of `tensors` requiring gradients."""
+    if torch.is_grad_enabled() and any(tensor.requires_grad for tensor in tensors):
+        raise RuntimeError(f"{what} has no backward: run under torch.no_grad or torch.inference_mode, "
+                           "or restore the stock modules first")
 
 
 def triton_runs(device: torch.device) -> bool:

@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from encoder_graphs.models.attention import refuse_gradients
+
 MAX_ROWS = 64  # longer segments need more registers than a program holds
 PROGRAMS_PER_SM = 4  # with 4 heads a program; 2 to 16 measured the same
 HEADS_PER_PROGRAM = 4  # 1, 2, 4, 8 and 16 measured: 4 was best, or within 10% of best
@@ -138,9 +140,7 @@ def rotary_window_attention(
     Half precision, any row and head strides, head dims contiguous. Returns [rows, heads,
     head_dim]; rows that no segment covers are zero. No host sync: capturable."""
     rows, heads, head_dim = q.shape
-    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
-        raise RuntimeError("rotary window attention has no backward: run under torch.no_grad or "
-                           "torch.inference_mode, or restore the stock weights first")
+    refuse_gradients("rotary window attention", (q, k, v))
     if not fits_window_kernel(head_dim, max_seqlen):
         raise ValueError(f"window attention takes segments of at most {MAX_ROWS} rows (got {max_seqlen}) "
                          f"and a head dim of two power-of-two parts of at least 16 (got {head_dim})")
