@@ -209,17 +209,25 @@ def window_kernel_call(q, k, v, cos, sin, cu_seqlens, scale):
     return rotary_window_attention(q[..., order], k[..., order], v, cos, sin, cu_seqlens, 64, scale)
 
 
+@pytest.mark.parametrize("sms", [None, 1])
 @pytest.mark.parametrize("programs", [None, 3])
 @pytest.mark.parametrize("heads, head_dim", [(16, 80), (2, 16), (12, 64), (4, 96), (6, 80), (5, 32)])
-def test_rotary_window_kernel_matches_rotary_then_fp32_sdpa(heads, head_dim, programs, monkeypatch):
-    """Head dims of one power-of-two part and of two (80 = 64 + 16, 96 = 64 + 32); 4, 2 and 1
-    heads a program (16 and 12, 6, 5 heads); empty,
-    one-row and full windows; the rows past the last window (NaN in q, k, v) come out zero. With
-    3 programs a head group, each loops over several windows, past empty ones, to the end."""
+def test_rotary_window_kernel_matches_rotary_then_fp32_sdpa(heads, head_dim, programs, sms, monkeypatch):
+    """Head dims of one power-of-two part and of two (80 = 64 + 16, 96 = 64 + 32); empty,
+    one-row and full windows; the rows past the last window (NaN in q, k, v) come out zero.
+    These few windows take a head a program; counted as for a GPU of one SM, they take as many
+    as divide the heads, up to 4 (16 and 12 heads: 4, 6: 2, 5: 1). With 3 programs a head group,
+    each loops over several windows, past empty ones, to the end."""
     from encoder_graphs.models.attention import window_kernel
 
     if programs is not None:
         monkeypatch.setattr(window_kernel, "_programs_per_group", lambda device, groups: programs)
+    if sms is not None:
+        monkeypatch.setattr(window_kernel, "_sm_count", lambda device: sms)
+        expected = {16: 4, 12: 4, 4: 4, 6: 2, 2: 2, 5: 1}[heads]
+    else:
+        expected = 1
+    assert window_kernel._heads_per_program(heads, CAPACITY, torch.device("cuda")) == expected
     for seed in range(3):
         q, k, v, cos, sin, cu_seqlens = window_case(heads, head_dim, seed)
         covered = int(cu_seqlens[-1])

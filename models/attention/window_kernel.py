@@ -10,7 +10,8 @@ its heads, and its loop over them is pipelined (the next head's q, k, v load whi
 computes). Programs are persistent and stop at the first slot past the last segment, so the empty
 slots of a budget's layout cost nothing. Qwen2.5-VL-7B, H200, 2026-11-22: 180 windows of 20
 images 336² took 86 us a layer with a program per head, 59 us with 4 heads a program (the
-memory floor: 30 us); 128 windows of a 16-frame video, 65 -> 44 us.
+memory floor: 30 us); 128 windows of a 16-frame video, 65 -> 44 us. Small budgets take fewer
+heads a program, so that their few windows still fill the GPU.
 
 Rotary pairs dim i with dim i + head_dim/2 (transformers' `rotate_half`). q and k come with each
 head's dims interleaved by those pairs, i and i + head_dim/2 at 2i and 2i + 1
@@ -29,7 +30,7 @@ from encoder_graphs.models.attention import refuse_gradients
 
 MAX_ROWS = 64  # longer segments need more registers than a program holds
 PROGRAMS_PER_SM = 4  # with 4 heads a program; 2 to 16 measured the same
-HEADS_PER_PROGRAM = 4  # 1, 2, 4, 8 and 16 measured: 4 was best, or within 10% of best
+HEADS_PER_PROGRAM = 4  # at most; 1, 2, 4, 8 and 16 measured at 8k-12k rows: 4 was best, or within 10% of best
 STAGES = 3  # of the loop over heads; 1 and 2 were slower
 
 
@@ -96,15 +97,23 @@ def _window_kernel(
 
 
 @cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def _programs_per_group(device: torch.device, groups: int) -> int:
     """Programs along the segment slots for each group of heads."""
-    return max(1, PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count // groups)
+    return max(1, PROGRAMS_PER_SM * _sm_count(device) // groups)
 
 
-def _heads_per_program(heads: int) -> int:
-    """HEADS_PER_PROGRAM, halved until it divides `heads`."""
+def _heads_per_program(heads: int, rows: int, device: torch.device) -> int:
+    """HEADS_PER_PROGRAM, halved until it divides `heads` and `rows` of full windows give every
+    SM a program: few windows run faster spread over more programs. H100, 16 heads, 2026-11-22
+    (us a layer for 1 / 2 / 4 heads a program): 256 rows 11.6 / 12.0 / 16.6, 1024 rows
+    14.3 / 17.0 / 17.9, 2048 rows 24.2 / 20.5 / 25.1, 4096 rows 42.0 / 34.1 / 31.8."""
+    work = rows // MAX_ROWS * heads  # (window, head) pairs
     per_program = HEADS_PER_PROGRAM
-    while heads % per_program:
+    while per_program > 1 and (heads % per_program or work < per_program * _sm_count(device)):
         per_program //= 2
     return per_program
 
@@ -150,7 +159,7 @@ def rotary_window_attention(
     out = torch.empty_like(v, memory_format=torch.contiguous_format)
     first, rest = _head_parts(head_dim)
     segments = cu_seqlens.shape[0] - 1
-    per_program = _heads_per_program(heads)
+    per_program = _heads_per_program(heads, rows, q.device)
     groups = heads // per_program
     grid = (groups, max(1, min(segments, _programs_per_group(q.device, groups))))
     _window_kernel[grid](
