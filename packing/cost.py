@@ -8,12 +8,16 @@ budget both ways at capture, and a sub-batch replays only where the replay is th
 
 Both timings run on the capture's inputs: an empty layout whose padding is one attention segment
 of the whole budget. Real sub-batches attend within their images, so both ways cost them less
-than timed; the comparison, same layout against same layout, is what the choice uses. It is one
-timing each, on another layout than the real one, so a replay is chosen only where it is
-estimated `replay_margin` (5%) cheaper: 8 mixed images at budget 4096 were estimated 53.4 ms eager
-against 53.0 replayed, and measured 40.9 eager against 42.2 replayed (H200, 2026-11-22). In a
-close call eager costs at most about that margin, and a replay that is not clearly cheaper may be
-slower.
+than timed; the comparison, same layout against same layout, is what the choice uses. It is
+timed on another layout than the real one, so a replay is chosen only where it is estimated
+`replay_margin` (5%) cheaper: 8 mixed images at budget 4096 were estimated 53.4 ms eager against
+53.0 replayed, and measured 40.9 eager against 42.2 replayed (H200, 2026-11-22). In a close call
+eager costs at most about that margin, and a replay that is not clearly cheaper may be slower.
+
+Each way is timed once; where eager comes within `retime_within` (50%) of the replay, the choice
+could go either way, so both are timed once more and the faster of each kept (a stalled host
+only ever adds). Budget 4096 once timed 67.8 ms eager, against 47.1 at 3444 and 53.6 replayed,
+and 8 mixed images replayed there at 43.3 ms where eager ran them in 41.9 (H100, 2026-11-22).
 """
 
 from bisect import bisect_left
@@ -23,15 +27,22 @@ from dataclasses import dataclass, field
 @dataclass
 class BudgetCosts:
     """Milliseconds per budget of one path: its graph's replay, and the eager forward at its size;
-    how much cheaper a replay must be estimated to be chosen."""
+    how much cheaper a replay must be estimated to be chosen; how close the two ways must come
+    for a budget to be timed again."""
 
     replay_ms: dict[int, float] = field(default_factory=dict)
     eager_ms: dict[int, float] = field(default_factory=dict)
     replay_margin: float = 0.05
+    retime_within: float = 0.5
 
     def __post_init__(self) -> None:
-        if not 0 <= self.replay_margin < 1:
-            raise ValueError(f"replay_margin {self.replay_margin}: a fraction in [0, 1)")
+        for name in ("replay_margin", "retime_within"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"{name} {getattr(self, name)}: a fraction in [0, 1)")
+
+    def close_call(self, replay_ms: float, eager_ms: float) -> bool:
+        """Whether one budget's two timings are close enough to be taken again."""
+        return eager_ms < replay_ms * (1 + self.retime_within)
 
     def record(self, budget: int, replay_ms: float, eager_ms: float) -> None:
         if budget <= 0 or replay_ms < 0 or eager_ms < 0:

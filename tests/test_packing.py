@@ -144,6 +144,16 @@ def test_budget_costs_interpolate_eager_and_prefer_the_cheaper_way():
     assert not exact.prefer_eager(1900, 2048)  # no margin: the 37 ms replay beats 38.1 eager
     with pytest.raises(ValueError, match="replay_margin"):
         BudgetCosts(replay_margin=1.5)
+    with pytest.raises(ValueError, match="retime_within"):
+        BudgetCosts(retime_within=-0.1)
+
+
+def test_close_calls_are_those_within_retime_within():
+    costs = BudgetCosts()
+    assert not costs.close_call(replay_ms=2.0, eager_ms=28.0)  # launch-bound: no doubt which wins
+    assert costs.close_call(replay_ms=53.6, eager_ms=67.8)  # GPU-bound, 26% apart: timed again
+    assert costs.close_call(replay_ms=40.0, eager_ms=35.0)  # eager faster: timed again too
+    assert not BudgetCosts(retime_within=0.2).close_call(replay_ms=53.6, eager_ms=67.8)
     with pytest.raises(ValueError):
         costs.record(0, 1.0, 1.0)
     with pytest.raises(ValueError, match="no budget"):
