@@ -13,7 +13,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from encoder_graphs.models.attention import triton_runs
+from encoder_graphs.models.attention import HALF_DTYPES, triton_runs
 from encoder_graphs.models.patching import patch_attribute
 from encoder_graphs.models.transformers_seam import AddNorm, chained_block_forward, is_qwen2_5_vision_block
 
@@ -29,7 +29,7 @@ def chains_blocks(blocks: Sequence[nn.Module], dtype: torch.dtype) -> bool:
     weights = [norm.weight for block in blocks for norm in (block.norm1, block.norm2)]
     device = weights[0].device
     same = all((weight.device, weight.dtype) == (device, dtype) for weight in weights)
-    return same and dtype in (torch.float16, torch.bfloat16) and triton_runs(device)
+    return same and dtype in HALF_DTYPES and triton_runs(device)
 
 
 def chained_forwards(blocks: Sequence[nn.Module], add_norm: AddNorm) -> list[Forward]:

@@ -10,7 +10,7 @@ from functools import partial
 import torch
 
 from encoder_graphs.models.aligned_mlp import align_gated_mlps, set_gated_mlp_width
-from encoder_graphs.models.attention import triton_runs
+from encoder_graphs.models.attention import HALF_DTYPES, triton_runs
 from encoder_graphs.models.chained_blocks import Forward, chained, chained_forwards, chains_blocks
 from encoder_graphs.models.fused_mlp import fuse_gated_mlp, fuses_gated_mlp
 from encoder_graphs.models.patching import patch_attribute
@@ -87,7 +87,7 @@ class Qwen2_5_VLAdapter(QwenVisionAdapter):
         default; another backend asked for is kept everywhere), half precision, Triton, weights
         on the device (offloaded ones would not take the reordering), and windows and heads the
         kernel takes."""
-        half = self.dtype in (torch.float16, torch.bfloat16)
+        half = self.dtype in HALF_DTYPES
         if not (self.attn_backend == "torch" and half and triton_runs(self.device)):
             return False
         if any(param.device != self.device for param in self.visual.parameters()):

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
-from encoder_graphs.models.attention import default_attention_backend
+from encoder_graphs.models.attention import HALF_DTYPES, default_attention_backend
 from encoder_graphs.models.patching import patch_attribute
 from encoder_graphs.models.transformers_seam import (
     attention_implementation,
@@ -158,7 +158,7 @@ class QwenVisionAdapter:
         self.dtype, self.device = weight.dtype, weight.device
         if attn_backend is None:
             # PyTorch's FA2 needs half precision; fp32 on CUDA falls back to the masked reference.
-            half = self.dtype in (torch.float16, torch.bfloat16)
+            half = self.dtype in HALF_DTYPES
             attn_backend = default_attention_backend(self.device) if half else "sdpa"
         self.attn_backend = attn_backend
         self.attn_implementation = register_varlen_attention(attn_backend)

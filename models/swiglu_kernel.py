@@ -16,6 +16,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from encoder_graphs.models.attention import HALF_DTYPES
+
 
 @triton.jit
 def _swiglu_kernel(
@@ -67,7 +69,7 @@ def fits_swiglu_kernel(weight: torch.Tensor) -> bool:
     return (
         weight.device.type == "cuda"
         and torch.cuda.get_device_capability(weight.device)[0] >= 9
-        and weight.dtype in (torch.float16, torch.bfloat16)
+        and weight.dtype in HALF_DTYPES
         and weight.shape[0] % 2 == 0
         and weight.shape[1] % 8 == 0
     )

@@ -13,6 +13,7 @@ from itertools import pairwise
 import torch
 
 VarlenAttention = Callable[..., torch.Tensor]
+HALF_DTYPES = (torch.float16, torch.bfloat16)  # what FA2, cuDNN and our Triton kernels take
 
 _EXTRAS = {"flash_attn": "flash-attn", "flashinfer": "flashinfer"}
 _TRITON = importlib.util.find_spec("triton") is not None
@@ -110,7 +111,7 @@ def _flash_varlen_runs(q: torch.Tensor) -> bool:
     """Whether FA2 takes `q`: half precision on an Ampere or newer GPU, heads up to 256 wide."""
     return (
         q.device.type == "cuda"
-        and q.dtype in (torch.float16, torch.bfloat16)
+        and q.dtype in HALF_DTYPES
         and q.shape[-1] <= 256
         and torch.cuda.get_device_capability(q.device)[0] >= 8
     )

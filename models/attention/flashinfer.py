@@ -18,6 +18,8 @@ import math
 
 import torch
 
+from encoder_graphs.models.attention import HALF_DTYPES
+
 WORKSPACE_BYTES = 128 * 1024 * 1024  # what vLLM gives cuDNN for ViT attention
 MIN_SEGMENTS = 8
 MIN_SEQLEN = 16
@@ -81,7 +83,7 @@ def cudnn_varlen_attention(
     """
     from flashinfer.prefill import cudnn_batch_prefill_with_kv_cache
 
-    if q.dtype not in (torch.float16, torch.bfloat16):
+    if q.dtype not in HALF_DTYPES:
         raise TypeError(f"flashinfer (cuDNN) attention needs fp16 or bf16, got {q.dtype}")
     _, heads, head_dim = q.shape
     default_scale = 1.0 / math.sqrt(head_dim)
