@@ -19,6 +19,8 @@ import torch
 from PIL import Image
 from transformers import AutoTokenizer, GotOcr2ImageProcessorPil, PreTrainedTokenizerBase
 
+from encoder_graphs.models.transformers_seam import tiled_canvas
+
 # The tokenizer's named special tokens (`tokenizer.context_image_token` ...) and their usual text.
 TOKENS = {
     "start_image_token": "<img>",
@@ -28,17 +30,22 @@ TOKENS = {
 }
 
 
+TILE_CHUNK = 32  # tiles normalised at a time: the float64 step of the PIL processor's rescale is 8 bytes a value
+
+
 @dataclass
 class EncodedTiles:
-    """One image or video as tiles, ready to join a batch."""
+    """One image or video as uint8 tiles, ready to join a batch (`to_model` normalises them where
+    the batch goes)."""
 
     kind: str  # "image" | "video"
-    pixel_values: np.ndarray  # (tiles, 3, height, width)
+    tiles_u8: torch.Tensor  # uint8 (tiles, 3, height, width)
     vision_tokens: int  # context tokens in the prompt = encoder output rows
+    size: tuple[int, int] = (0, 0)  # (width, height) the model sees: the tiles' canvas (a video: a frame)
 
     @property
     def tiles(self) -> int:
-        return self.pixel_values.shape[0]
+        return self.tiles_u8.shape[0]
 
 
 class InternVLInputs:
@@ -65,7 +72,11 @@ class InternVLInputs:
         self.tile_size = (size["height"], size["width"])
 
     @classmethod
-    def from_pretrained(cls, directory: str | Path, *, max_tiles: int | None = None) -> "InternVLInputs":
+    def from_pretrained(
+        cls, directory: str | Path, *, max_tiles: int | None = None, max_image_tokens: int | None = None
+    ) -> "InternVLInputs":
+        """`max_image_tokens` is ignored: InternVL's resolution is its tiles (`max_tiles`, 256
+        tokens each)."""
         directory = Path(directory)
         processor_config = directory / "processor_config.json"
         settings = json.loads(processor_config.read_text()) if processor_config.is_file() else {}
@@ -111,16 +122,29 @@ class InternVLInputs:
             raise ValueError(f"processor puts {self.image_seq_length} tokens per tile, the model {config.image_seq_length}")
 
     def encode_image(self, image: Image.Image) -> EncodedTiles:
-        out = self.image_processor(
-            images=[image], crop_to_patches=True, max_patches=self.max_tiles, return_tensors="np"
-        )
-        pixels = out["pixel_values"]
-        return EncodedTiles("image", pixels, pixels.shape[0] * self.image_seq_length)
+        tiles = self._tiles([image], crop_to_patches=True)
+        height, width = self.tile_size
+        if tiles.shape[0] > 1:  # a grid of tiles and a thumbnail
+            columns, rows = tiled_canvas((image.height, image.width), self.tile_size, self.image_processor.min_patches, self.max_tiles)
+            width, height = columns * width, rows * height
+        return EncodedTiles("image", tiles, tiles.shape[0] * self.image_seq_length, (width, height))
 
     def encode_video(self, frames: list[Image.Image]) -> EncodedTiles:
-        out = self.image_processor(images=frames, crop_to_patches=False, return_tensors="np")
-        pixels = out["pixel_values"]
-        return EncodedTiles("video", pixels, pixels.shape[0] * self.image_seq_length)
+        tiles = self._tiles(frames, crop_to_patches=False)
+        height, width = self.tile_size
+        return EncodedTiles("video", tiles, tiles.shape[0] * self.image_seq_length, (width, height))
+
+    def _tiles(self, images: list[Image.Image], crop_to_patches: bool) -> torch.Tensor:
+        """The processor's tiles before its rescale and normalisation: uint8, a quarter of the bytes."""
+        out = self.image_processor(
+            images=images,
+            crop_to_patches=crop_to_patches,
+            max_patches=self.max_tiles,
+            do_rescale=False,
+            do_normalize=False,
+            return_tensors="np",
+        )
+        return torch.from_numpy(np.ascontiguousarray(out["pixel_values"], dtype=np.uint8))
 
     def prompt_text(self, item: EncodedTiles, prompt: str) -> str:
         message = [{"role": "user", "content": [{"type": item.kind}, {"type": "text", "text": prompt}]}]
@@ -136,24 +160,60 @@ class InternVLInputs:
             return f"{start}{context * self.image_seq_length * tiles}{end}"
         return "\n".join(f"Frame{i + 1}: {start}{context * self.image_seq_length}{end}" for i in range(tiles))
 
-    def batch(self, items: list[EncodedTiles], prompts: str | Sequence[str]) -> dict[str, torch.Tensor]:
-        """Left-padded inputs for `model.generate(**batch)`; tiles of all items in prompt order.
-        `prompts`: one for every item, or one per item."""
+    def batch(
+        self, items: Sequence[EncodedTiles], prompts: str | Sequence[str], device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> dict[str, torch.Tensor]:
+        """Left-padded inputs for `model.generate(**batch)`, as the processor returns them (on
+        the CPU, in float32 by default); tiles of all items in prompt order. `prompts`: one for
+        every item, or one per item."""
+        return self.to_model(self.collate(items, prompts), device, dtype)
+
+    def collate(self, items: Sequence[EncodedTiles], prompts: str | Sequence[str]) -> dict[str, torch.Tensor]:
+        """The batch on the CPU with uint8 tiles (`to_model` finishes it); touches no GPU."""
         prompts = [prompts] * len(items) if isinstance(prompts, str) else prompts
         texts = [self.prompt_text(item, prompt) for item, prompt in zip(items, prompts, strict=True)]
         encoded = self.tokenizer(texts, padding=True, return_tensors="pt")
         batch = {"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"]}
         if items:
-            batch["pixel_values"] = torch.from_numpy(np.concatenate([item.pixel_values for item in items]))
+            batch["pixel_values"] = torch.cat([item.tiles_u8 for item in items])
         return batch
+
+    def to_model(
+        self, collated: dict[str, torch.Tensor], device: torch.device | str, dtype: torch.dtype
+    ) -> dict[str, torch.Tensor]:
+        """`collate`'s batch on `device`, the tiles rescaled and normalised there as the PIL
+        processor does it (a float64 product rounded to float32, then float32 arithmetic: the same
+        correctly rounded operations on a GPU), then cast to `dtype`."""
+        moved = {key: value.to(device, non_blocking=True) for key, value in collated.items()}
+        if "pixel_values" in moved:
+            tiles = moved["pixel_values"]
+            out = torch.empty(tiles.shape, dtype=dtype, device=tiles.device)
+            for start in range(0, tiles.shape[0], TILE_CHUNK):
+                out[start : start + TILE_CHUNK] = self._normalize(tiles[start : start + TILE_CHUNK])
+            moved["pixel_values"] = out
+        return moved
+
+    def _normalize(self, tiles: torch.Tensor) -> torch.Tensor:
+        processor = self.image_processor
+        values = tiles.to(torch.float64)
+        if processor.do_rescale:
+            values = values * processor.rescale_factor
+        values = values.to(torch.float32)
+        if processor.do_normalize:
+            mean = torch.tensor(processor.image_mean, dtype=torch.float32, device=tiles.device).view(-1, 1, 1)
+            std = torch.tensor(processor.image_std, dtype=torch.float32, device=tiles.device).view(-1, 1, 1)
+            values = (values - mean) / std
+        return values
 
     def decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=True).strip()
 
     def longest_prompt(self, prompt: str, max_frames: int) -> int:
         """Tokens of the prompt around the most tiles an image can have (`max_tiles` + thumbnail)
-        or a video of `max_frames` frames."""
+        or a video of `max_frames` frames (0: no video)."""
+        shapes = [("image", self.max_tiles + 1)] + ([("video", max_frames)] if max_frames else [])
         return max(
-            len(self.tokenizer(self.prompt_text(EncodedTiles(kind, np.zeros((tiles, 0)), 0), prompt)).input_ids)
-            for kind, tiles in (("image", self.max_tiles + 1), ("video", max_frames))
+            len(self.tokenizer(self.prompt_text(EncodedTiles(kind, torch.zeros(tiles, 0), 0), prompt)).input_ids)
+            for kind, tiles in shapes
         )

@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from PIL import Image
 from transformers import AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase, Qwen2VLImageProcessorPil
@@ -36,8 +35,8 @@ from encoder_graphs.models.qwen_pixels import (
     VIDEO_DEFAULTS,
     VIDEO_PROCESSOR_OF_MODEL,
     PixelSettings,
-    normalize,
     patchify,
+    pixel_values,
     resize,
     smart_resize,
     uint8_pixels,
@@ -54,14 +53,19 @@ MM_TOKEN_TYPE = {"image": 1, "video": 2}
 LONGEST_TIMESTAMP = 99999.9
 
 
+PIXEL_KEYS = {"image": ("pixel_values", "image_grid_thw"), "video": ("pixel_values_videos", "video_grid_thw")}
+
+
 @dataclass
 class EncodedItem:
-    """One image or video as patches, ready to join a batch."""
+    """One image or video as uint8 patches, ready to join a batch: `pixel_values` normalises them
+    where the batch goes (a GPU), so a photo travels as 3 MB rather than 25."""
 
     kind: str  # "image" | "video"
-    pixel_values: np.ndarray  # (patches, channels * temporal * patch * patch)
+    patches: torch.Tensor  # uint8 (patches, channels, frames: 1 for an image, patch * patch)
     grid_thw: tuple[int, int, int]
     vision_tokens: int  # placeholder tokens in the prompt = encoder output tokens
+    size: tuple[int, int]  # (width, height) in pixels the model sees (a video: each frame)
     # Videos: seconds per temporal patch (Qwen2.5-VL's second_per_grid_ts) and each temporal
     # patch's mean time in seconds (Qwen3-VL's prompt).
     second_per_grid_t: float | None = None
@@ -79,15 +83,21 @@ class QwenVLInputs:
         *,
         model_type: str = "qwen2_vl",
         chat_template: str | None = None,
+        max_image_tokens: int | None = None,
     ) -> None:
         """`video`: the video processor's settings (default: the image processor's, per frame);
         `model_type`: the checkpoint's config.model_type (qwen2_vl, qwen2_5_vl, qwen3_vl);
-        `chat_template`: the processor's (default: the tokenizer's)."""
+        `chat_template`: the processor's (default: the tokenizer's); `max_image_tokens`: the
+        resolution policy, vision tokens an image or a video frame may become (larger ones are
+        shrunk, as the processors do when given that `max_pixels`; None: the processors' own limit)."""
         self.tokenizer = tokenizer
         self.tokenizer.padding_side = "left"
         self.image_processor = image_processor
-        self.image = PixelSettings.of_image_processor(image_processor)
-        self.video = video if video is not None else self.image
+        image = PixelSettings.of_image_processor(image_processor)
+        self.max_image_tokens = max_image_tokens
+        cap = None if max_image_tokens is None else max_image_tokens * image.factor**2
+        self.image = image.capped(cap)
+        self.video = (video if video is not None else image).capped(cap)
         self.model_type = model_type
         self.chat_template = chat_template if chat_template is not None else tokenizer.chat_template
         if self.chat_template is None:
@@ -96,7 +106,9 @@ class QwenVLInputs:
         self.token_ids = {t: tokenizer.convert_tokens_to_ids(t) for t in (IMAGE_PAD, VIDEO_PAD, VISION_START)}
 
     @classmethod
-    def from_pretrained(cls, directory: str | Path, *, max_tiles: int | None = None) -> "QwenVLInputs":
+    def from_pretrained(
+        cls, directory: str | Path, *, max_tiles: int | None = None, max_image_tokens: int | None = None
+    ) -> "QwenVLInputs":
         """`max_tiles` is ignored: Qwen-VL sizes its grid to the image, it does not tile.
 
         Reads what `AutoProcessor.from_pretrained(directory)` reads: the image processor config,
@@ -119,7 +131,12 @@ class QwenVLInputs:
             video_config, VIDEO_DEFAULTS[video_class], clip_budget=video_class == "Qwen3VLVideoProcessor"
         )
         return cls(
-            tokenizer, image_processor, video, model_type=model_type, chat_template=_processor_chat_template(directory)
+            tokenizer,
+            image_processor,
+            video,
+            model_type=model_type,
+            chat_template=_processor_chat_template(directory),
+            max_image_tokens=max_image_tokens,
         )
 
     @property
@@ -146,7 +163,8 @@ class QwenVLInputs:
     @property
     def max_frame_pixels(self) -> int:
         # With a whole-clip budget a frame is largest in the shortest clip, one temporal patch.
-        per_frame = self.video.max_pixels // (self.video.temporal_patch_size if self.video.clip_budget else 1)
+        temporal = self.video.temporal_patch_size
+        per_frame = self.video.clip_pixels(temporal) // temporal if self.video.clip_budget else self.video.max_pixels
         return max(per_frame, self.video.factor**2)
 
     def decode(self, tokens: list[int]) -> str:
@@ -164,7 +182,7 @@ class QwenVLInputs:
         for frames in range(temporal, max_frames + 1, temporal):
             frame_pixels = self.max_frame_pixels
             if self.video.clip_budget:
-                frame_pixels = min(frame_pixels, self.video.max_pixels // frames)
+                frame_pixels = min(frame_pixels, self.video.clip_pixels(frames) // frames)
             groups = frames // temporal
             if self.timestamped_video:
                 lengths.append(length("video", groups, frame_pixels // unit))
@@ -195,10 +213,9 @@ class QwenVLInputs:
         pixels = uint8_pixels([image])
         if settings.do_resize:
             pixels = resize(pixels, *smart_resize(*pixels.shape[-2:], settings, settings.max_pixels))
-        # One image is a temporal patch of `temporal_patch_size` copies of itself.
-        pixels = normalize(pixels, settings).expand(settings.temporal_patch_size, -1, -1, -1)
-        pixel_values, grid = patchify(pixels, settings)
-        return EncodedItem("image", pixel_values, grid, math.prod(grid) // settings.merge_size**2)
+        patches, grid = patchify(pixels, settings, temporal=1)
+        size = (pixels.shape[-1], pixels.shape[-2])
+        return EncodedItem("image", patches, grid, math.prod(grid) // settings.merge_size**2, size)
 
     def encode_video(self, frames: Sequence[Image.Image], metadata: Any = None) -> EncodedItem:
         """`frames`: equally sized images, any count (an odd one gets its last frame repeated, as
@@ -214,13 +231,14 @@ class QwenVLInputs:
         pixels = uint8_pixels(frames)
         if settings.do_resize:
             pixels = resize(pixels, *video_size(pixels.shape, settings))
-        pixel_values, grid = patchify(normalize(pixels, settings), settings)
+        patches, grid = patchify(pixels, settings, temporal=settings.temporal_patch_size)
         second_per_grid_t, timestamps = video_timing(metadata, len(frames), settings.temporal_patch_size)
         return EncodedItem(
             "video",
-            pixel_values,
+            patches,
             grid,
             math.prod(grid) // settings.merge_size**2,
+            (pixels.shape[-1], pixels.shape[-2]),
             second_per_grid_t=second_per_grid_t,
             timestamps=timestamps,
         )
@@ -245,9 +263,18 @@ class QwenVLInputs:
             )
         return text.replace(pad, pad * vision_tokens)
 
-    def batch(self, items: list[EncodedItem], prompts: str | Sequence[str]) -> dict[str, torch.Tensor]:
-        """Left-padded inputs for `model.generate(**batch)`; items keep their order. `prompts`:
-        one for every item, or one per item."""
+    def batch(
+        self, items: Sequence[EncodedItem], prompts: str | Sequence[str], device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> dict[str, torch.Tensor]:
+        """Left-padded inputs for `model.generate(**batch)`, as the processor returns them (on
+        the CPU, in float32 by default); items keep their order. `prompts`: one for every item,
+        or one per item."""
+        return self.to_model(self.collate(items, prompts), device, dtype)
+
+    def collate(self, items: Sequence[EncodedItem], prompts: str | Sequence[str]) -> dict[str, torch.Tensor]:
+        """The batch on the CPU with its pixels still uint8 patches (`to_model` finishes it);
+        touches no GPU, so it can run on a worker thread while the model works."""
         prompts = [prompts] * len(items) if isinstance(prompts, str) else prompts
         texts = [
             self.prompt_text(item.kind, prompt, item.vision_tokens, item.timestamps)
@@ -259,19 +286,27 @@ class QwenVLInputs:
         mm_types[batch["input_ids"] == self.token_ids[IMAGE_PAD]] = MM_TOKEN_TYPE["image"]
         mm_types[batch["input_ids"] == self.token_ids[VIDEO_PAD]] = MM_TOKEN_TYPE["video"]
         batch["mm_token_type_ids"] = mm_types
-        for kind, pixels_key, grid_key in (
-            ("image", "pixel_values", "image_grid_thw"),
-            ("video", "pixel_values_videos", "video_grid_thw"),
-        ):
+        for kind, (pixels_key, grid_key) in PIXEL_KEYS.items():
             chosen = [item for item in items if item.kind == kind]
             if chosen:
-                batch[pixels_key] = torch.from_numpy(np.concatenate([item.pixel_values for item in chosen]))
+                batch[pixels_key] = torch.cat([item.patches for item in chosen])
                 batch[grid_key] = torch.tensor([item.grid_thw for item in chosen], dtype=torch.long)
         videos = [item for item in items if item.kind == "video"]
         if videos and self.model_type == "qwen2_5_vl":
             # Float32, as the processor's; Qwen2.5-VL's M-RoPE spaces temporal positions by it.
             batch["second_per_grid_ts"] = torch.tensor([item.second_per_grid_t for item in videos])
         return batch
+
+    def to_model(
+        self, collated: dict[str, torch.Tensor], device: torch.device | str, dtype: torch.dtype
+    ) -> dict[str, torch.Tensor]:
+        """`collate`'s batch on `device`: uint8 patches copied there and normalised into `dtype`
+        pixels (float32 first, as the processors, so the result is theirs cast to `dtype`)."""
+        moved = {key: value.to(device, non_blocking=True) for key, value in collated.items()}
+        for kind, (pixels_key, _) in PIXEL_KEYS.items():
+            if pixels_key in moved:
+                moved[pixels_key] = pixel_values(moved[pixels_key], self.image if kind == "image" else self.video, dtype)
+        return moved
 
 
 def _read_json(path: Path) -> dict:

@@ -4,7 +4,7 @@ clip), normalisation, patch order, and a video's timing. `qwen_inputs.py` says w
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -64,10 +64,28 @@ class PixelSettings:
     clip_budget: bool = False
     cap_pixels_per_frame: bool = False  # the processors' opt-in qwen-vl-utils cap
     max_video_tokens: int = 0
+    # A resolution policy's bound on each frame's pixels where `max_pixels` bounds the whole clip
+    # (0: none): a clip of n frames then gets at most n times this.
+    frame_cap: int = 0
 
     @property
     def factor(self) -> int:
         return self.patch_size * self.merge_size
+
+    def capped(self, max_pixels: int | None) -> "PixelSettings":
+        """These settings with an image, or each frame of a video, at most `max_pixels` (None:
+        as they are): what the processors do when called with that `max_pixels`."""
+        if max_pixels is None:
+            return self
+        if max_pixels < max(self.min_pixels, self.factor**2):
+            raise ValueError(f"max_pixels {max_pixels} is below the processor's minimum {self.min_pixels}")
+        if self.clip_budget:
+            return replace(self, frame_cap=max_pixels)
+        return replace(self, max_pixels=min(self.max_pixels, max_pixels))
+
+    def clip_pixels(self, frames: int) -> int:
+        """The most pixels a clip of `frames` frames may hold (the whole-clip budget)."""
+        return min(self.max_pixels, self.frame_cap * frames) if self.frame_cap else self.max_pixels
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any], defaults: Mapping[str, Any], clip_budget: bool) -> "PixelSettings":
@@ -128,21 +146,27 @@ def resize(pixels: torch.Tensor, height: int, width: int) -> torch.Tensor:
 
 
 def normalize(pixels: torch.Tensor, settings: PixelSettings) -> torch.Tensor:
-    """TorchvisionBackend.rescale_and_normalize: rescale folded into mean and std, float32."""
+    """TorchvisionBackend.rescale_and_normalize: rescale folded into mean and std, float32, over
+    dim 1 (channels) of a tensor of any device; the same correctly rounded float32 operations
+    on a GPU as on the CPU, so the result is the same bit for bit."""
+    shape = (-1,) + (1,) * (pixels.dim() - 2)
     if settings.do_normalize:
-        mean, std = torch.tensor(settings.image_mean), torch.tensor(settings.image_std)
+        mean = torch.tensor(settings.image_mean, device=pixels.device)
+        std = torch.tensor(settings.image_std, device=pixels.device)
         if settings.do_rescale:
             mean, std = mean * (1.0 / settings.rescale_factor), std * (1.0 / settings.rescale_factor)
-        return pixels.to(torch.float32).sub(mean.view(-1, 1, 1)).div_(std.view(-1, 1, 1))
+        return pixels.to(torch.float32).sub(mean.view(shape)).div_(std.view(shape))
     if settings.do_rescale:
         return pixels * settings.rescale_factor
     return pixels.to(torch.float32)
 
 
-def patchify(frames: torch.Tensor, settings: PixelSettings) -> tuple[np.ndarray, tuple[int, int, int]]:
-    """(frames, C, H, W) -> (grid_t * grid_h * grid_w, C * temporal * patch * patch) in the
-    processors' order (merge windows together), the last frame repeated to fill a temporal patch."""
-    temporal, patch, merge = settings.temporal_patch_size, settings.patch_size, settings.merge_size
+def patchify(frames: torch.Tensor, settings: PixelSettings, temporal: int) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """(frames, C, H, W) -> (grid_t * grid_h * grid_w, C, temporal, patch * patch) in the
+    processors' patch order (merge windows together), the last frame repeated to fill a temporal
+    patch. An image is one frame with `temporal` 1: `pixel_values` repeats it over the temporal
+    patch, as the processors do, so it travels once."""
+    patch, merge = settings.patch_size, settings.merge_size
     if pad := -frames.shape[0] % temporal:
         frames = torch.cat([frames, frames[-1:].expand(pad, -1, -1, -1)])
     count, channels, height, width = frames.shape
@@ -150,8 +174,22 @@ def patchify(frames: torch.Tensor, settings: PixelSettings) -> tuple[np.ndarray,
     patches = frames.reshape(
         grid[0], temporal, channels, grid[1] // merge, merge, patch, grid[2] // merge, merge, patch
     ).permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
-    flat = patches.reshape(math.prod(grid), channels * temporal * patch * patch)
-    return np.ascontiguousarray(flat.numpy()), grid
+    return patches.reshape(math.prod(grid), channels, temporal, patch * patch).contiguous(), grid
+
+
+def pixel_values(patches: torch.Tensor, settings: PixelSettings, dtype: torch.dtype, chunk: int = 4096) -> torch.Tensor:
+    """The processors' `pixel_values` (patches, C * temporal_patch_size * patch * patch) from
+    `patchify`'s uint8 patches, on their device: normalised in float32 as the processors do, then
+    cast to `dtype`. In chunks of patches, so the float32 copy stays small beside the output."""
+    count, channels, temporal, area = patches.shape
+    full = settings.temporal_patch_size
+    if temporal not in (1, full):
+        raise ValueError(f"patches hold {temporal} frames a temporal patch; expected 1 or {full}")
+    out = torch.empty(count, channels * full * area, dtype=dtype, device=patches.device)
+    for start in range(0, count, chunk):
+        part = normalize(patches[start : start + chunk], settings).expand(-1, -1, full, -1)
+        out[start : start + chunk] = part.reshape(part.shape[0], -1)
+    return out
 
 
 def smart_resize(height: int, width: int, settings: PixelSettings, max_pixels: int) -> tuple[int, int]:
@@ -184,10 +222,10 @@ def video_size(shape: torch.Size, settings: PixelSettings) -> tuple[int, int]:
             total_pixels = int(settings.max_video_tokens * factor * factor * 0.9)
             max_pixels = max(min(max_pixels, total_pixels * temporal // frames), int(settings.min_pixels * 1.05))
         return smart_resize(height, width, settings, max_pixels)
-    max_pixels = settings.max_pixels
+    max_pixels = settings.clip_pixels(frames)
     if settings.cap_pixels_per_frame:
         frame_cap = settings.max_video_tokens * factor * factor
-        max_pixels = max(min(frame_cap, settings.max_pixels // frames), int(settings.min_pixels * 1.05)) * frames
+        max_pixels = max(min(frame_cap, max_pixels // frames), int(settings.min_pixels * 1.05)) * frames
     # Qwen3-VL's smart_resize: the bounds hold for frames x height x width.
     if frames < temporal:
         raise ValueError(f"t:{frames} must be larger than temporal_factor:{temporal}")

@@ -34,6 +34,10 @@ from transformers.vision_utils import (
     get_vision_window_index,
 )
 
+# 5.17.0, 5.23.0: the grid of tiles GotOcr2's image processors (InternVL's) choose for an image:
+# (columns, rows) from its (height, width), the tile size and the fewest and most tiles.
+from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import get_optimal_tiled_canvas as tiled_canvas
+
 from encoder_graphs.models.attention import VarlenAttention, causal_varlen_attention, get_attention_backend
 
 TESTED_RANGE = ("5.17.0", "5.23.0")
@@ -68,6 +72,7 @@ __all__ = [
     "register_dense_attention",
     "register_varlen_attention",
     "static_rope",
+    "tiled_canvas",
     "window_attention_forward",
 ]
 

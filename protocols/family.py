@@ -55,19 +55,24 @@ class ModelFamily(Protocol):
 
 
 class EncodedMedia(Protocol):
-    """One image or video, preprocessed, ready to join a batch."""
+    """One image or video, preprocessed (pixels still uint8), ready to join a batch."""
 
     kind: str  # "image" | "video"
     vision_tokens: int  # placeholder tokens in the prompt = encoder output tokens
+    size: tuple[int, int]  # (width, height) in pixels the model sees (a video: each frame)
 
 
 class CaptionInputs(Protocol):
     """Prompts and pixels for one family's checkpoints, built without torchvision."""
 
     @classmethod
-    def from_pretrained(cls, directory: str | Path, *, max_tiles: int | None = None) -> "CaptionInputs":
-        """The tokenizer and processor of a checkpoint directory. `max_tiles`: tiles per image for
-        families that tile images (None: the checkpoint's); others ignore it."""
+    def from_pretrained(
+        cls, directory: str | Path, *, max_tiles: int | None = None, max_image_tokens: int | None = None
+    ) -> "CaptionInputs":
+        """The tokenizer and processor of a checkpoint directory, with a resolution policy: for
+        families that tile images, `max_tiles` tiles per image; for families that size their grid
+        to the image, `max_image_tokens` vision tokens per image or video frame (None: the
+        checkpoint's own limit). A family ignores the one that does not apply to it."""
         ...
 
     @property
@@ -83,7 +88,7 @@ class CaptionInputs(Protocol):
 
     @property
     def max_image_pixels(self) -> int:
-        """Pixels an image is shrunk to before processing (more would be resized away)."""
+        """The most pixels the processor keeps of an image (a JPEG decodes reduced to about this)."""
         ...
 
     @property
@@ -97,9 +102,24 @@ class CaptionInputs(Protocol):
 
     def encode_video(self, frames: Sequence[Any]) -> EncodedMedia: ...
 
-    def batch(self, items: Sequence[EncodedMedia], prompts: str | Sequence[str]) -> dict[str, torch.Tensor]:
-        """Left-padded inputs for `model.generate(**batch)`; items keep their order. `prompts`:
-        one for every item, or one per item."""
+    def batch(
+        self, items: Sequence[EncodedMedia], prompts: str | Sequence[str], device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> dict[str, torch.Tensor]:
+        """Left-padded inputs for `model.generate(**batch)`, equal to the official processor's on
+        the CPU in float32 (the default); items keep their order. `prompts`: one for every item,
+        or one per item. `to_model(collate(items, prompts), device, dtype)`."""
+        ...
+
+    def collate(self, items: Sequence[EncodedMedia], prompts: str | Sequence[str]) -> dict[str, torch.Tensor]:
+        """The batch on the CPU, its pixels still uint8; touches no GPU (a worker thread may
+        build the next batch while the model runs)."""
+        ...
+
+    def to_model(
+        self, collated: dict[str, torch.Tensor], device: torch.device | str, dtype: torch.dtype
+    ) -> dict[str, torch.Tensor]:
+        """`collate`'s batch on `device`, pixels normalised there as the processor does, in `dtype`."""
         ...
 
     def decode(self, tokens: Sequence[int]) -> str:
@@ -108,5 +128,5 @@ class CaptionInputs(Protocol):
 
     def longest_prompt(self, prompt: str, max_frames: int) -> int:
         """The most tokens one prompt can reach: `prompt` around the largest image or video
-        (of `max_frames` frames) the processor lets through."""
+        (of `max_frames` frames; 0: no video) the processor lets through."""
         ...
