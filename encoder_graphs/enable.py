@@ -95,6 +95,7 @@ def enable_cuda_graphs(
     decoder_length_tiers: Sequence[int] | None = None,
     compile: bool = False,
     choose_by_cost: bool = True,
+    lazy: bool = False,
 ) -> EncoderGraphsHandle:
     """Capture `model`'s vision encoder at token budgets and route its image/video features
     through the graphs; with `decoder`, capture its decode step per batch-size bucket and length
@@ -109,7 +110,10 @@ def enable_cuda_graphs(
     (`stats()["encoder"]["compile"]`). `choose_by_cost` (the default) times each budget's
     replay and eager forward at capture and runs a sub-batch eagerly where that measured faster
     (GPU-bound sizes well below their budget); False replays wherever a budget fits, so the path
-    taken never depends on timings. Raises ValueError for an unsupported architecture.
+    taken never depends on timings. `lazy=True` captures each encoder budget and each decode
+    (bucket, tier) at its first use instead of all of them now: the first calls pay for the
+    captures, and a job that uses few pays little (the caption command's choice). Raises
+    ValueError for an unsupported architecture.
 
     `model.generate` reads its settings as transformers does (arguments > a `generation_config`
     argument > `model.generation_config` > transformers' defaults). Calls with greedy or
@@ -135,6 +139,7 @@ def enable_cuda_graphs(
         log_interval_s=log_interval_s,
         poison_pool_bytes=poison_pool_bytes,
         choose_by_cost=choose_by_cost,
+        lazy=lazy,
     )
     runner = None
     if decoder:
@@ -146,6 +151,7 @@ def enable_cuda_graphs(
             length_tiers=decoder_length_tiers,
             enabled=enabled,
             family=adapter,
+            lazy=lazy,
         )
     adapter.align_weights()  # exact; undone by disable(), or here if a capture raises
     compiled = None

@@ -50,6 +50,12 @@ class BudgetCosts:
         self.replay_ms[budget] = replay_ms
         self.eager_ms[budget] = eager_ms
 
+    def record_eager(self, budget: int, eager_ms: float) -> None:
+        """An eager timing alone, at a budget not captured (yet): a point for `eager_estimate`."""
+        if budget <= 0 or eager_ms < 0:
+            raise ValueError(f"budget {budget}: eager {eager_ms} ms")
+        self.eager_ms[budget] = eager_ms
+
     def eager_estimate(self, tokens: int) -> float:
         """The eager forward over `tokens`: linear between the measured budgets; below the smallest
         the smallest's (launch-bound there); above the largest, in proportion to it."""

@@ -229,3 +229,30 @@ def test_bf16_replay_equals_eager_steps_and_parts_from_generate_only_at_close_lo
 
     for case, inputs in cases.items():
         assert_parts_only_at_close_logits(f"{name} {case}", got[case], stock[case], inputs["input_ids"].shape[1])
+
+
+def test_lazy_capture_takes_only_the_graphs_used_and_keeps_fp32_tokens():
+    """`lazy=True` (the caption command's): no graph at enable; each call captures its bucket's
+    graphs for the tiers its steps read, before its prefill fills the cache; tokens as stock."""
+    model = build_model("qwen2.5-vl-3b", dtype=torch.float32, device="cuda")
+    cases = make_cases(model.config, torch.float32)
+    expected = {case: greedy(model.generate, inputs, FP32_NEW_TOKENS) for case, inputs in cases.items()}
+    handle = enable_cuda_graphs(
+        model, budgets=BUDGETS, decoder_max_batch_size=4, decoder_max_cache_len=CACHE_LEN,
+        decoder_length_tiers=LENGTH_TIERS, choose_by_cost=False, lazy=True,
+    )
+    try:
+        assert handle.stats()["decoder"]["captured_graphs"] == []
+        assert handle.stats()["encoder"]["captured_budgets"] == {"default": []}
+        got = {case: greedy(model.generate, inputs, FP32_NEW_TOKENS) for case, inputs in cases.items()}
+        stats = handle.stats()
+    finally:
+        handle.disable()
+    for case in cases:
+        assert torch.equal(got[case], expected[case]), case
+    decoder = stats["decoder"]
+    # Batch of 1: prompt 109, steps read 110-132 slots (tiers 120, 144); batch of 3 (bucket 4):
+    # prompt 133, 134-156 slots (tiers 144, 256).
+    assert sorted(map(tuple, decoder["captured_graphs"])) == [(1, 120), (1, 144), (4, 144), (4, CACHE_LEN)]
+    assert decoder["graph_steps"] == decoder["steps"] > 0, decoder
+    assert stats["encoder"]["graph_items"] == stats["encoder"]["items"] == 4

@@ -159,3 +159,47 @@ def test_failed_capture_drops_that_budget_and_carries_on():
     with torch.inference_mode():
         assert_close_bf16(manager.execute(items)[0], model.eager_forward(items, GLOBAL)["hidden"])
     assert manager.stats()["paths"][GLOBAL]["replays_per_budget"] == {1024: 1}
+
+
+def test_lazy_capture_takes_the_budgets_used_largest_first_and_matches_eager():
+    """`lazy`: nothing at capture(); a budget's graph at its first use, after its path's largest
+    (which sizes the shared buffers), each timed with the eager forward one budget below it;
+    outputs as eager under random calls with a poisoned pool and buffers; a failed lazy capture
+    runs that sub-batch eagerly and is not tried again."""
+    model = build(seed=5, two_paths=False)
+    budgets = [64, 256, 1024, 4096]
+    manager = EncoderCudaGraphManager(model, budgets=budgets, max_items=4, poison_pool_bytes=POISON_BYTES, lazy=True)
+    manager.capture()
+    assert manager.stats()["captured_budgets"] == {GLOBAL: []}
+    eager = EncoderCudaGraphManager(model, max_items=4, enabled=False)
+    with torch.inference_mode():
+        first = [ToyItem(torch.randn(50, 48, device="cuda"))]
+        for out, ref in zip(manager.execute(first), eager.execute(first)):
+            assert_close_bf16(out, ref)
+        assert manager.stats()["captured_budgets"] == {GLOBAL: [64, 4096]}
+        costs = manager.costs[GLOBAL]
+        assert sorted(costs.replay_ms) == [64, 4096] and sorted(costs.eager_ms) == [64, 1024, 4096]
+        manager.poison_buffers()
+        rng = random.Random(1)
+        for _ in range(100):
+            items = [ToyItem(i.patches.cuda(), i.frames) for i in random_call(rng, model.config.in_dim, tiles=False)]
+            for out, ref in zip(manager.execute(items), eager.execute(items)):
+                assert_close_bf16(out, ref)
+    stats = manager.stats()
+    used = {b for b, n in stats["paths"][GLOBAL]["replays_per_budget"].items() if n}
+    assert used <= set(stats["captured_budgets"][GLOBAL]) and stats["graph_items"] > 0
+
+    failing = FailingViT(ToyViTConfig(two_paths=False)).to("cuda", torch.bfloat16).eval()
+    lazy = EncoderCudaGraphManager(failing, budgets=[128, 512, 1024], max_items=4, lazy=True, choose_by_cost=False)
+    lazy.capture()
+    items = [ToyItem(torch.randn(300, 48, device="cuda"))]  # budget 512: its capture fails
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with torch.inference_mode():
+            for _ in range(2):
+                assert_close_bf16(lazy.execute(items)[0], failing.eager_forward(items, GLOBAL)["hidden"])
+    stats = lazy.stats()
+    assert stats["captured_budgets"] == {GLOBAL: [1024]} and 512 in stats["failed_budgets"][GLOBAL]
+    # The call that met the failure ran eagerly; the next packed the item into 1024.
+    assert stats["paths"][GLOBAL]["miss_reasons"] == {"capture failed": 1}
+    assert stats["paths"][GLOBAL]["replays_per_budget"] == {1024: 1}

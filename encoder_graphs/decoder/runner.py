@@ -11,7 +11,7 @@ same tiers, so the CPU path exercises the same logic.
 """
 
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
@@ -98,8 +98,12 @@ class DecoderGraphRunner:
         family: ModelFamily | type[ModelFamily] | None = None,
         fused_step: bool = True,
         packed_prefill: bool = True,
+        lazy: bool = False,
     ) -> None:
+        """`lazy`: `capture()` only allocates the static buffers; the graphs of a (bucket, tier)
+        are captured when a `generate` call first needs them, so a job pays for those it uses."""
         self.model = model
+        self.lazy = lazy
         self.config = DecoderGraphConfig(
             max_batch_size, max_cache_len, list(batch_sizes or []), list(length_tiers or [])
         )
@@ -149,16 +153,22 @@ class DecoderGraphRunner:
 
     # ----- capture -------------------------------------------------------------------------
     def capture(self) -> None:
-        """Capture every (bucket, length tier), largest first, into this runner's own graph pool."""
+        """Capture every (bucket, length tier), largest first, into this runner's own graph pool
+        (with `lazy`, none yet: `generate` captures those it needs)."""
         if self.disabled_reason is not None or self.captured:
             self.captured = True
             return
+        self.static_buffers()
+        if not self.lazy:
+            self._capture_graphs(product(self.config.buckets, self.config.length_tiers))
+        self.captured = True
+
+    def _capture_graphs(self, keys: Iterable[tuple[int, int]]) -> None:
         buffers = self.static_buffers()
         with self._capture.session():
-            for bucket, tier in sorted(product(self.config.buckets, self.config.length_tiers), reverse=True):
+            for bucket, tier in sorted(keys, reverse=True):
                 with self._capture.or_drop((bucket, tier), f"batch {bucket}, tier {tier}"):
                     self._capture_graph(buffers, bucket, tier)
-        self.captured = True
         logger.info(
             "captured decoder graphs (bucket, tier) %s in %.2f s, %.1f MiB",
             sorted(self.graphs),
@@ -237,6 +247,7 @@ class DecoderGraphRunner:
             chosen = tokens.emit(0, sample(prefilled.logits))
             if max_new_tokens > 1:
                 route = self._route(batch, prompt_len + max_new_tokens - 1)
+                self._capture_first_use(route, prompt_len + 1, prompt_len + max_new_tokens - 1)
                 route.buffers.store.load_prefill(prefilled.key_values, prefilled.slots)
                 positions = prefilled.next_positions
                 del prefilled
@@ -290,6 +301,23 @@ class DecoderGraphRunner:
             return _Route(self.static_buffers(), batch, reason)
         # Eager steps take the same padded bucket as a replay would: one code path everywhere.
         return _Route(self.static_buffers(), bucket, None)
+
+    def _capture_first_use(self, route: _Route, first_slots: int, last_slots: int) -> None:
+        """With `lazy`, capture the graphs of `route`'s bucket for the length tiers its steps read
+        (from `first_slots` to `last_slots` slots): before the prefill fills the static cache,
+        since a capture runs idle steps over it."""
+        if not self.lazy or not self.captured or self.disabled_reason is not None or route.eager_reason:
+            return
+        tiers = self.config.length_tiers
+        low = smallest_fitting_budget(tiers, first_slots) or tiers[-1]
+        high = smallest_fitting_budget(tiers, last_slots) or tiers[-1]
+        missing = [
+            (route.rows, tier)
+            for tier in tiers
+            if low <= tier <= high and (route.rows, tier) not in self.graphs and (route.rows, tier) not in self._capture.failed
+        ]
+        if missing:
+            self._capture_graphs(missing)
 
     def _tier(self, route: _Route, needed_slots: int) -> _Tier:
         """The smallest length tier holding `needed_slots`; past the last one (a route's own longer

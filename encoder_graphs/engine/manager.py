@@ -74,9 +74,12 @@ class EncoderCudaGraphManager:
         log_interval_s: float = 60.0,
         poison_pool_bytes: int = 0,
         choose_by_cost: bool = True,
+        lazy: bool = False,
     ) -> None:
         """`choose_by_cost`: time every budget's replay and eager forward at capture, and run a
-        sub-batch eagerly where that measured faster (counted as a miss, "eager measured faster")."""
+        sub-batch eagerly where that measured faster (counted as a miss, "eager measured faster").
+        `lazy`: `capture()` captures nothing; each budget is captured (and timed) at its first
+        use, its path's largest budget first, so a job pays only for the budgets it uses."""
         check_supports_encoder_cuda_graph(model)
         self.model = model
         self.config = model.get_encoder_cudagraph_config()
@@ -96,6 +99,7 @@ class EncoderCudaGraphManager:
         self.log_interval_s = log_interval_s
         self.poison_pool_bytes = poison_pool_bytes
         self.choose_by_cost = choose_by_cost
+        self.lazy = lazy
         self.costs = {path: BudgetCosts() for path in self.paths}
 
         self.disabled_reason = unavailable_reason(enabled, self.config.device)
@@ -106,6 +110,7 @@ class EncoderCudaGraphManager:
         self._output_buffers: dict[str, dict[str, torch.Tensor]] = {}
         self._capture = GraphCapture(self.config.device, "encoder")
         self.captured = False
+        self._poisoned = False
         self._reset_counters()
 
     def _resolve_budgets(self, budgets) -> dict[str, list[int]]:
@@ -139,20 +144,31 @@ class EncoderCudaGraphManager:
 
     # ----- capture -------------------------------------------------------------------------
     def capture(self) -> None:
-        """Capture every budget of every path, largest first, into one shared memory pool."""
+        """Capture every budget of every path, largest first, into one shared memory pool (with
+        `lazy`, none now: `execute` captures each budget at its first use)."""
         if self.disabled_reason is not None or self.captured:
             self.captured = True
             return
-        with self._capture.session():
-            poison = self._poison_pool() if self.poison_pool_bytes else None
+        if not self.lazy:
             for path in self.paths:
-                for budget in sorted(self.budgets[path], reverse=True):
-                    with self._capture.or_drop((path, budget), f"path {path!r} budget {budget}"):
-                        forward = self._capture_budget(path, budget)
-                        if self.choose_by_cost:
-                            self._measure(path, budget, forward)
-            del poison  # the real graphs hold the pool now
+                self._capture_budgets(path, self.budgets[path])
         self.captured = True
+
+    def _capture_budgets(self, path: str, budgets: Sequence[int]) -> None:
+        """Capture `budgets` of `path` in one session, largest first: the first capture of a path
+        is its largest budget, which sizes the shared buffers every graph takes a prefix of."""
+        if not self.graphs[path] and not self._input_buffers.get(path):
+            budgets = {*budgets, self.budgets[path][-1]}
+        with self._capture.session():
+            poison = self._poison_pool() if self.poison_pool_bytes and not self._poisoned else None
+            for budget in sorted(budgets, reverse=True):
+                with self._capture.or_drop((path, budget), f"path {path!r} budget {budget}"):
+                    forward = self._capture_budget(path, budget)
+                    if self.choose_by_cost:
+                        self._measure(path, budget, forward)
+            if self.lazy and self.choose_by_cost:
+                self._time_eager_below(path, budgets)
+            del poison  # the real graphs hold the pool now
         logger.info(
             "captured encoder graphs %s in %.2f s, %.1f MiB",
             {path: sorted(graphs) for path, graphs in self.graphs.items()},
@@ -172,26 +188,50 @@ class EncoderCudaGraphManager:
         graph.replay()
         torch.cuda.synchronize()
         del blocks
+        self._poisoned = True
         return graph  # keeps the pool, and its NaN blocks, alive until real graphs hold it
 
     def _capture_budget(self, path: str, budget: int) -> Callable[[], object]:
         """Capture one budget's graph; returns the same forward, uncaptured, over its buffers."""
         # Inference tensors throughout, as in `execute`: compiled blocks see one set of guards.
         with torch.inference_mode():
-            capture = self.model.prepare_capture_inputs(budget, self.max_items, self.max_frames, path)
-            inputs = self._input_views(path, capture)
-            buffers = {**inputs, **capture.static}
-
-            def forward() -> dict[str, torch.Tensor]:
-                produced = self.model.graph_forward(buffers, path)
-                outputs = self._output_views(path, produced)
-                for key, view in outputs.items():
-                    view.copy_(produced[key])
-                return outputs
-
+            inputs, forward = self._forward(path, budget)
             graph, outputs = self._capture.graph(forward)
         self.graphs[path][budget] = BudgetGraph(budget, graph, inputs, outputs)
         return forward
+
+    def _forward(self, path: str, budget: int) -> tuple[dict[str, torch.Tensor], Callable[[], dict[str, torch.Tensor]]]:
+        """The capture inputs of `budget` in the shared buffers, and the forward over them that
+        writes the shared outputs."""
+        capture = self.model.prepare_capture_inputs(budget, self.max_items, self.max_frames, path)
+        inputs = self._input_views(path, capture)
+        buffers = {**inputs, **capture.static}
+
+        def forward() -> dict[str, torch.Tensor]:
+            produced = self.model.graph_forward(buffers, path)
+            outputs = self._output_views(path, produced)
+            for key, view in outputs.items():
+                view.copy_(produced[key])
+            return outputs
+
+        return inputs, forward
+
+    def _time_eager_below(self, path: str, budgets: Sequence[int]) -> None:
+        """The eager forward at the next smaller budget of each budget in `budgets` (not captured
+        itself): a sub-batch's eager time is interpolated between neighbouring budgets
+        (`BudgetCosts.eager_estimate`), as after a full capture, though `lazy` captured fewer."""
+        costs = self.costs[path]
+        for budget in budgets:
+            lower = [b for b in self.budgets[path] if b < budget]
+            if not lower or lower[-1] in costs.eager_ms:
+                continue
+            try:
+                with torch.inference_mode():
+                    _, forward = self._forward(path, lower[-1])
+                    forward()  # first call at a new size: lazy inits, kernel choice
+                    costs.record_eager(lower[-1], min(elapsed_ms(forward), elapsed_ms(forward)))
+            except torch.cuda.OutOfMemoryError:
+                torch.cuda.empty_cache()
 
     def _measure(self, path: str, budget: int, forward: Callable[[], object]) -> None:
         """Time the budget's replay (after an untimed one: the first uploads the graph) and its
@@ -255,10 +295,10 @@ class EncoderCudaGraphManager:
         """Encode every item of `inputs`; one tensor per item, in input order."""
         started = self.latency.start(self.config.device.type == "cuda")
         specs = self.model.get_item_specs(inputs)
-        budgets = {path: sorted(graphs) for path, graphs in self.graphs.items()}
         results: list[torch.Tensor | None] = [None] * len(specs)
         with torch.inference_mode():
-            for batch in greedy_pack(specs, budgets, self.max_items, self.max_frames):
+            for batch in greedy_pack(specs, self._packing_budgets(), self.max_items, self.max_frames):
+                self._capture_first_use(batch)
                 self._eager_where_cheaper(batch)
                 subset = self.model.select_items(inputs, batch.indices)
                 outputs = {path: self._run_path(batch, path, subset) for path in self.paths}
@@ -270,6 +310,26 @@ class EncoderCudaGraphManager:
         self.calls += 1
         self._maybe_log()
         return results
+
+    def _packing_budgets(self) -> dict[str, list[int]]:
+        """The budgets sub-batches may take: the captured ones, and with `lazy` also those not
+        tried yet (a failed capture is out)."""
+        if not (self.lazy and self.captured and self.disabled_reason is None):
+            return {path: sorted(graphs) for path, graphs in self.graphs.items()}
+        failed = {key for key in self._capture.failed}
+        return {path: [b for b in self.budgets[path] if (path, b) not in failed] for path in self.paths}
+
+    def _capture_first_use(self, batch: SubBatch) -> None:
+        """With `lazy`, capture the budgets `batch` takes that have no graph yet; one whose
+        capture fails runs eagerly (and is not tried again)."""
+        if not self.lazy:
+            return
+        for path, budget in batch.budget.items():
+            if budget and budget not in self.graphs[path]:
+                if (path, budget) not in self._capture.failed:
+                    self._capture_budgets(path, [budget])
+                if budget not in self.graphs[path]:
+                    batch.budget[path], batch.eager_reasons[path] = None, "capture failed"
 
     def _eager_where_cheaper(self, batch: SubBatch) -> None:
         if not self.choose_by_cost:
@@ -343,8 +403,8 @@ class EncoderCudaGraphManager:
             "capture_seconds": self._capture.seconds,
             "graph_memory_bytes": self._capture.memory_bytes,
             "budget_costs_ms": {
-                path: {budget: {"replay": costs.replay_ms[budget], "eager": costs.eager_ms[budget]}
-                       for budget in sorted(costs.replay_ms)}
+                path: {budget: {"replay": costs.replay_ms.get(budget), "eager": costs.eager_ms[budget]}
+                       for budget in sorted(costs.eager_ms)}
                 for path, costs in self.costs.items()
             },
             "latency_ms": self.latency.summary(),
