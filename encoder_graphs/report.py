@@ -91,9 +91,14 @@ def format_run_stats(stats: dict) -> str:
         f"({stats['generated_tokens']} tokens in {stats['wall_s']:.2f} s, {stats['batches']} batches, "
         f"{stats['retried_batches']} retried one by one)",
         f"  batch size {stats.get('batch_size', '-')}, prompt padding {stats.get('prompt_padding_pct', 0.0):.0f}%; "
-        f"the model waited {stats.get('input_wait_s', 0.0):.2f} s for files still loading; "
-        f"sidecars written {stats.get('sidecars', 0)}",
+        f"the model waited {stats.get('input_wait_s', 0.0):.2f} s for files still loading "
+        f"({stats.get('input_wait_pct', 0.0):.1f}% of the loop); sidecars written {stats.get('sidecars', 0)}",
     ]
+    if stats.get("first_caption_after_load_s") is not None:
+        lines.append(
+            f"  start: model loaded {stats['load_s']:.1f} s after the command started; graphs set up in "
+            f"{stats['setup_s']:.1f} s; first captions {stats['first_caption_after_load_s']:.1f} s after the model loaded"
+        )
     for name in ("batch_latency_ms", "item_latency_ms"):
         latency = stats[name]
         lines.append(

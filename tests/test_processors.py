@@ -193,9 +193,10 @@ def clip(count: int, size: tuple[int, int] = (84, 60), seed: int = 0) -> list[Im
     return frames
 
 
-def official(processor, items: list[tuple[str, object, object]]) -> dict:
+def official(processor, items: list[tuple[str, object, object]], **settings) -> dict:
     """The processor's batch for `items` ((kind, image or frames, video metadata or None)), each
-    item its own prompt, as a caller following the model card writes it."""
+    item its own prompt, as a caller following the model card writes it (`settings`: more
+    processor arguments, e.g. `max_pixels`)."""
     texts = [
         processor.apply_chat_template(
             [{"role": "user", "content": [{"type": kind}, {"type": "text", "text": PROMPT}]}],
@@ -214,7 +215,7 @@ def official(processor, items: list[tuple[str, object, object]]) -> dict:
         kwargs["do_sample_frames"] = False  # the frames are already chosen
         if any(metadata is not None for _, metadata in videos):
             kwargs["video_metadata"] = [metadata for _, metadata in videos]
-    return dict(processor(text=texts, padding=True, return_tensors="pt", **kwargs))
+    return dict(processor(text=texts, padding=True, return_tensors="pt", **kwargs, **settings))
 
 
 def ours(inputs: QwenVLInputs, items: list[tuple[str, object, object]]) -> dict:
@@ -279,6 +280,26 @@ def test_large_frames_are_shrunk_alike(checkpoint):
     items = [("video", frames, VideoMetadata(**metadata))]
     mine = ours(inputs, [("video", frames, metadata)])  # a plain mapping works as well
     assert_same(mine, official(processor, items))
+
+
+@pytest.mark.parametrize("tokens", [16, 40])
+def test_resolution_policy_equals_the_processor_given_that_max_pixels(checkpoint, tokens):
+    """`max_image_tokens` (the caption command's `--max-image-tokens`) shrinks an image as the
+    processor does with `max_pixels` = tokens x (patch x merge)^2 (the model card's
+    `from_pretrained(..., max_pixels=)`; per call, `size`'s longest edge: transformers 5.17 ignores
+    a `max_pixels` call argument)."""
+    _, inputs, processor = checkpoint
+    capped = QwenVLInputs(
+        inputs.tokenizer, inputs.image_processor, model_type=inputs.model_type,
+        chat_template=inputs.chat_template, max_image_tokens=tokens,
+    )
+    for size in [(640, 480), (300, 200), (33, 500)]:
+        items = [("image", noise(size, seed=size[0]), None)]
+        mine = ours(capped, items)
+        assert mine["image_grid_thw"].prod() // capped.image.merge_size**2 <= tokens
+        size = {"longest_edge": tokens * capped.factor**2, "shortest_edge": capped.image.min_pixels}
+        assert_same(mine, official(processor, items, size=size))
+    assert capped.max_image_pixels == tokens * capped.factor**2 < inputs.max_image_pixels
 
 
 def test_mixed_batch(checkpoint):

@@ -9,7 +9,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from encoder_graphs.app.config import COMPILE_FROM_FILES, DEFAULT_PROMPT, PROMPT_FIELDS
+from encoder_graphs.app.config import COMPILE_FROM_FILES, DEFAULT_IMAGE_TOKENS, DEFAULT_PROMPT, PROMPT_FIELDS
 from encoder_graphs.app.errors import EXIT_INTERRUPTED, EXIT_USAGE, UsageError
 
 
@@ -41,10 +41,20 @@ def _model_arguments(parser: argparse.ArgumentParser) -> None:
         "--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: cuda when available (default)"
     )
     group.add_argument(
+        "--max-image-tokens",
+        type=_tokens_or_model,
+        default=DEFAULT_IMAGE_TOKENS,
+        metavar="N|model",
+        help="resolution for models that size their grid to the image (Qwen-VL): larger images and video frames "
+        "are shrunk to at most N vision tokens (N x 784 pixels for Qwen2/2.5-VL, N x 1024 for Qwen3-VL); "
+        "'model' keeps the checkpoint's own limit (Qwen2.5-VL: 16384 tokens, 12.8 MP) (default: %(default)s)",
+    )
+    group.add_argument(
         "--max-tiles",
         type=_positive_int,
         default=None,
-        help="tiles per image for tiling models (InternVL; default: the checkpoint's); others ignore it",
+        help="resolution for tiling models (InternVL): tiles of 256 tokens per image, plus a thumbnail "
+        "(default: the checkpoint's, 12)",
     )
     group.add_argument(
         "--max-frames", type=_even_int, default=16, help="frames sampled per video, even (default: %(default)s)"
@@ -157,6 +167,11 @@ def _non_negative_float(text: str) -> float:
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
     return value
+
+
+def _tokens_or_model(text: str) -> int | None:
+    """A positive integer, or None for 'model' (the checkpoint's own limit)."""
+    return None if text == "model" else _positive_int(text)
 
 
 def _batch_size(text: str) -> int | None:

@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -27,9 +28,7 @@ if TYPE_CHECKING:
     from encoder_graphs.protocols import CaptionInputs
 
 RESUME_HINT = "rerun the same command to resume"
-AUTO_BATCH_DEFAULT = 8  # without CUDA, where memory does not bound the batch
-AUTO_BATCH_MAX = 64
-VISION_TOKENS_PER_SEQUENCE = 1024  # the default cap on a batch's vision tokens, per sequence
+STARTED = time.perf_counter()  # the command's start, for the statistics' times (imports after it are counted)
 
 
 @dataclass
@@ -164,12 +163,16 @@ def run(args: argparse.Namespace, plan: Plan) -> int:
 
     device = pick_device(args.device, plan.job.local_rank)
     print(f"encoder-graphs: loading model {args.model or '(embedded tiny default)'} on {device} ...", file=sys.stderr)
-    model, inputs = load_model(args.model, device, max_tiles=args.max_tiles)
+    model, inputs = load_model(args.model, device, max_tiles=args.max_tiles, max_image_tokens=args.max_image_tokens)
+    loaded = time.perf_counter()  # the weights are on the device
     if args.seed is not None:
         import torch
 
         torch.manual_seed(args.seed)
     summary, graph_stats, graph_table = caption_files(args, plan, model, inputs, device)
+    summary["load_s"] = loaded - STARTED
+    if summary["first_records_s"] is not None:
+        summary["first_caption_after_load_s"] = summary["setup_s"] + summary["first_records_s"]
     if plan.job.distributed and (summary := finish_job(plan, summary)) is None:
         return EXIT_OK  # rank 0 merges the parts and reports for the job
     print(format_run_stats(summary))
@@ -221,18 +224,23 @@ def caption_files(
     from encoder_graphs.app.results import ResultsFile
     from encoder_graphs.app.runstats import Progress
 
+    setup_started = time.perf_counter()
     limits = LoadLimits(
         max_frames=args.max_frames,
         min_side=inputs.min_side,
         max_pixels=inputs.max_image_pixels,
         frame_max_pixels=inputs.max_frame_pixels,
     )
-    longest = longest_sequence(inputs, plan.config, limits)
+    # The resolution policy sizes the decoder's cache, its length tiers and the batch.
+    longest = longest_sequence(inputs, plan.config, limits, videos=any(f.kind == "video" for f in plan.todo))
     check_length(args, model, longest)
-    batch_size = args.batch_size or auto_batch_size(model, longest, device)
-    # Unless given, the vision-token cap follows the batch: at 16384 a batch of 64 typical
-    # images (~700 tokens each) was cut to ~20 (H200, 2026-11-22).
-    max_batch_tokens = args.max_batch_tokens or VISION_TOKENS_PER_SEQUENCE * batch_size
+    longest_prompt = longest - plan.config.max_new_tokens
+    batch_size = args.batch_size or auto_batch_size(model, longest, longest_prompt, device)
+    # A batch never holds more files than the job, so the decoder captures no larger bucket.
+    batch_size = min(batch_size, max(1, len(plan.todo)))
+    # Unless given, the vision-token cap lets a batch of the largest items through: the batch
+    # size already counts their memory.
+    max_batch_tokens = args.max_batch_tokens or longest_prompt * batch_size
     prefetch = 1 if plan.job.distributed else plan.config.prefetch_batches
     config = replace(plan.config, batch_size=batch_size, max_batch_tokens=max_batch_tokens, prefetch_batches=prefetch)
     try:
@@ -244,9 +252,11 @@ def caption_files(
             compile=wants_compile(args, plan, device),
             decoder_max_batch_size=config.batch_size,
             decoder_max_cache_len=longest,
+            lazy=True,  # each graph at its first use: a job captures only what it needs
         )
     except ValueError as error:  # an architecture without an adapter, a bad backend or budgets
         raise UsageError(f"cannot enable graphs on this model: {error}") from error
+    setup_s = time.perf_counter() - setup_started
     job = plan.job
     # Under torchrun each rank writes its own part file and claims chunks of the costliest first.
     writer = ResultsFile(part_path(plan.results.path, job.rank)) if job.distributed else plan.results
@@ -266,7 +276,20 @@ def caption_files(
             writer.close()
     stats.skipped = len(plan.files) - len(plan.todo)
     stats.files = len(plan.files)
-    return {**stats.as_dict(), "batch_size": config.batch_size, "sidecars": outputs.sidecars_written}, graph_stats, graph_table
+    summary = {
+        **stats.as_dict(),
+        "batch_size": config.batch_size,
+        "sidecars": outputs.sidecars_written,
+        "setup_s": setup_s,
+        "max_image_tokens": args.max_image_tokens,
+        "max_tiles": args.max_tiles,
+        "longest_sequence": longest,
+    }
+    if device.type == "cuda":
+        import torch
+
+        summary["peak_gpu_memory_bytes"] = torch.cuda.max_memory_allocated(device)
+    return summary, graph_stats, graph_table
 
 
 def wants_compile(args: argparse.Namespace, plan: Plan, device: "torch.device") -> bool:
@@ -289,21 +312,18 @@ def check_length(args: argparse.Namespace, model: "PreTrainedModel", longest: in
         )
 
 
-def auto_batch_size(model: "PreTrainedModel", longest: int, device: "torch.device") -> int:
-    """`--batch-size auto`: the most sequences whose static KV cache (sized for the longest
-    sequence) fits in half the GPU memory free now, up to 64 (a multiple of 8 from 8 on);
-    throughput grows with the batch (RESULTS.md). 8 without CUDA."""
+def auto_batch_size(model: "PreTrainedModel", longest: int, longest_prompt: int, device: "torch.device") -> int:
+    """`--batch-size auto`: the most sequences of the longest length the GPU memory free now
+    holds, up to 64 (`app.sizing`); throughput grows with the batch (RESULTS.md). 8 without CUDA."""
+    from encoder_graphs.app.sizing import AUTO_BATCH_DEFAULT, TextSizes, batch_size_for, sequence_memory
+
     if device.type != "cuda":
         return AUTO_BATCH_DEFAULT
     import torch
 
-    from encoder_graphs.decoder.buffers import TextDims
-
-    dims = TextDims.of(model)
-    per_sequence = 2 * dims.num_layers * dims.num_kv_heads * dims.head_dim * longest * dims.dtype.itemsize
+    sizes = TextSizes.of(model.config.get_text_config(decoder=True), model.dtype.itemsize)
     free, _ = torch.cuda.mem_get_info(device)
-    fits = int(free * 0.5 // per_sequence)
-    return max(1, min(AUTO_BATCH_MAX, fits if fits < 8 else fits - fits % 8))
+    return batch_size_for(free, sequence_memory(sizes, longest, longest_prompt))
 
 
 @contextmanager

@@ -1,14 +1,28 @@
 """The caption run's settings: plain Python, so the command line can check them before it loads
 torch or a model."""
 
+import os
 import string
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 DEFAULT_PROMPT = "Describe this in one sentence."
 # What a prompt template may name: the file's name without its extension, its folder's name, and
 # the image's size in pixels (a video's frame size as decoded).
 PROMPT_FIELDS = ("name", "folder", "width", "height")
 COMPILE_FROM_FILES = 2000  # files a GPU from which the command compiles the encoder blocks (command.wants_compile)
+# The resolution policy's default: vision tokens an image (or a video frame) may become, the top
+# of the Qwen team's 256-1280 guidance; 1,003,520 pixels for 28-pixel tokens (Qwen2/2.5-VL),
+# 1,310,720 for 32-pixel ones (Qwen3-VL). A token cap rather than a pixel one: the encoder's and
+# the prefill's work and the KV cache grow with tokens, so one number costs the same everywhere.
+DEFAULT_IMAGE_TOKENS = 1280
+
+
+def default_load_workers() -> int:
+    """Threads decoding and preprocessing files: every core but the one feeding the GPU, up to 16
+    (a 12 MP JPEG takes ~60 ms of one core at the default resolution, and the threads release
+    the GIL in PIL's decoder and torch's resize)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2
+    return max(2, min(16, cores - 1))
 
 
 @dataclass(frozen=True)
@@ -17,7 +31,7 @@ class CaptionConfig:
     max_new_tokens: int = 32
     batch_size: int = 8
     max_batch_tokens: int = 16384  # vision placeholder tokens in one generate call
-    load_workers: int = 4
+    load_workers: int = field(default_factory=default_load_workers)
     # Batches of files loading ahead of the model. A torchrun rank claims files as its loaders
     # take them, so there the caption command loads one batch ahead: four let the first rank to
     # start claim the 256 largest of 512 files (2 H200s, 1.71x one GPU, 2026-11-22).

@@ -26,9 +26,10 @@ def pick_device(name: str, local_rank: int = 0) -> "torch.device":
 
 
 def load_model(
-    name: str | None, device: "torch.device", *, max_tiles: int | None = None
+    name: str | None, device: "torch.device", *, max_tiles: int | None = None, max_image_tokens: int | None = None
 ) -> "tuple[PreTrainedModel, CaptionInputs]":
-    """(model, inputs) for a checkpoint directory, a preset name, or the embedded default."""
+    """(model, inputs) for a checkpoint directory, a preset name, or the embedded default; the
+    inputs follow the resolution policy (`max_tiles`, `max_image_tokens`: `from_pretrained`'s)."""
     import torch
     from transformers.utils import logging as hf_logging
 
@@ -36,8 +37,9 @@ def load_model(
 
     hf_logging.disable_progress_bar()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    resolution = {"max_tiles": max_tiles, "max_image_tokens": max_image_tokens}
     if name is not None and name in PRESETS and not Path(name).exists():
-        return _load_preset(name, dtype, device, max_tiles)
+        return _load_preset(name, dtype, device, resolution)
     from encoder_graphs.models.default_model import default_model_dir
 
     directory = default_model_dir() if name is None else Path(name)
@@ -46,11 +48,11 @@ def load_model(
             f"--model {name}: neither a checkpoint directory (no config.json) nor a preset "
             f"({', '.join(sorted(PRESETS))})"
         )
-    return _load_checkpoint(directory, dtype, device, max_tiles)
+    return _load_checkpoint(directory, dtype, device, resolution)
 
 
 def _load_checkpoint(
-    directory: Path, dtype: "torch.dtype", device: "torch.device", max_tiles: int | None
+    directory: Path, dtype: "torch.dtype", device: "torch.device", resolution: dict
 ) -> "tuple[PreTrainedModel, CaptionInputs]":
     from transformers import AutoConfig, AutoModelForImageTextToText
 
@@ -58,7 +60,7 @@ def _load_checkpoint(
 
     try:
         config = AutoConfig.from_pretrained(directory, trust_remote_code=False)
-        inputs = family_for_config(config).inputs.from_pretrained(directory, max_tiles=max_tiles)
+        inputs = family_for_config(config).inputs.from_pretrained(directory, **resolution)
         inputs.check_model(config)  # before loading: a large checkpoint takes GBs
         model = AutoModelForImageTextToText.from_pretrained(
             directory, dtype=dtype, use_safetensors=True, trust_remote_code=False
@@ -69,7 +71,7 @@ def _load_checkpoint(
 
 
 def _load_preset(
-    name: str, dtype: "torch.dtype", device: "torch.device", max_tiles: int | None
+    name: str, dtype: "torch.dtype", device: "torch.device", resolution: dict
 ) -> "tuple[PreTrainedModel, CaptionInputs]":
     """A random-weight preset with its generated tokenizer and processor files (noise captions)."""
     from encoder_graphs.models.preset_files import preset_files_dir
@@ -77,6 +79,6 @@ def _load_preset(
     from encoder_graphs.models.registry import family_for_config
 
     config = get_config(name)
-    inputs = family_for_config(config).inputs.from_pretrained(preset_files_dir(name), max_tiles=max_tiles)
+    inputs = family_for_config(config).inputs.from_pretrained(preset_files_dir(name), **resolution)
     inputs.check_model(config)
     return build_model(name, dtype=dtype, device=device), inputs

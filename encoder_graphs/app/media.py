@@ -42,17 +42,22 @@ class VideoFrames(list):
     """A video's frames (RGB images) and `metadata` on where they come from, with the keys of
     transformers' `VideoMetadata`: `fps` of the stream (None when unknown), `frames_indices` of
     these frames in it, `total_num_frames` decoded. Qwen2.5-VL and Qwen3-VL inputs time the
-    video by it (`QwenVLInputs.encode_video`)."""
+    video by it (`QwenVLInputs.encode_video`). `size`: the stream's (width, height) before the
+    frames were shrunk."""
 
-    def __init__(self, frames: list[Image.Image], metadata: dict) -> None:
+    def __init__(self, frames: list[Image.Image], metadata: dict, size: tuple[int, int] | None = None) -> None:
         super().__init__(frames)
         self.metadata = metadata
+        self.size = size if size is not None else (frames[0].size if frames else (0, 0))
 
 
 @dataclass(frozen=True)
 class LoadLimits:
-    max_pixels: int = 1280 * 28 * 28  # decoded images are shrunk to this before processing
-    min_side: int = 28  # and tiny ones grown to this (the model's patch * merge size)
+    # An image larger than this is reduced by a whole factor that still leaves it this many pixels
+    # (a JPEG inside its decoder: 1/2, 1/4, 1/8; other formats after decoding, by box averages);
+    # the processor then resizes it once, to its own grid, which the reduction leaves unchanged.
+    max_pixels: int = 1280 * 28 * 28
+    min_side: int = 28  # tiny images are grown to this (the model's patch * merge size)
     max_decode_pixels: int = 2 * Image.MAX_IMAGE_PIXELS  # refuse to decode larger (bombs)
     max_frames: int = 16
     frame_max_pixels: int = 256 * 28 * 28
@@ -192,7 +197,15 @@ def load_image(path: Path, limits: LoadLimits) -> Image.Image:
     except (OSError, ValueError, SyntaxError, EOFError) as error:
         # PIL reports truncated and malformed data as any of these.
         raise MediaError(path, "corrupt", f"cannot decode image ({error})") from error
-    return fit(rgb, limits.max_pixels, limits.min_side)
+    return fit(reduce(rgb, limits.max_pixels), None, limits.min_side)
+
+
+def reduce(image: Image.Image, max_pixels: int) -> Image.Image:
+    """`image` box-reduced by the largest whole factor that keeps at least `max_pixels` of it:
+    what JPEG's draft decode does, for every format. Not resized to `max_pixels` itself: the
+    processor's resize to its grid follows, and a resize before it would blur the picture twice."""
+    factor = math.isqrt(image.width * image.height // max_pixels)
+    return image.reduce(factor) if factor >= 2 else image
 
 
 def load_video(path: Path, limits: LoadLimits) -> VideoFrames:
@@ -210,6 +223,7 @@ def load_video(path: Path, limits: LoadLimits) -> VideoFrames:
         raise MediaError(path, "unsupported", "video needs PyAV: pip install 'encoder-graphs[video]'") from error
     keep = 4 * limits.max_frames
     candidates: list[Image.Image] = []  # candidates[i] is the stream's frame i * stride
+    size = None  # the stream's frame size, before shrinking
     stride = 1
     decoded = 0
     fps = None
@@ -224,6 +238,7 @@ def load_video(path: Path, limits: LoadLimits) -> VideoFrames:
                 decoded = index + 1
                 if index % stride:
                     continue
+                size = size or (frame.width, frame.height)
                 candidates.append(fit(frame.to_image().convert("RGB"), limits.frame_max_pixels, limits.min_side))
                 if len(candidates) == keep:
                     candidates = candidates[::2]
@@ -239,16 +254,17 @@ def load_video(path: Path, limits: LoadLimits) -> VideoFrames:
     count = min(limits.max_frames, len(candidates))
     count = max(2, count - count % 2)
     picks = np.linspace(0, len(candidates) - 1, count).round().astype(int)
-    size = candidates[0].size
-    frames = [candidates[i] if candidates[i].size == size else candidates[i].resize(size) for i in picks]
+    shape = candidates[0].size
+    frames = [candidates[i] if candidates[i].size == shape else candidates[i].resize(shape) for i in picks]
     indices = [int(i) * stride for i in picks]
-    return VideoFrames(frames, {"fps": fps, "frames_indices": indices, "total_num_frames": decoded})
+    return VideoFrames(frames, {"fps": fps, "frames_indices": indices, "total_num_frames": decoded}, size)
 
 
-def fit(image: Image.Image, max_pixels: int, min_side: int) -> Image.Image:
-    """Shrink to at most `max_pixels`, then grow so the short side is at least `min_side`."""
+def fit(image: Image.Image, max_pixels: int | None, min_side: int) -> Image.Image:
+    """Shrink to at most `max_pixels` (None: never), then grow so the short side is at least
+    `min_side`."""
     width, height = image.size
-    scale = min(1.0, math.sqrt(max_pixels / (width * height)))
+    scale = 1.0 if max_pixels is None else min(1.0, math.sqrt(max_pixels / (width * height)))
     scale = max(scale, min_side / min(width, height))
     if scale == 1.0:
         return image

@@ -57,17 +57,22 @@ class Captioner:
         `prefetch_batches` batches, cut into batches costliest first, so that a batch holds
         prompts of similar length: of 256 Qwen2.5-VL prompts (images of 224-1024 px) in batches of
         64, 56% of the prefill's tokens were left-padding in folder order, 23% in sorted windows.
+        The first window is one batch, so the first captions do not wait for four batches of files.
         `stop` is asked between files and batches: once it says so, the run ends after writing
         what is done (stats.interrupted); files loaded but not captioned are left to a rerun."""
         stats = RunStats()
-        started = time.perf_counter()
-        window = self.config.batch_size * self.config.prefetch_batches
+        self._started = time.perf_counter()
+        window = self.config.batch_size
+        ahead = self.config.batch_size * self.config.prefetch_batches
         ready: list[Pending] = []
         failures: list[dict] = []  # written with the next batch, so a kill loses at most one batch
-        # Files load on worker threads a window ahead of the model (PIL and PyAV release the GIL).
+        # Files load on worker threads a window ahead of the model (PIL, PyAV and torch's CPU
+        # kernels release the GIL); the next batch is collated on its own thread while the model
+        # runs one, so neither waits behind the other.
         pool = ThreadPoolExecutor(self.config.load_workers)
+        self._collator = ThreadPoolExecutor(1)
         try:
-            for outcome in self._loaded(files, pool, window, stats, stop):
+            for outcome in self._loaded(files, pool, ahead, stats, stop):
                 if isinstance(outcome, dict):
                     failures.append(outcome)
                     if len(failures) >= self.config.batch_size:
@@ -77,7 +82,7 @@ class Captioner:
                 ready.append(outcome)
                 if len(ready) == window:
                     self._caption_window(ready, failures, outputs, stats, stop)
-                    ready = []
+                    ready, window = [], ahead
                 if stats.interrupted:
                     break
             if not stats.interrupted:
@@ -86,7 +91,8 @@ class Captioner:
                 outputs.write(failures)
         finally:  # a second Ctrl-C must not wait for the files still queued
             pool.shutdown(wait=False, cancel_futures=True)
-        stats.wall_s = time.perf_counter() - started
+            self._collator.shutdown(wait=False, cancel_futures=True)
+        stats.wall_s = time.perf_counter() - self._started
         return stats
 
     def _loaded(
@@ -112,25 +118,27 @@ class Captioner:
     def _caption_window(
         self, ready: list[Pending], failures: list[dict], outputs: Outputs, stats: RunStats, stop: Callable[[], bool]
     ) -> None:
-        """Caption `ready` in batches, costliest first (ties in file order); `failures` are written
-        with the first batch."""
-        batch: list[Pending] = []
+        """Caption `ready` in batches, costliest first (ties in file order), each batch collated
+        while the one before runs; `failures` are written with the first batch."""
+        batches: list[list[Pending]] = []
         for pending in sorted(ready, key=lambda p: p.item.vision_tokens, reverse=True):
-            if batch and self._full(batch, pending):
-                self._write_batch(batch, failures, outputs, stats, stop)
-                batch = []
-            batch.append(pending)
-        if batch:
-            self._write_batch(batch, failures, outputs, stats, stop)
+            if not batches or self._full(batches[-1], pending):
+                batches.append([])
+            batches[-1].append(pending)
+        collated = [self._collator.submit(self._collate, batch) for batch in batches[:1]]
+        for index, batch in enumerate(batches):
+            if index + 1 < len(batches):
+                collated.append(self._collator.submit(self._collate, batches[index + 1]))
+            if stats.interrupted or stop():
+                stats.interrupted = True
+                return
+            outputs.write(failures + self.caption_batch(batch, stats, collated[index]))
+            failures.clear()
+            if stats.first_records_s is None:
+                stats.first_records_s = time.perf_counter() - self._started
 
-    def _write_batch(
-        self, batch: list[Pending], failures: list[dict], outputs: Outputs, stats: RunStats, stop: Callable[[], bool]
-    ) -> None:
-        if stats.interrupted or stop():
-            stats.interrupted = True
-            return
-        outputs.write(failures + self.caption_batch(batch, stats))
-        failures.clear()
+    def _collate(self, batch: list[Pending]) -> dict[str, torch.Tensor]:
+        return self.inputs.collate([p.item for p in batch], [p.prompt for p in batch])
 
     def _full(self, batch: list[Pending], coming: Pending) -> bool:
         tokens = sum(p.item.vision_tokens for p in batch) + coming.item.vision_tokens
@@ -156,7 +164,7 @@ class Captioner:
                 size = original_size(file.path)
             else:
                 item = self.inputs.encode_video(media)
-                size = media[0].size
+                size = media.size
         except MediaError as error:
             return self._error_record(file, error.kind, str(error))
         # A processor rejecting one input (or a decoder failing in a way `load` does not foresee)
@@ -166,9 +174,12 @@ class Captioner:
         prompt = self.config.prompt_for(file.path.stem, file.path.parent.name, *size)
         return Pending(file, item, 1000.0 * (time.perf_counter() - started), prompt, size)
 
-    def caption_batch(self, batch: list[Pending], stats: RunStats) -> list[dict]:
+    def caption_batch(
+        self, batch: list[Pending], stats: RunStats, collated: "Future[dict[str, torch.Tensor]] | None" = None
+    ) -> list[dict]:
+        """The records of one batch (`collated`: its `collate`, when already under way)."""
         try:
-            return self._generate(batch, stats)
+            return self._generate(batch, stats, collated)
         except Exception as error:  # noqa: BLE001
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -181,14 +192,14 @@ class Captioner:
         stats.retried_batches += 1
         return [record for pending in batch for record in self.caption_batch([pending], stats)]
 
-    def _generate(self, batch: list[Pending], stats: RunStats) -> list[dict]:
+    def _generate(
+        self, batch: list[Pending], stats: RunStats, collated: "Future[dict[str, torch.Tensor]] | None"
+    ) -> list[dict]:
         started = time.perf_counter()
-        # Pixels in the model's dtype; ids, masks, grids and Qwen2.5-VL's second_per_grid_ts (float32
-        # as the processor gives it: M-RoPE multiplies temporal positions by it) as they are.
-        model_inputs = {
-            name: value.to(self.device, dtype=self.model.dtype if name.startswith("pixel_values") else None)
-            for name, value in self.inputs.batch([p.item for p in batch], [p.prompt for p in batch]).items()
-        }
+        # Pixels normalised on the model's device into its dtype; ids, masks, grids and
+        # Qwen2.5-VL's second_per_grid_ts (float32 as the processor gives it) as they are.
+        host = collated.result() if collated is not None else self._collate(batch)
+        model_inputs = self.inputs.to_model(host, self.device, self.model.dtype)
         prompt_length = model_inputs["input_ids"].shape[1]
         stats.prompt_tokens += int(model_inputs["attention_mask"].sum())
         stats.padded_prompt_tokens += model_inputs["attention_mask"].numel()
@@ -228,6 +239,9 @@ class Captioner:
             "prompt": pending.prompt,
             "width": width,
             "height": height,
+            # What the model saw, by the resolution policy (a video: each frame; InternVL: the tiles' canvas).
+            "model_width": pending.item.size[0],
+            "model_height": pending.item.size[1],
             "vision_tokens": pending.item.vision_tokens,
             "timings": {"load_ms": round(pending.load_ms, 3), "batch_ms": round(batch_ms, 3), "batch_size": batch_size},
         }
@@ -254,11 +268,12 @@ def original_size(path: Path) -> tuple[int, int]:
     return (height, width) if rotated else (width, height)
 
 
-def longest_sequence(inputs: CaptionInputs, config: CaptionConfig, limits: LoadLimits) -> int:
+def longest_sequence(inputs: CaptionInputs, config: CaptionConfig, limits: LoadLimits, videos: bool = True) -> int:
     """The most tokens one sequence can reach here: the longest prompt plus `max_new_tokens`. It
-    sizes the decoder graphs' cache; a decode step reads only the smallest length tier holding its
-    batch's sequences, so the size costs cache memory and capture, not per-step reads. A rare
+    sizes the decoder graphs' cache and the batch; a decode step reads only the smallest length
+    tier holding its batch's sequences, so the size costs memory, not per-step reads. A rare
     longer one (an extreme aspect ratio) runs eagerly. A prompt template is measured with long
-    field values (a 64-character name and folder, 5-digit sizes)."""
+    field values (a 64-character name and folder, 5-digit sizes). `videos=False` (a job of images
+    only) leaves out the videos, whose many frames would size everything."""
     prompt = config.prompt_for("n" * 64, "f" * 64, 99999, 99999)
-    return inputs.longest_prompt(prompt, limits.max_frames) + config.max_new_tokens
+    return inputs.longest_prompt(prompt, limits.max_frames if videos else 0) + config.max_new_tokens

@@ -22,6 +22,7 @@ class RunStats:
     retried_batches: int = 0
     wall_s: float = 0.0
     input_wait_s: float = 0.0  # the model waiting for files still loading
+    first_records_s: float | None = None  # from the loop's start until the first batch's records
     interrupted: bool = False
     prompt_tokens: int = 0  # prompt tokens given to generate, without the left-padding
     padded_prompt_tokens: int = 0  # the same with it: batch size x longest prompt, summed
@@ -42,6 +43,8 @@ class RunStats:
             "retried_batches": self.retried_batches,
             "wall_s": self.wall_s,
             "input_wait_s": self.input_wait_s,
+            "input_wait_pct": 100.0 * self.input_wait_s / self.wall_s if self.wall_s else 0.0,
+            "first_records_s": self.first_records_s,
             "interrupted": self.interrupted,
             "prompt_tokens": self.prompt_tokens,
             "padded_prompt_tokens": self.padded_prompt_tokens,

@@ -1,0 +1,98 @@
+"""`--batch-size auto`: the most sequences the GPU memory left after the weights holds, counted
+from the language model's sizes and the resolution policy's longest sequence, not guessed.
+
+A sequence holds, for the whole run, its rows of the decoder's static KV cache (`longest` slots)
+and its logits; while its batch is prefilled it also holds the prefill's own keys and values,
+the widest layer's activations (the MLP: gate, up and their product) over its prompt, and its
+pixels, features and prompt embeddings. The encoder's eager work is bounded by its largest
+budget (`EncoderCudaGraphManager` packs even eager sub-batches into budgets), so it sits in the
+fixed reserve with the graph pools and library workspaces.
+"""
+
+from dataclasses import dataclass
+
+GIB = 2**30
+# Graph pools (the encoder's ~0.75 GiB at budgets up to 4096 tokens, the decoder's), the encoder's
+# largest eager sub-batch, cuBLAS / attention workspaces and the allocator's slack.
+RESERVE_BYTES = 2 * GIB
+# Pixels of one vision token in the model's dtype, the largest of the families: Qwen3-VL's
+# 2 x 2 merged patches of 2 frames x 3 x 16 x 16 (Qwen2/2.5-VL 14 px: 9,408; an InternVL tile
+# of 256 tokens: 4,704).
+PIXEL_BYTES_PER_VISION_TOKEN = 4 * 2 * 3 * 16 * 16 * 2
+AUTO_BATCH_MAX = 64
+AUTO_BATCH_DEFAULT = 8  # without CUDA, where memory does not bound the batch
+
+
+@dataclass(frozen=True)
+class TextSizes:
+    """The language model's sizes that its memory per sequence depends on."""
+
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    dtype_bytes: int
+
+    def __post_init__(self) -> None:
+        for name, value in vars(self).items():
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+
+    @classmethod
+    def of(cls, text_config: object, dtype_bytes: int) -> "TextSizes":
+        """From a transformers text config (`config.get_text_config(decoder=True)`)."""
+        heads = text_config.num_attention_heads
+        return cls(
+            num_layers=text_config.num_hidden_layers,
+            hidden_size=text_config.hidden_size,
+            intermediate_size=text_config.intermediate_size,
+            num_heads=heads,
+            num_kv_heads=text_config.num_key_value_heads,
+            head_dim=getattr(text_config, "head_dim", None) or text_config.hidden_size // heads,
+            vocab_size=text_config.vocab_size,
+            dtype_bytes=dtype_bytes,
+        )
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+
+@dataclass(frozen=True)
+class SequenceMemory:
+    """Bytes one sequence needs: `resident` for the whole run, `prefill` more while its batch is
+    prefilled."""
+
+    resident: int
+    prefill: int
+
+    @property
+    def peak(self) -> int:
+        return self.resident + self.prefill
+
+
+def sequence_memory(sizes: TextSizes, longest: int, longest_prompt: int) -> SequenceMemory:
+    """A sequence of at most `longest` tokens, `longest_prompt` of them prompt (vision tokens
+    counted as prompt tokens, the bound)."""
+    if not 0 < longest_prompt <= longest:
+        raise ValueError(f"longest_prompt {longest_prompt} must be in [1, longest {longest}]")
+    item = sizes.dtype_bytes
+    resident = sizes.kv_bytes_per_token * longest + sizes.vocab_size * (4 + 2 * item)  # logits, fp32 and model dtype
+    widest = 2 * sizes.hidden_size + 3 * sizes.intermediate_size + (sizes.num_heads + 2 * sizes.num_kv_heads) * sizes.head_dim
+    per_prompt_token = (
+        sizes.kv_bytes_per_token  # the prefill's own cache, copied into the static one after
+        + widest * item
+        + 2 * sizes.hidden_size * item  # prompt embeddings and vision features
+        + PIXEL_BYTES_PER_VISION_TOKEN
+    )
+    return SequenceMemory(resident, per_prompt_token * longest_prompt)
+
+
+def batch_size_for(free_bytes: int, per_sequence: SequenceMemory, most: int = AUTO_BATCH_MAX) -> int:
+    """The most sequences (up to `most`; a multiple of 8 from 8 on, for the decoder's buckets)
+    whose peak fits `free_bytes` less the reserve; at least 1."""
+    fits = max(0, free_bytes - RESERVE_BYTES) // per_sequence.peak
+    return max(1, min(most, fits if fits < 8 else fits - fits % 8))

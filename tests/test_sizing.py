@@ -1,0 +1,94 @@
+"""`--batch-size auto` on a 24 GiB card: the arithmetic of `app.sizing` for the real-size presets
+at the default resolution policy and at the checkpoint's own (GPU: benchmarks/bench_cli.py
+--card-gib 24 runs the command with only that much memory free)."""
+
+import pytest
+import torch
+
+from encoder_graphs.app.config import DEFAULT_IMAGE_TOKENS, CaptionConfig
+from encoder_graphs.app.media import LoadLimits
+from encoder_graphs.app.pipeline import longest_sequence
+from encoder_graphs.app.sizing import (
+    GIB,
+    RESERVE_BYTES,
+    SequenceMemory,
+    TextSizes,
+    batch_size_for,
+    sequence_memory,
+)
+from encoder_graphs.models.preset_files import preset_files_dir
+from encoder_graphs.models.presets import build_model, get_config
+from encoder_graphs.models.registry import family_for_config
+
+CARD = 24 * GIB
+CUDA_CONTEXT = GIB // 2  # what the CUDA context and torch take before any tensor
+
+
+@pytest.fixture(autouse=True)
+def preset_cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("ENCODER_GRAPHS_CACHE", str(tmp_path_factory.getbasetemp() / "preset-cache"))
+
+
+def plan(
+    name: str, max_image_tokens: int | None, max_tiles: int | None = None, videos: bool = False
+) -> tuple[int, SequenceMemory, int]:
+    """(weight bytes, one sequence's memory, the batch auto picks) for `name` on the card, for a
+    job of images (`videos`: and 16-frame videos)."""
+    config = get_config(name)
+    inputs = family_for_config(config).inputs.from_pretrained(
+        preset_files_dir(name), max_image_tokens=max_image_tokens, max_tiles=max_tiles
+    )
+    caption = CaptionConfig()
+    limits = LoadLimits(max_frames=16, min_side=inputs.min_side, max_pixels=inputs.max_image_pixels,
+                        frame_max_pixels=inputs.max_frame_pixels)
+    longest = longest_sequence(inputs, caption, limits, videos)
+    weights = sum(p.numel() for p in build_model(name, dtype=torch.bfloat16, device="meta").parameters()) * 2
+    memory = sequence_memory(TextSizes.of(config.get_text_config(decoder=True), 2), longest, longest - caption.max_new_tokens)
+    return weights, memory, batch_size_for(CARD - CUDA_CONTEXT - weights, memory)
+
+
+@pytest.mark.parametrize(
+    "name, tokens, tiles, videos, least",
+    [
+        ("qwen2.5-vl-3b", DEFAULT_IMAGE_TOKENS, None, False, 32),
+        ("qwen2.5-vl-3b", DEFAULT_IMAGE_TOKENS, None, True, 1),  # 16 frames of up to 768 tokens a pair
+        ("qwen2.5-vl-3b", None, None, False, 1),  # the checkpoint's 16384 tokens an image
+        ("qwen2-vl-2b", DEFAULT_IMAGE_TOKENS, None, False, 32),
+        ("qwen3-vl-2b", DEFAULT_IMAGE_TOKENS, None, False, 16),
+        ("internvl3.5-2b", None, None, False, 16),  # 12 tiles and a thumbnail: 3,328 tokens
+    ],
+)
+def test_auto_batch_fits_a_24_gib_card(name, tokens, tiles, videos, least):
+    weights, memory, batch = plan(name, tokens, tiles, videos)
+    used = CUDA_CONTEXT + weights + RESERVE_BYTES + batch * memory.peak
+    print(f"{name} tokens {tokens}: weights {weights / GIB:.1f} GiB, a sequence {memory.peak / 2**20:.0f} MiB "
+          f"({memory.resident / 2**20:.0f} resident), batch {batch}, {used / GIB:.1f} GiB of 24")
+    assert used <= CARD
+    assert least <= batch <= 64
+    assert batch == 64 or CUDA_CONTEXT + weights + RESERVE_BYTES + (batch + 8) * memory.peak > CARD
+
+
+def test_the_policy_not_the_checkpoint_sizes_the_batch():
+    _, default, at_default = plan("qwen2.5-vl-3b", DEFAULT_IMAGE_TOKENS)
+    _, full, at_full = plan("qwen2.5-vl-3b", None)
+    assert full.peak > 8 * default.peak and at_full < at_default
+
+
+def test_sequence_memory_counts_cache_and_prefill():
+    sizes = TextSizes(num_layers=2, hidden_size=8, intermediate_size=16, num_heads=2, num_kv_heads=1, head_dim=4,
+                      vocab_size=10, dtype_bytes=2)
+    assert sizes.kv_bytes_per_token == 2 * 2 * 1 * 4 * 2
+    memory = sequence_memory(sizes, longest=100, longest_prompt=60)
+    assert memory.resident == 32 * 100 + 10 * 8
+    widest = 2 * 8 + 3 * 16 + (2 + 2) * 4
+    assert memory.prefill == 60 * (32 + widest * 2 + 2 * 8 * 2 + 4 * 2 * 3 * 16 * 16 * 2)
+    with pytest.raises(ValueError):
+        sequence_memory(sizes, longest=10, longest_prompt=11)
+
+
+def test_batch_size_for_steps_of_8_and_bounds():
+    one = SequenceMemory(resident=GIB // 4, prefill=GIB // 4)  # 0.5 GiB a sequence
+    assert batch_size_for(RESERVE_BYTES + 3 * GIB, one) == 6
+    assert batch_size_for(RESERVE_BYTES + 9 * GIB, one) == 16  # 18 fit: a multiple of 8
+    assert batch_size_for(RESERVE_BYTES + 100 * GIB, one) == 64
+    assert batch_size_for(RESERVE_BYTES, one) == batch_size_for(0, one) == 1
