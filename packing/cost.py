@@ -34,9 +34,10 @@ class BudgetCosts:
     eager_ms: dict[int, float] = field(default_factory=dict)
     replay_margin: float = 0.05
     retime_within: float = 0.5
+    gpu_bound_growth: float = 0.8
 
     def __post_init__(self) -> None:
-        for name in ("replay_margin", "retime_within"):
+        for name in ("replay_margin", "retime_within", "gpu_bound_growth"):
             if not 0 <= getattr(self, name) < 1:
                 raise ValueError(f"{name} {getattr(self, name)}: a fraction in [0, 1)")
 
@@ -70,6 +71,25 @@ class BudgetCosts:
         low_budget, high_budget = budgets[high - 1], budgets[high]
         low_ms, high_ms = self.eager_ms[low_budget], self.eager_ms[high_budget]
         return low_ms + (high_ms - low_ms) * (tokens - low_budget) / (high_budget - low_budget)
+
+    def gpu_bound(self, budget: int) -> bool:
+        """Whether the eager forward is GPU-bound at `budget`: from the largest timed budget at
+        most half of it, its time grew by at least `gpu_bound_growth` of the tokens' growth.
+        Launch-bound, the time stays flat as tokens grow and a graph's replay saves the launches;
+        GPU-bound, the kernels set the pace and a replay saves little. A doubling apart, noise of
+        tens of percent (a stalled timing) cannot pass for the growth. Unknown: False."""
+        below = [b for b in self.eager_ms if 2 * b <= budget]
+        if budget not in self.eager_ms or not below:
+            return False
+        low = max(below)
+        return self.eager_ms[budget] / self.eager_ms[low] - 1 >= self.gpu_bound_growth * (budget / low - 1)
+
+    @staticmethod
+    def gpu_bound_pair(budgets: list[int], budget: int) -> list[int]:
+        """The budgets whose eager timings `gpu_bound(budget)` compares: `budget` and the largest
+        of `budgets` at most half of it (if any)."""
+        below = [b for b in budgets if 2 * b <= budget]
+        return [budget] + below[-1:]
 
     def prefer_eager(self, tokens: int, budget: int) -> bool:
         """Whether `tokens` run eagerly rather than through the graph of `budget`: unless the

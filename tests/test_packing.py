@@ -158,3 +158,19 @@ def test_close_calls_are_those_within_retime_within():
         costs.record(0, 1.0, 1.0)
     with pytest.raises(ValueError, match="no budget"):
         BudgetCosts().eager_estimate(10)
+
+
+def test_gpu_bound_needs_growth_across_a_doubling():
+    from encoder_graphs.packing import BudgetCosts
+
+    costs = BudgetCosts()
+    assert not costs.gpu_bound(1024)  # nothing timed
+    costs.record_eager(512, 20.0)
+    costs.record_eager(1024, 21.0)  # flat: launch-bound
+    assert not costs.gpu_bound(1024)
+    costs.record_eager(2048, 39.0)  # +86% for twice the tokens
+    assert costs.gpu_bound(2048)
+    costs.record_eager(1448, 30.0)
+    assert not costs.gpu_bound(1448)  # against 512, the largest timed at most half: +50% for +183% tokens
+    assert BudgetCosts.gpu_bound_pair([64, 512, 724, 1024, 2048], 2048) == [2048, 1024]
+    assert BudgetCosts.gpu_bound_pair([64, 512], 64) == [64]

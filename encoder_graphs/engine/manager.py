@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 _SMALL_BLOCK = 1 << 20
 DEFAULT_MAX_ITEMS = 32
 EAGER_CHEAPER = "eager measured faster"
+GPU_BOUND = "GPU-bound size, not captured"
 
 
 @dataclass
@@ -155,10 +156,8 @@ class EncoderCudaGraphManager:
         self.captured = True
 
     def _capture_budgets(self, path: str, budgets: Sequence[int]) -> None:
-        """Capture `budgets` of `path` in one session, largest first: the first capture of a path
-        is its largest budget, which sizes the shared buffers every graph takes a prefix of."""
-        if not self.graphs[path] and not self._input_buffers.get(path):
-            budgets = {*budgets, self.budgets[path][-1]}
+        """Capture `budgets` of `path` in one session, largest first (without `lazy`, the first is
+        the path's largest budget, which sizes the shared buffers every graph takes a prefix of)."""
         with self._capture.session():
             poison = self._poison_pool() if self.poison_pool_bytes and not self._poisoned else None
             for budget in sorted(budgets, reverse=True):
@@ -166,8 +165,6 @@ class EncoderCudaGraphManager:
                     forward = self._capture_budget(path, budget)
                     if self.choose_by_cost:
                         self._measure(path, budget, forward)
-            if self.lazy and self.choose_by_cost:
-                self._time_eager_below(path, budgets)
             del poison  # the real graphs hold the pool now
         logger.info(
             "captured encoder graphs %s in %.2f s, %.1f MiB",
@@ -216,22 +213,16 @@ class EncoderCudaGraphManager:
 
         return inputs, forward
 
-    def _time_eager_below(self, path: str, budgets: Sequence[int]) -> None:
-        """The eager forward at the next smaller budget of each budget in `budgets` (not captured
-        itself): a sub-batch's eager time is interpolated between neighbouring budgets
-        (`BudgetCosts.eager_estimate`), as after a full capture, though `lazy` captured fewer."""
-        costs = self.costs[path]
-        for budget in budgets:
-            lower = [b for b in self.budgets[path] if b < budget]
-            if not lower or lower[-1] in costs.eager_ms:
-                continue
-            try:
-                with torch.inference_mode():
-                    _, forward = self._forward(path, lower[-1])
-                    forward()  # first call at a new size: lazy inits, kernel choice
-                    costs.record_eager(lower[-1], min(elapsed_ms(forward), elapsed_ms(forward)))
-            except torch.cuda.OutOfMemoryError:
-                torch.cuda.empty_cache()
+    def _time_eager(self, path: str, budget: int) -> None:
+        """Time the eager forward over `budget`'s capture inputs (uncaptured; after one untimed
+        call: lazy inits, kernel choice), the faster of two. Out of memory leaves it untimed."""
+        try:
+            with torch.inference_mode():
+                _, forward = self._forward(path, budget)
+                forward()
+                self.costs[path].record_eager(budget, min(elapsed_ms(forward), elapsed_ms(forward)))
+        except torch.cuda.OutOfMemoryError:
+            torch.cuda.empty_cache()
 
     def _measure(self, path: str, budget: int, forward: Callable[[], object]) -> None:
         """Time the budget's replay (after an untimed one: the first uploads the graph) and its
@@ -320,16 +311,33 @@ class EncoderCudaGraphManager:
         return {path: [b for b in self.budgets[path] if (path, b) not in failed] for path in self.paths}
 
     def _capture_first_use(self, batch: SubBatch) -> None:
-        """With `lazy`, capture the budgets `batch` takes that have no graph yet; one whose
-        capture fails runs eagerly (and is not tried again)."""
+        """With `lazy`, the budgets `batch` takes that have no graph yet: captured (and timed),
+        unless the eager forward measured GPU-bound there (a graph would save little: no capture
+        time, no pool memory). A budget left uncaptured or whose capture failed runs eagerly."""
         if not self.lazy:
             return
         for path, budget in batch.budget.items():
-            if budget and budget not in self.graphs[path]:
-                if (path, budget) not in self._capture.failed:
-                    self._capture_budgets(path, [budget])
-                if budget not in self.graphs[path]:
-                    batch.budget[path], batch.eager_reasons[path] = None, "capture failed"
+            if not budget or budget in self.graphs[path]:
+                continue
+            if (path, budget) not in self._capture.failed and not self._measured_gpu_bound(path, budget):
+                self._capture_budgets(path, [budget])
+            if budget not in self.graphs[path]:
+                failed = (path, budget) in self._capture.failed
+                batch.budget[path], batch.eager_reasons[path] = None, "capture failed" if failed else GPU_BOUND
+
+    def _measured_gpu_bound(self, path: str, budget: int) -> bool:
+        """Whether `budget` is GPU-bound by eager timings at it and at a budget half its size
+        (`BudgetCosts.gpu_bound`), timing them where not yet timed. A path's first use also runs
+        its largest budget eagerly, which sizes the shared buffers every graph takes a prefix of."""
+        costs, budgets = self.costs[path], self.budgets[path]
+        if not self._input_buffers.get(path):
+            self._time_eager(path, budgets[-1])
+        if not self.choose_by_cost:
+            return False
+        for timed in costs.gpu_bound_pair(budgets, budget):
+            if timed not in costs.eager_ms:
+                self._time_eager(path, timed)
+        return costs.gpu_bound(budget)
 
     def _eager_where_cheaper(self, batch: SubBatch) -> None:
         if not self.choose_by_cost:
