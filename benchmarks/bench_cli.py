@@ -85,6 +85,8 @@ def run_ours(folder: Path, work: Path, name: str, args: argparse.Namespace, extr
 
 
 def run_stock(folder: Path, work: Path, args: argparse.Namespace) -> dict:
+    if args.stock_images:
+        folder = subset(folder, work, args.stock_images)
     command = [sys.executable, str(Path(__file__).with_name("stock_caption.py")), str(folder), "--preset", args.preset,
                "--new-tokens", str(args.new_tokens), "--out", str(work / "stock.jsonl")]
     started = time.perf_counter()
@@ -118,7 +120,10 @@ def on_a_smaller_card(folder: Path, work: Path, args: argparse.Namespace) -> dic
 
 
 def subset(folder: Path, work: Path, count: int) -> Path:
+    """A folder of links to the first `count` files."""
     target = work / f"first_{count}"
+    if target.exists():
+        return target
     target.mkdir()
     for path in sorted(folder.iterdir())[:count]:
         (target / path.name).symlink_to(path)
@@ -133,6 +138,7 @@ def main() -> None:
     parser.add_argument("--runs", default="defaults,no_graphs,stock", help="of defaults, no_graphs, stock")
     parser.add_argument("--sizes", default="", help="also defaults and --no-graphs on the first N files, e.g. 32,256")
     parser.add_argument("--card-gib", type=float, default=0, help="also the defaults with only this much GPU memory free")
+    parser.add_argument("--stock-images", type=int, default=0, help="run the stock script on the first N files only")
     parser.add_argument("--gpus", type=int, default=1, help="also the defaults under torchrun on this many GPUs")
     parser.add_argument("--cli-args", default="", help="more arguments for every caption command, as --cli-args=--compile")
     parser.add_argument("--folder", type=Path, help="a folder of files to use instead of the generated photos")

@@ -3,7 +3,7 @@
 from encoder_graphs.packing.balance import load_balance
 from encoder_graphs.packing.budgets import generate_budgets, smallest_fitting_budget
 from encoder_graphs.packing.cost import BudgetCosts
-from encoder_graphs.packing.greedy import PackItem, SubBatch, greedy_pack
+from encoder_graphs.packing.greedy import PackItem, SubBatch, greedy_pack, merge_eager
 
 __all__ = [
     "BudgetCosts",
@@ -11,6 +11,7 @@ __all__ = [
     "SubBatch",
     "generate_budgets",
     "greedy_pack",
+    "merge_eager",
     "load_balance",
     "smallest_fitting_budget",
 ]

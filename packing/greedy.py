@@ -106,3 +106,31 @@ def _sub_batch(
             if chosen[path] is None:
                 reasons[path] = "tokens over largest budget"
     return SubBatch(indices, tokens, chosen, frames, reasons)
+
+
+def merge_eager(batches: Sequence[SubBatch], max_items: int, max_tokens: Mapping[str, int]) -> list[SubBatch]:
+    """`batches` with the ones that replay no graph (each path eager or absent) merged, in order,
+    into as few sub-batches as `max_items` items and `max_tokens` tokens per path allow: one eager
+    forward over many items costs less than several over few (fewer launches, fuller kernels, the
+    host-side metadata once). Only sub-batches that run the same paths merge; the ones that replay
+    come first, unchanged."""
+    graphed = [batch for batch in batches if any(batch.budget.values())]
+    merged: list[SubBatch] = []
+    for batch in (batch for batch in batches if not any(batch.budget.values())):
+        last = merged[-1] if merged else None
+        if (
+            last is not None
+            and last.budget == batch.budget
+            and len(last.indices) + len(batch.indices) <= max_items
+            and all(last.tokens[path] + batch.tokens[path] <= max_tokens[path] for path in batch.tokens)
+        ):
+            merged[-1] = SubBatch(
+                last.indices + batch.indices,
+                {path: last.tokens[path] + batch.tokens[path] for path in batch.tokens},
+                dict(batch.budget),
+                last.frames + batch.frames,
+                {**last.eager_reasons, **batch.eager_reasons},
+            )
+        else:
+            merged.append(batch)
+    return graphed + merged

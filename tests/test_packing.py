@@ -174,3 +174,27 @@ def test_gpu_bound_needs_growth_across_a_doubling():
     assert not costs.gpu_bound(1448)  # against 512, the largest timed at most half: +50% for +183% tokens
     assert BudgetCosts.gpu_bound_pair([64, 512, 724, 1024, 2048], 2048) == [2048, 1024]
     assert BudgetCosts.gpu_bound_pair([64, 512], 64) == [64]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(1, 40), st.integers(0, 40)), min_size=1, max_size=30),
+    st.integers(1, 6),
+    st.integers(30, 120),
+)
+def test_merge_eager_keeps_every_item_once_and_only_merges_eager_alike(sizes, max_items, max_tokens):
+    from encoder_graphs.packing import merge_eager
+
+    specs = [Item(1, {"a": a, "b": b}) for a, b in sizes]
+    batches = greedy_pack(specs, {"a": [16, 32], "b": []}, max_items=4)
+    merged = merge_eager(batches, max_items, {"a": max_tokens, "b": max_tokens})
+    assert sorted(i for batch in merged for i in batch.indices) == list(range(len(specs)))
+    graphed = [batch for batch in batches if any(batch.budget.values())]
+    assert merged[: len(graphed)] == graphed  # replaying sub-batches untouched, first
+    originals = {tuple(batch.indices) for batch in batches}
+    for batch in merged[len(graphed):]:
+        assert not any(batch.budget.values())
+        for path in ("a", "b"):
+            assert batch.tokens[path] == sum(specs[i].path_tokens[path] for i in batch.indices)
+        if tuple(batch.indices) not in originals:  # a merge: within the limits
+            assert len(batch.indices) <= max_items and all(t <= max_tokens for t in batch.tokens.values())
