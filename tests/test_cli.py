@@ -19,8 +19,7 @@ from transformers import AutoTokenizer, Qwen2VLForConditionalGeneration
 from encoder_graphs.app.cli import main
 from encoder_graphs.app.config import CaptionConfig
 from encoder_graphs.app.media import SAMPLES_DIR, LoadLimits, discover
-from encoder_graphs.app.pipeline import Captioner, RunStats, longest_sequence
-from encoder_graphs.app.prepare import Pending
+from encoder_graphs.app.pipeline import Captioner, Pending, RunStats, longest_sequence
 from encoder_graphs.app.results import ResultsFile, read_records
 from encoder_graphs.models.default_model import SPECIAL_TOKENS, default_model_dir
 from encoder_graphs.models.qwen_inputs import QwenVLInputs
@@ -222,7 +221,7 @@ def test_a_batch_broken_by_one_item_is_retried_one_by_one(tmp_path):
     files = discover([tmp_path])
     config = CaptionConfig(max_new_tokens=2, batch_size=4)
     captioner = Captioner(model, inputs, config, LoadLimits())
-    batch = [captioner.preparer(file) for file in files]
+    batch = [captioner.prepare(file) for file in files]
     assert all(isinstance(p, Pending) for p in batch)
     # Patches that disagree with their grid make the vision tower raise for the whole batch.
     batch[1].item.patches = batch[1].item.patches[:3]

@@ -158,11 +158,9 @@ def check_outputs(args: argparse.Namespace, roots: list[Path], files: "list[Medi
 
 
 def run(args: argparse.Namespace, plan: Plan) -> int:
-    from encoder_graphs.app.loader import start_loader_server
     from encoder_graphs.app.loading import load_model, pick_device
     from encoder_graphs.report import format_run_stats
 
-    start_loader_server()  # the loader processes' server imports while the model loads
     device = pick_device(args.device, plan.job.local_rank)
     print(f"encoder-graphs: loading model {args.model or '(embedded tiny default)'} on {device} ...", file=sys.stderr)
     model, inputs = load_model(args.model, device, max_tiles=args.max_tiles, max_image_tokens=args.max_image_tokens)

@@ -1,23 +1,36 @@
-"""The Captioner: load files ahead in loader processes, batch them by count and tokens,
-generate, record every outcome."""
+"""The Captioner: load files ahead on worker threads, batch them by count and tokens, generate,
+record every outcome."""
 
 import time
+import warnings
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
 
 import torch
+from PIL import Image
 from transformers import PreTrainedModel
 
 from encoder_graphs.app.config import CaptionConfig
-from encoder_graphs.app.loader import loader_pool, prepare
-from encoder_graphs.app.media import LoadLimits, MediaFile
-from encoder_graphs.app.outputs import Outputs
-from encoder_graphs.app.prepare import Pending, Preparer
+from encoder_graphs.app.media import LoadLimits, MediaError, MediaFile, load
+from encoder_graphs.app.outputs import Outputs, relative_path
 from encoder_graphs.app.runstats import RunStats
-from encoder_graphs.protocols import CaptionInputs
+from encoder_graphs.protocols import CaptionInputs, EncodedMedia
+
+ORIENTATION_TAG = 0x0112  # EXIF; values 5-8 turn the image by 90 degrees
+
+
+@dataclass
+class Pending:
+    file: MediaFile
+    item: EncodedMedia
+    load_ms: float
+    prompt: str
+    size: tuple[int, int]  # the image's (a video frame's) width and height in pixels
+
 
 class Captioner:
     def __init__(
@@ -33,7 +46,9 @@ class Captioner:
         self.model = model
         self.inputs = inputs
         self.config = config
-        self.preparer = Preparer(inputs, limits, config, tuple(Path(root).absolute() for root in roots), model_name)
+        self.limits = limits
+        self.roots = [Path(root).absolute() for root in roots]
+        self.model_name = model_name
         self.device = next(model.parameters()).device
 
     def run(self, files: Iterable[MediaFile], outputs: Outputs, stop: Callable[[], bool] = lambda: False) -> RunStats:
@@ -51,9 +66,10 @@ class Captioner:
         ahead = self.config.batch_size * self.config.prefetch_batches
         ready: list[Pending] = []
         failures: list[dict] = []  # written with the next batch, so a kill loses at most one batch
-        # Files load in loader processes a window ahead of the model; the next batch is collated
-        # on a thread while the model runs one, so neither waits behind the other.
-        pool = loader_pool(self.preparer, self.config.load_workers)
+        # Files load on worker threads a window ahead of the model (PIL, PyAV and torch's CPU
+        # kernels release the GIL); the next batch is collated on its own thread while the model
+        # runs one, so neither waits behind the other.
+        pool = ThreadPoolExecutor(self.config.load_workers)
         self._collator = ThreadPoolExecutor(1)
         try:
             for outcome in self._loaded(files, pool, ahead, stats, stop):
@@ -80,19 +96,19 @@ class Captioner:
         return stats
 
     def _loaded(
-        self, files: Iterable[MediaFile], pool: Executor, ahead: int, stats: RunStats, stop: Callable[[], bool]
+        self, files: Iterable[MediaFile], pool: ThreadPoolExecutor, ahead: int, stats: RunStats, stop: Callable[[], bool]
     ) -> Iterator["Pending | dict"]:
         """Every file's outcome (a Pending, or its error record) in order, loading `ahead` files
         ahead on `pool`; ends early once `stop()` says so."""
         queue = iter(files)
-        loading = deque((file, pool.submit(prepare, file)) for file in islice(queue, ahead))
+        loading = deque((file, pool.submit(self.prepare, file)) for file in islice(queue, ahead))
         while loading:
             if stop():
                 stats.interrupted = True
                 return
             file, future = loading.popleft()
             for next_file in islice(queue, 1):
-                loading.append((next_file, pool.submit(prepare, next_file)))
+                loading.append((next_file, pool.submit(self.prepare, next_file)))
             outcome = self._wait(future, stats)
             stats.by_kind[file.kind] += 1
             if isinstance(outcome, dict):
@@ -138,6 +154,26 @@ class Captioner:
         stats.input_wait_s += time.perf_counter() - started
         return outcome
 
+    def prepare(self, file: MediaFile) -> Pending | dict:
+        """Load and encode one file; a failure becomes its error record."""
+        started = time.perf_counter()
+        try:
+            media = load(file, self.limits)
+            if file.kind == "image":
+                item = self.inputs.encode_image(media)
+                size = original_size(file.path)
+            else:
+                item = self.inputs.encode_video(media)
+                size = media.size
+        except MediaError as error:
+            return self._error_record(file, error.kind, str(error))
+        # A processor rejecting one input (or a decoder failing in a way `load` does not foresee)
+        # must not stop the run: an exception escaping here would end it from `future.result()`.
+        except Exception as error:  # noqa: BLE001
+            return self._error_record(file, "preprocess", f"{file.path}: {type(error).__name__}: {error}")
+        prompt = self.config.prompt_for(file.path.stem, file.path.parent.name, *size)
+        return Pending(file, item, 1000.0 * (time.perf_counter() - started), prompt, size)
+
     def caption_batch(
         self, batch: list[Pending], stats: RunStats, collated: "Future[dict[str, torch.Tensor]] | None" = None
     ) -> list[dict]:
@@ -149,7 +185,7 @@ class Captioner:
                 torch.cuda.empty_cache()
             if len(batch) == 1:
                 file = batch[0].file
-                record = self.preparer.error_record(file, "model", f"{file.path}: {type(error).__name__}: {error}")
+                record = self._error_record(file, "model", f"{file.path}: {type(error).__name__}: {error}")
                 self._count_failure(record, stats)
                 return [record]
         # One item can break a whole batch: retry one by one so only that one fails.
@@ -194,12 +230,12 @@ class Captioner:
         stats.item_ms.append(pending.load_ms + batch_ms / batch_size)
         width, height = pending.size
         return {
-            **self.preparer.identity(pending.file),
+            **self._identity(pending.file),
             "caption": caption,
             "text": self.config.text(caption),
             "tokens": len(tokens),
             "truncated": not ended and len(tokens) >= self.config.max_new_tokens,
-            "model": self.preparer.model_name,
+            "model": self.model_name,
             "prompt": pending.prompt,
             "width": width,
             "height": height,
@@ -210,10 +246,26 @@ class Captioner:
             "timings": {"load_ms": round(pending.load_ms, 3), "batch_ms": round(batch_ms, 3), "batch_size": batch_size},
         }
 
+    def _identity(self, file: MediaFile) -> dict:
+        return {"path": str(file.path), "relative_path": relative_path(file.path, self.roots), "kind": file.kind}
+
+    def _error_record(self, file: MediaFile, kind: str, message: str) -> dict:
+        return {**self._identity(file), "model": self.model_name, "error_kind": kind, "error": message}
+
     @staticmethod
     def _count_failure(record: dict, stats: RunStats) -> None:
         stats.failed += 1
         stats.failures[record["error_kind"]] += 1
+
+
+def original_size(path: Path) -> tuple[int, int]:
+    """An image's width and height as seen (EXIF rotation applied), from its header only."""
+    with warnings.catch_warnings():  # `load` has already judged the size
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        with Image.open(path) as image:
+            width, height = image.size
+            rotated = image.getexif().get(ORIENTATION_TAG) in (5, 6, 7, 8)
+    return (height, width) if rotated else (width, height)
 
 
 def longest_sequence(inputs: CaptionInputs, config: CaptionConfig, limits: LoadLimits, videos: bool = True) -> int:
