@@ -85,7 +85,8 @@ class EncoderCudaGraphManager:
         """`choose_by_cost`: time every budget's replay and eager forward at capture, and run a
         sub-batch eagerly where that measured faster (counted as a miss, "eager measured faster").
         `lazy`: `capture()` captures nothing; each budget is captured (and timed) at its first
-        use, its path's largest budget first, so a job pays only for the budgets it uses."""
+        use unless its eager forward measured GPU-bound, so a job pays only for the budgets it uses
+        (a path's first use runs its largest budget eagerly once, to size the shared buffers)."""
         check_supports_encoder_cuda_graph(model)
         self.model = model
         self.config = model.get_encoder_cudagraph_config()
@@ -315,7 +316,7 @@ class EncoderCudaGraphManager:
         tried yet (a failed capture is out)."""
         if not (self.lazy and self.captured and self.disabled_reason is None):
             return {path: sorted(graphs) for path, graphs in self.graphs.items()}
-        failed = {key for key in self._capture.failed}
+        failed = set(self._capture.failed)
         return {path: [b for b in self.budgets[path] if (path, b) not in failed] for path in self.paths}
 
     def _capture_first_use(self, batch: SubBatch) -> None:
@@ -395,9 +396,9 @@ class EncoderCudaGraphManager:
             return self.disabled_reason
         if not self.captured:
             return "capture() not called"
-        if path in batch.eager_reasons:
-            return batch.eager_reasons[path]
-        return "no graph fits" if self.graphs[path] or self.lazy else "every budget failed to capture"
+        if not self.graphs[path] and not self.lazy:  # lazy: none captured yet is no failure
+            return "every budget failed to capture"
+        return batch.eager_reasons.get(path, "no graph fits")
 
     # ----- statistics ----------------------------------------------------------------------
     def stats(self) -> dict:
