@@ -16,8 +16,8 @@ from PIL import Image
 from test_media import write_video, write_zoo
 from transformers import AutoTokenizer, Qwen2VLForConditionalGeneration
 
-from encoder_graphs.app.cli import main
-from encoder_graphs.app.config import CaptionConfig
+from encoder_graphs.app.cli import build_parser, main
+from encoder_graphs.app.config import DEFAULT_IMAGE_TOKENS, CaptionConfig
 from encoder_graphs.app.media import SAMPLES_DIR, LoadLimits, discover
 from encoder_graphs.app.pipeline import Captioner, Pending, RunStats, longest_sequence
 from encoder_graphs.app.results import ResultsFile, read_records
@@ -241,6 +241,8 @@ def test_usage_errors_exit_2(tmp_path, capsys):
     assert main(["caption", media, "--bogus-flag"]) == 2
     assert main(["caption", media, "--max-frames", "3"]) == 2
     assert main(["caption", media, "--budgets", "a,b"]) == 2
+    assert main(["caption", media, "--max-image-tokens", "0"]) == 2
+    assert main(["caption", media, "--max-image-tokens", "big"]) == 2
     assert main(["caption"]) == 2
     assert main([]) == 2
     assert main(["caption", str(tmp_path / "missing")]) == 2
@@ -256,6 +258,20 @@ def test_an_unusable_out_path_is_a_usage_error_before_any_work(tmp_path, capsys)
     (tmp_path / "a_file").write_text("")
     assert main(["caption", str(tmp_path / "media"), "--out", str(tmp_path / "a_file" / "x.jsonl")] + FAST) == 2
     assert "cannot use --out" in capsys.readouterr().err
+
+
+def test_resolution_policy_shrinks_images_and_records_what_the_model_saw(tmp_path):
+    """`--max-image-tokens`: each record keeps the file's size and gives the size the model saw,
+    at most that many tokens' pixels; `model` keeps the checkpoint's own limit (224 x 224 here)."""
+    Image.new("RGB", (560, 420), (10, 120, 200)).save(tmp_path / "photo.png")
+    for tokens, most in (("16", 16), ("model", 64)):
+        out = tmp_path / f"{tokens}.jsonl"
+        assert main(["caption", str(tmp_path / "photo.png"), "--out", str(out), "--max-image-tokens", tokens] + FAST) == 0
+        (record,) = lines_of(out)
+        assert (record["width"], record["height"]) == (560, 420)
+        assert record["vision_tokens"] <= most and record["model_width"] * record["model_height"] <= most * 28 * 28
+        assert record["vision_tokens"] == record["model_width"] * record["model_height"] // (28 * 28)
+    assert build_parser().parse_args(["caption", "x"]).max_image_tokens == DEFAULT_IMAGE_TOKENS
 
 
 def test_tiny_preset_and_video(tmp_path):
