@@ -94,7 +94,6 @@ class QwenVLInputs:
         self.tokenizer.padding_side = "left"
         self.image_processor = image_processor
         image = PixelSettings.of_image_processor(image_processor)
-        self.max_image_tokens = max_image_tokens
         cap = None if max_image_tokens is None else max_image_tokens * image.factor**2
         self.image = image.capped(cap)
         self.video = (video if video is not None else image).capped(cap)

@@ -201,8 +201,8 @@ class Captioner:
         host = collated.result() if collated is not None else self._collate(batch)
         model_inputs = self.inputs.to_model(host, self.device, self.model.dtype)
         prompt_length = model_inputs["input_ids"].shape[1]
-        stats.prompt_tokens += int(model_inputs["attention_mask"].sum())
-        stats.padded_prompt_tokens += model_inputs["attention_mask"].numel()
+        stats.prompt_tokens += int(host["attention_mask"].sum())  # the host copy: no device sync
+        stats.padded_prompt_tokens += host["attention_mask"].numel()
         with torch.inference_mode():
             # The decoder graphs' settings whatever the checkpoint's generation config says: Qwen's
             # repetition penalty (1.05) is not in them and would send every call to stock generate.
