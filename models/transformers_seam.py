@@ -323,11 +323,28 @@ def prepare_generation_config(
     return config, model_kwargs
 
 
-# 5.17.0, 5.23.0: the position ids `generate` gives the first forward (M-RoPE for Qwen-VL).
+# 5.17.0, 5.23.0: the position ids `generate` gives the first forward (M-RoPE for Qwen-VL),
+# computed on the host. Qwen-VL's `get_rope_index` walks each image and video with device reads
+# (nonzero, item): on the GPU each stalls it, ~0.13 s of idle GPU a batch of 64 photos (H100
+# profile, 2026-11-25). Integer arithmetic (and Qwen2.5-VL's float32 products of video times),
+# so either device gives the same ids. It reads ids, masks and grids, never pixels; it leaves
+# `rope_deltas` on the model (stock decode steps read them), which go back to the ids' device.
+_PIXEL_INPUTS = ("pixel_values", "pixel_values_videos")
+
+
 def generation_position_ids(
     model: PreTrainedModel, input_ids: torch.Tensor, model_kwargs: dict[str, Any]
 ) -> torch.Tensor:
-    return model._prepare_position_ids_for_generation(input_ids, model_kwargs)
+    host = {
+        key: value.cpu() if isinstance(value, torch.Tensor) else value
+        for key, value in model_kwargs.items()
+        if key not in _PIXEL_INPUTS
+    }
+    positions = model._prepare_position_ids_for_generation(input_ids.cpu(), host)
+    inner = getattr(model, "model", None)
+    if isinstance(getattr(inner, "rope_deltas", None), torch.Tensor):
+        inner.rope_deltas = inner.rope_deltas.to(input_ids.device)
+    return positions.to(input_ids.device)
 
 
 # 5.17.0, 5.23.0: DynamicCache(config=...) builds one layer per decoder layer; each layer holds
