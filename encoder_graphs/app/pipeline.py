@@ -138,7 +138,12 @@ class Captioner:
                 stats.first_records_s = time.perf_counter() - self._started
 
     def _collate(self, batch: list[Pending]) -> dict[str, torch.Tensor]:
-        return self.inputs.collate([p.item for p in batch], [p.prompt for p in batch])
+        """The batch on the host; for a GPU in page-locked memory (copied here, on the worker
+        thread), so `to_model`'s copies run asynchronously instead of stalling the model's thread."""
+        collated = self.inputs.collate([p.item for p in batch], [p.prompt for p in batch])
+        if self.device.type != "cuda":
+            return collated
+        return {key: value.pin_memory() for key, value in collated.items()}
 
     def _full(self, batch: list[Pending], coming: Pending) -> bool:
         tokens = sum(p.item.vision_tokens for p in batch) + coming.item.vision_tokens
