@@ -325,8 +325,8 @@ def prepare_generation_config(
 
 # 5.17.0, 5.23.0: the position ids `generate` gives the first forward (M-RoPE for Qwen-VL),
 # computed on the host. Qwen-VL's `get_rope_index` walks each image and video with device reads
-# (nonzero, item): on the GPU each stalls it, ~0.13 s of idle GPU a batch of 64 photos (H100
-# profile, 2026-11-25). Integer arithmetic (and Qwen2.5-VL's float32 products of video times),
+# (nonzero, item): on the GPU each stalls it while the batch's work waits to start (RESULTS.md).
+# Integer arithmetic (and Qwen2.5-VL's float32 products of video times),
 # so either device gives the same ids. It reads ids, masks and grids, never pixels; it leaves
 # `rope_deltas` on the model (stock decode steps read them), which go back to the ids' device.
 _PIXEL_INPUTS = ("pixel_values", "pixel_values_videos")
