@@ -101,13 +101,14 @@ def make_plan(args: argparse.Namespace, job: Job) -> Plan:
 def open_results(args: argparse.Namespace, job: Job) -> "ResultsFile":
     """`--out` with what it and any part files hold; locked by rank 0 (or the only process)."""
     from encoder_graphs.app.distributed import part_paths
-    from encoder_graphs.app.results import ResultsFile, ResultsLocked
+    from encoder_graphs.app.results import NotResultsFile, ResultsFile, ResultsLocked
 
     if job.rank != 0:
         job.wait_for("opened", 1)  # rank 0 has the lock and has repaired a cut last line
     try:
-        results = ResultsFile(args.out, retry_failed=args.retry_failed, lock=job.rank == 0)
-    except ResultsLocked as error:
+        # The file the user named (checked), through their symlink: the lock opens no symlink.
+        results = ResultsFile(os.path.realpath(args.out), retry_failed=args.retry_failed, lock=job.rank == 0)
+    except (ResultsLocked, NotResultsFile) as error:
         raise UsageError(str(error)) from error
     except OSError as error:
         raise UsageError(f"cannot use --out {args.out}: {error}") from error
