@@ -5,6 +5,7 @@ follows no symlink; sidecars are never forced over another run's and one that ca
 an error record; temporaries fit NAME_MAX and a killed run's are removed; an output that cannot be
 written mid-run exits 3 with nothing lost."""
 
+import json
 import os
 import resource
 import subprocess
@@ -46,6 +47,73 @@ def cli(argv: list[str], *, fsize: int | None = None, timeout: float = 300) -> s
     )
 
 
+# -- 2: --out / --stats-json that are not ours, inputs, sidecars, or another output --------------------
+
+
+def test_out_and_stats_json_that_are_not_ours_are_refused_untouched(tmp_path, capsys, no_model):
+    images(tmp_path / "data", 2)
+    data = str(tmp_path / "data")
+    notes = tmp_path / "notes.txt"
+    notes.write_bytes(b"buy milk\ncall Bob")  # no newline at the end: not a half-written record
+    refused(["caption", data, "--out", str(notes)], capsys, str(notes), "not a results file")
+    tiny = tmp_path / "tiny.json"
+    tiny.write_bytes(b'{"a": 1}')  # one unterminated line: not the start of a record either
+    refused(["caption", data, "--out", str(tiny)], capsys, str(tiny))
+    config = tmp_path / "config.json"
+    config.write_text('{"model": "mine"}\n')
+    refused(["caption", data, "--out", str(tmp_path / "r.jsonl"), "--stats-json", str(config)], capsys,
+            f"cannot use --stats-json {config}", "not statistics")
+    assert notes.read_bytes() == b"buy milk\ncall Bob" and tiny.read_bytes() == b'{"a": 1}'
+    assert config.read_text() == '{"model": "mine"}\n'
+    assert not (tmp_path / "r.jsonl").exists()
+
+
+def test_inputs_and_sidecar_targets_are_refused_as_outputs(tmp_path, capsys, no_model):
+    files = images(tmp_path / "data", 3)
+    data = str(tmp_path / "data")
+    before = {file: file.read_bytes() for file in files}
+    out = str(tmp_path / "r.jsonl")
+    refused(["caption", data, "--out", str(files[2])], capsys, f"cannot use --out {files[2]}")
+    refused(["caption", data, "--out", out, "--stats-json", str(files[1])], capsys, f"--stats-json {files[1]}")
+    # Not there yet, but the next walk would caption it.
+    refused(["caption", data, "--out", str(tmp_path / "data" / "new.png")], capsys, "image or video")
+    # An input under another name: a hard link named like a results file.
+    (tmp_path / "linked.jsonl").hardlink_to(files[0])
+    refused(["caption", data, "--out", str(tmp_path / "linked.jsonl")], capsys, f"that is {files[0]}")
+    # The sidecar of img01.png would replace the results file mid-run.
+    sidecar = files[1].with_suffix(".txt")
+    refused(["caption", data, "--out", str(sidecar), "--sidecar"], capsys, f"the sidecar of {files[1]}")
+    assert {file: file.read_bytes() for file in files} == before
+    assert not sidecar.exists() and not (tmp_path / "data" / "new.png").exists()
+
+
+def test_two_outputs_naming_one_file_are_refused(tmp_path, capsys, no_model):
+    images(tmp_path / "data", 1)
+    data = str(tmp_path / "data")
+    out = tmp_path / "r.jsonl"
+    out.write_text(json.dumps({"path": "/x.png", "caption": "kept"}) + "\n")
+    before = out.read_bytes()
+    (tmp_path / "stats-link.json").symlink_to(out)
+    (tmp_path / "stats-hard.json").hardlink_to(out)
+    for stats in ("stats-link.json", "stats-hard.json", "r.jsonl"):
+        refused(["caption", data, "--out", str(out), "--stats-json", str(tmp_path / stats)], capsys,
+                f"cannot use --stats-json {tmp_path / stats}: the same file as --out {out}")
+    (tmp_path / "meta.jsonl").symlink_to(tmp_path / "data" / "metadata.jsonl")  # dangling: made by the run
+    refused(["caption", data, "--out", str(tmp_path / "meta.jsonl"), "--hf-metadata"], capsys, "the same file as")
+    assert out.read_bytes() == before
+
+
+def test_our_own_outputs_are_accepted_on_a_rerun(tmp_path):
+    images(tmp_path / "data", 2)
+    argv = ["caption", str(tmp_path / "data"), "--out", str(tmp_path / "r.jsonl"), "--stats-json",
+            str(tmp_path / "s.json"), "--hf-metadata", "--batch-size", "1"]
+    assert main(argv + FAST) == 0
+    (tmp_path / "data" / "img99.png").write_bytes((tmp_path / "data" / "img00.png").read_bytes())
+    assert main(argv + FAST) == 0, "--out, --stats-json and metadata.jsonl written by the first run"
+    assert len(records(tmp_path / "r.jsonl")) == 3
+    assert json.loads((tmp_path / "s.json").read_text())["pipeline"]["skipped"] == 2
+
+
 # -- 8, 10: the lock by the file's identity, never through a symlink --------------------------------
 
 
@@ -75,6 +143,23 @@ def test_a_hard_link_or_symlink_to_out_meets_its_lock(tmp_path, capsys, no_model
             ResultsFile(tmp_path / "hard.jsonl")
         for name in ("hard.jsonl", "soft.jsonl"):
             refused(["caption", str(tmp_path / "data"), "--out", str(tmp_path / name)], capsys, "is in use by")
+
+
+# -- 11: special files as --out / --stats-json -------------------------------------------------------
+
+
+def test_special_files_as_outputs_are_refused_at_once(tmp_path):
+    images(tmp_path / "data", 1)
+    fifo = tmp_path / "out.fifo"
+    os.mkfifo(fifo)
+    cases = [(["--out", str(fifo)], "is a FIFO"), (["--out", "/dev/full"], "is a character device"),
+             (["--out", "/dev/null"], "is a character device"),
+             (["--out", str(tmp_path / "r.jsonl"), "--stats-json", "/dev/null"], "is a character device")]
+    for extra, reason in cases:  # the old hang (FIFO) and endless read (/dev/full) end at the timeout
+        done = cli([str(tmp_path / "data"), *extra], timeout=60)
+        assert done.returncode == 2, (extra, done.stderr)
+        assert f"cannot use {extra[-2]} {extra[-1]}: {extra[-1]} {reason}" in done.stderr
+        assert "loading model" not in done.stderr
 
 
 # -- 15: an output that cannot be written mid-run: exit 3, nothing lost ------------------------------

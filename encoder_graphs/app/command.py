@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from encoder_graphs.app.config import COMPILE_FROM_FILES, CaptionConfig
 from encoder_graphs.app.distributed import Job, job_from_env
 from encoder_graphs.app.errors import EXIT_FAILURES, EXIT_INTERRUPTED, EXIT_OK, UsageError
+from encoder_graphs.app.output_checks import check_targets, not_our_stats, special_file
 from encoder_graphs.app.outputs import METADATA_FILE, SidecarPolicy, unwritable
 
 if TYPE_CHECKING:
@@ -132,10 +133,10 @@ def read_prompt(args: argparse.Namespace) -> str:
 
 
 def check_outputs(args: argparse.Namespace, roots: list[Path], files: "list[MediaFile]", sidecars: SidecarPolicy) -> None:
-    """Every path the run will write can be written: checked now, not after the model loaded."""
-    problems = [("--out", args.out, unwritable(args.out))]
-    if args.stats_json is not None:
-        problems.append(("--stats-json", args.stats_json, unwritable(args.stats_json)))
+    """Every path the run will write can be written, and is its own: checked now, not after the
+    model loaded (the results file's format: when `open_results` opens it)."""
+    named = [("--out", args.out)] + ([("--stats-json", args.stats_json)] if args.stats_json is not None else [])
+    problems = [(flag, path, special_file(path) or unwritable(path)) for flag, path in named]
     if sidecars.enabled:
         folders = {f.path.parent for f in files}
         problems += [("--sidecar", folder, unwritable(folder, folder=True)) for folder in sorted(folders)]
@@ -150,12 +151,10 @@ def check_outputs(args: argparse.Namespace, roots: list[Path], files: "list[Medi
             f"--sidecar: {first.name} and {second.name} (and {len(clashes) - 1} more pairs) would share "
             f"{sidecars.path(first)}; rename one or caption them apart"
         )
-    taken = {os.path.abspath(root / METADATA_FILE) for root in roots if args.hf_metadata and root.is_dir()}
-    for flag, path in (("--out", args.out), ("--stats-json", args.stats_json)):
-        if path is not None and os.path.abspath(path) in taken:
-            raise UsageError(f"cannot use {flag} {path}: --hf-metadata writes that file")
-        if path is not None:
-            taken.add(os.path.abspath(path))
+    metadata = [("--hf-metadata", root / METADATA_FILE) for root in roots if args.hf_metadata and root.is_dir()]
+    check_targets(metadata + named, roots, [f.path for f in files if f.kind != "folder"], sidecars)
+    if args.stats_json is not None and (problem := not_our_stats(args.stats_json)) is not None:
+        raise UsageError(f"cannot use --stats-json {args.stats_json}: {problem}")
 
 
 def run(args: argparse.Namespace, plan: Plan) -> int:
