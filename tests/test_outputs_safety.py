@@ -5,11 +5,13 @@ follows no symlink; sidecars are never forced over another run's and one that ca
 an error record; temporaries fit NAME_MAX and a killed run's are removed; an output that cannot be
 written mid-run exits 3 with nothing lost."""
 
+import fcntl
 import json
 import os
 import resource
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -18,6 +20,7 @@ from test_dataset_tool import FAST, images, records
 
 from encoder_graphs.app import loading
 from encoder_graphs.app.cli import main
+from encoder_graphs.app.outputs import NAME_MAX, Outputs, SidecarPolicy, temp_prefix
 from encoder_graphs.app.results import ResultsFile, ResultsLocked
 from encoder_graphs.models.default_model import default_model_dir
 
@@ -145,6 +148,27 @@ def test_a_hard_link_or_symlink_to_out_meets_its_lock(tmp_path, capsys, no_model
             refused(["caption", str(tmp_path / "data"), "--out", str(tmp_path / name)], capsys, "is in use by")
 
 
+def test_a_sidecar_another_run_wrote_meanwhile_is_kept_without_overwrite(tmp_path):
+    media = images(tmp_path / "data", 2)
+    theirs = media[0].with_suffix(".txt")
+    theirs.write_text("the other run's caption\n")  # written after this run planned its files
+    record = {"path": str(media[0]), "relative_path": media[0].name, "kind": "image", "text": "ours"}
+    with ResultsFile(tmp_path / "r.jsonl") as results:
+        outputs = Outputs(results, SidecarPolicy(enabled=True))
+        outputs.write([record, {**record, "path": str(media[1]), "text": "ours too"}])
+        assert theirs.read_text() == "the other run's caption\n" and outputs.sidecars_written == 1
+        assert media[1].with_suffix(".txt").read_text() == "ours too\n"
+        Outputs(results, SidecarPolicy(enabled=True, overwrite=True)).write([record])
+    assert theirs.read_text() == "ours\n", "--overwrite replaces it"
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    theirs.unlink()
+    theirs.symlink_to(victim)
+    with ResultsFile(tmp_path / "r.jsonl") as results:
+        Outputs(results, SidecarPolicy(enabled=True, overwrite=True)).write([record])
+    assert victim.read_text() == "precious\n" and not theirs.is_symlink() and theirs.read_text() == "ours\n"
+
+
 # -- 11: special files as --out / --stats-json -------------------------------------------------------
 
 
@@ -160,6 +184,67 @@ def test_special_files_as_outputs_are_refused_at_once(tmp_path):
         assert done.returncode == 2, (extra, done.stderr)
         assert f"cannot use {extra[-2]} {extra[-1]}: {extra[-1]} {reason}" in done.stderr
         assert "loading model" not in done.stderr
+
+
+# -- 12: long names, a folder where the sidecar goes, a sidecar that cannot be written --------------
+
+
+def test_long_names_and_unwritable_sidecars_are_error_records_and_reruns_go_on(tmp_path, capsys):
+    data = tmp_path / "data"
+    data.mkdir()
+    long_name, too_long = "a" * 246 + ".png", "b" * 248 + ".png"  # a 254- and a 256-byte .caption
+    for name in (long_name, too_long, "c.png"):
+        images(data, 1)[0].rename(data / name)
+    (data / "c.caption").mkdir()  # a folder where c.png's sidecar goes
+    out = tmp_path / "r.jsonl"
+    argv = ["caption", str(data), "--out", str(out), "--sidecar", "--sidecar-ext", ".caption"] + FAST
+    assert main(argv) == 1
+    assert "2 sidecars could not be written" in capsys.readouterr().err
+    latest = {Path(r["path"]).name: r for r in records(out)}
+    assert latest[too_long]["error_kind"] == "sidecar" and "File name too long" in latest[too_long]["error"]
+    assert latest["c.png"]["error_kind"] == "sidecar" and "exists and is not a file" in latest["c.png"]["error"]
+    assert (data / long_name).with_suffix(".caption").read_text() == latest[long_name]["text"] + "\n"
+    assert len(records(out)) == 5, "three captions, then the two sidecars' errors"
+    assert main(argv) == 1, "a rerun does not crash: the errors stand"
+    again = tmp_path / "again.jsonl"  # a new --out captions all three again; --overwrite meets the folder
+    assert main(argv + ["--out", str(again), "--overwrite"]) == 1
+    assert "Is a directory" in {Path(r["path"]).name: r for r in records(again)}["c.png"]["error"]
+    # Sidecars written from the records of a run without --sidecar fail the same way, before any model.
+    plain = tmp_path / "plain.jsonl"
+    assert main(["caption", str(data), "--out", str(plain)] + FAST) == 0
+    assert main(["caption", str(data), "--out", str(plain), "--sidecar", "--sidecar-ext", ".caption"] + FAST) == 1
+    assert sorted(r.get("error_kind", "-") for r in records(plain)[3:]) == ["sidecar", "sidecar"]
+    assert not [p for p in data.iterdir() if p.name.startswith(".")], "no temporary left"
+
+
+def test_temporary_names_fit_name_max():
+    assert temp_prefix("img.txt") == ".img.txt."
+    for name in ("a" * 246 + ".txt", "é" * 125 + ".txt"):
+        assert len(os.fsencode(temp_prefix(name))) + 8 <= NAME_MAX
+    assert temp_prefix("a" * 246 + ".txt") != temp_prefix("a" * 247 + ".txt")
+
+
+def test_a_sidecar_on_a_full_disk_is_an_error_not_a_crash(tmp_path):
+    """RLIMIT_FSIZE stands for a full disk: the same OSError path, without a disk to fill."""
+    sidecar = tmp_path / "img.txt"
+    code = textwrap.dedent(
+        f"""
+        import resource
+        from pathlib import Path
+        from encoder_graphs.app.outputs import SidecarPolicy
+        resource.setrlimit(resource.RLIMIT_FSIZE, (8, 8))
+        try:
+            SidecarPolicy(enabled=True).write(Path({str(tmp_path / "img.png")!r}), "a caption longer than 8 bytes")
+        except OSError as error:
+            print(error.filename, error.strerror)
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60, check=False
+    )
+    assert done.stdout.strip() == f"{sidecar} File too large", done.stderr
+    assert list(tmp_path.iterdir()) == [], "neither the sidecar nor its temporary is left"
 
 
 # -- 15: an output that cannot be written mid-run: exit 3, nothing lost ------------------------------
@@ -179,3 +264,28 @@ def test_out_too_large_mid_run_exits_3_and_a_rerun_finishes(tmp_path):
     assert main(["caption", *argv, *FAST]) == 0
     assert sorted(r["path"] for r in records(out)) == sorted(str(p) for p in (tmp_path / "data").iterdir())
     assert records(out)[: len(kept)] == kept
+
+
+# -- 16: temporaries of killed runs ------------------------------------------------------------------
+
+
+def test_temporaries_of_killed_runs_are_removed_and_nothing_else(tmp_path, capsys):
+    files = images(tmp_path / "data", 2)
+    data = tmp_path / "data"
+    stale = [data / ".img00.txt.k1ll3d_x", data / ".metadata.jsonl.abcdefgh",
+             data / f"{temp_prefix('a' * 250 + '.txt')}zzzzzzzz"]
+    (data / ("a" * 250 + ".png")).write_bytes(files[0].read_bytes())
+    others = [data / ".img00.txt.short", data / ".img00.txt.ABCDEFGH", data / ".notes.txt.abcdefgh",
+              data / ".img00.txt.abcdefgh.bak", data / "img00.txt.abcdefgh"]
+    for path in stale + others:
+        path.write_text("x")
+    (data / ".img01.txt.linkedxx").symlink_to(tmp_path / "elsewhere")
+    live = data / ".img01.txt.writing1"
+    live.write_text("a live run's")
+    with open(live) as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # a run over this folder writing that sidecar right now
+        argv = ["caption", str(data), "--out", str(tmp_path / "r.jsonl"), "--sidecar", "--hf-metadata"]
+        assert main(argv + FAST) == 0
+    assert "removed 3 temporary files" in capsys.readouterr().err
+    assert not any(path.exists() for path in stale)
+    assert all(path.exists() for path in others) and live.exists() and (data / ".img01.txt.linkedxx").is_symlink()

@@ -91,8 +91,8 @@ def make_plan(args: argparse.Namespace, job: Job) -> Plan:
         raise UsageError(str(error)) from error
     check_outputs(args, roots, files, sidecars)
     results = open_results(args, job)
-    if job.rank == 0 and sidecars.enabled and (written := sidecars.backfill(results.path, [f.path for f in files])):
-        print(f"encoder-graphs: wrote {written} sidecars from captions already in {args.out}", file=sys.stderr)
+    if job.rank == 0:
+        tidy_outputs(args, roots, files, sidecars, results)
     todo = [f for f in files if not results.is_done(f.path) and not sidecars.skips(f.path)]
     if job.distributed:  # every rank must hold the same list before any starts writing parts
         job.barrier("planned")
@@ -155,6 +155,36 @@ def check_outputs(args: argparse.Namespace, roots: list[Path], files: "list[Medi
     check_targets(metadata + named, roots, [f.path for f in files if f.kind != "folder"], sidecars)
     if args.stats_json is not None and (problem := not_our_stats(args.stats_json)) is not None:
         raise UsageError(f"cannot use --stats-json {args.stats_json}: {problem}")
+
+
+def tidy_outputs(
+    args: argparse.Namespace, roots: list[Path], files: "list[MediaFile]", sidecars: SidecarPolicy,
+    results: "ResultsFile",
+) -> None:
+    """Before the plan (rank 0): the temporaries killed runs left beside this run's outputs
+    removed, and the sidecars of files the results caption already written (one that cannot be
+    is its file's error record)."""
+    from encoder_graphs.app.outputs import remove_stale_temporaries
+
+    media = [f.path for f in files if f.kind != "folder"]
+    targets = [sidecars.path(path) for path in media] if sidecars.enabled else []
+    targets += [root / METADATA_FILE for root in roots if args.hf_metadata and root.is_dir()]
+    targets += [Path(os.path.realpath(args.stats_json))] if args.stats_json is not None else []
+    if removed := remove_stale_temporaries(targets):
+        print(f"encoder-graphs: removed {removed} temporary files a killed run left", file=sys.stderr)
+    if not sidecars.enabled:
+        return
+    written, errors = sidecars.backfill(results.path, media)
+    results.append(errors)
+    if written:
+        print(f"encoder-graphs: wrote {written} sidecars from captions already in {args.out}", file=sys.stderr)
+    report_sidecar_errors([error["error"] for error in errors])
+
+
+def report_sidecar_errors(errors: list[str]) -> None:
+    if errors:
+        print(f"encoder-graphs: {len(errors)} sidecars could not be written ({errors[0]}); their files are "
+              "recorded as errors", file=sys.stderr)
 
 
 def run(args: argparse.Namespace, plan: Plan) -> int:
@@ -274,12 +304,14 @@ def caption_files(
         handle.disable()
         if writer is not plan.results:
             writer.close()
+    report_sidecar_errors(outputs.sidecar_errors)
     stats.skipped = len(plan.files) - len(plan.todo)
     stats.files = len(plan.files)
     summary = {
         **stats.as_dict(),
         "batch_size": config.batch_size,
         "sidecars": outputs.sidecars_written,
+        "sidecar_errors": len(outputs.sidecar_errors),
         "setup_s": setup_s,
         "max_image_tokens": args.max_image_tokens,
         "max_tiles": args.max_tiles,
