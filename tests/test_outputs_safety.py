@@ -12,6 +12,7 @@ import resource
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -264,6 +265,44 @@ def test_out_too_large_mid_run_exits_3_and_a_rerun_finishes(tmp_path):
     assert main(["caption", *argv, *FAST]) == 0
     assert sorted(r["path"] for r in records(out)) == sorted(str(p) for p in (tmp_path / "data").iterdir())
     assert records(out)[: len(kept)] == kept
+
+
+def test_stats_json_too_large_exits_3_after_the_captions(tmp_path):
+    default_model_dir()
+    images(tmp_path / "data", 1)
+    out, stats = tmp_path / "r.jsonl", tmp_path / "s.json"
+    done = cli([str(tmp_path / "data"), "--out", str(out), "--stats-json", str(stats)], fsize=2000)
+    assert done.returncode == 3, done.stderr
+    assert f"cannot write {stats}: File too large" in done.stderr and "Traceback" not in done.stderr
+    assert len(records(out)) == 1 and not stats.exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == [], "no temporary left"
+
+
+def test_a_folder_made_read_only_mid_run_exits_3(tmp_path):
+    (tmp_path / "stats").mkdir(mode=0o555)
+    try:
+        (tmp_path / "stats" / "probe").touch()
+        pytest.skip("this user writes into read-only folders (root with CAP_DAC_OVERRIDE)")
+    except PermissionError:
+        (tmp_path / "stats").chmod(0o755)
+    default_model_dir()
+    images(tmp_path / "data", 12)
+    out, stats = tmp_path / "r.jsonl", tmp_path / "stats" / "s.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    command = [sys.executable, "-m", "encoder_graphs", "caption", str(tmp_path / "data"), "--out", str(out),
+               "--stats-json", str(stats), "--batch-size", "2", *FAST]
+    process = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (out.exists() and out.read_bytes().count(b"\n") >= 2) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    (tmp_path / "stats").chmod(0o555)
+    try:
+        _, err = process.communicate(timeout=120)
+    finally:
+        (tmp_path / "stats").chmod(0o755)
+    assert process.returncode == 3, err
+    assert f"cannot write {stats}: Permission denied" in err and "Traceback" not in err
+    assert len(records(out)) == 12
 
 
 # -- 16: temporaries of killed runs ------------------------------------------------------------------

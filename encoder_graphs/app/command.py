@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from encoder_graphs.app.config import COMPILE_FROM_FILES, CaptionConfig
 from encoder_graphs.app.distributed import Job, job_from_env
-from encoder_graphs.app.errors import EXIT_FAILURES, EXIT_INTERRUPTED, EXIT_OK, UsageError
+from encoder_graphs.app.errors import EXIT_FAILURES, EXIT_INTERRUPTED, EXIT_OK, OutputError, UsageError
 from encoder_graphs.app.output_checks import check_targets, not_our_stats, special_file
 from encoder_graphs.app.outputs import METADATA_FILE, SidecarPolicy, unwritable
 
@@ -187,6 +187,19 @@ def report_sidecar_errors(errors: list[str]) -> None:
               "recorded as errors", file=sys.stderr)
 
 
+def write_output(path: Path, text: str) -> None:
+    """A file the user named written whole (through their symlink, to the file it names);
+    `OutputError` when it cannot be."""
+    from encoder_graphs.app.outputs import write_atomically
+
+    target = Path(os.path.realpath(path))
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        write_atomically(target, text)
+    except OSError as error:
+        raise OutputError(path, error) from error
+
+
 def run(args: argparse.Namespace, plan: Plan) -> int:
     from encoder_graphs.app.loading import load_model, pick_device
     from encoder_graphs.report import format_run_stats
@@ -210,8 +223,7 @@ def run(args: argparse.Namespace, plan: Plan) -> int:
     write_metadata(args, plan)
     if args.stats_json is not None:
         payload = {"pipeline": summary, **graph_stats, "model": args.model or "default", "device": str(device)}
-        args.stats_json.parent.mkdir(parents=True, exist_ok=True)
-        args.stats_json.write_text(json.dumps(payload, indent=2, sort_keys=True, default=str) + "\n")
+        write_output(args.stats_json, json.dumps(payload, indent=2, sort_keys=True, default=str) + "\n")
     if summary["interrupted"]:
         print(f"interrupted: {RESUME_HINT}", file=sys.stderr)
         return EXIT_INTERRUPTED
@@ -237,7 +249,11 @@ def write_metadata(args: argparse.Namespace, plan: Plan) -> None:
     if args.hf_metadata:
         from encoder_graphs.app.outputs import write_hf_metadata
 
-        for path in write_hf_metadata(plan.results.path, plan.roots):
+        try:
+            written = write_hf_metadata(plan.results.path, plan.roots)
+        except OSError as error:
+            raise OutputError(error.filename or METADATA_FILE, error) from error
+        for path in written:
             print(f"wrote {path}")
 
 
