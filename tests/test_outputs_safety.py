@@ -59,7 +59,7 @@ def test_out_and_stats_json_that_are_not_ours_are_refused_untouched(tmp_path, ca
     data = str(tmp_path / "data")
     notes = tmp_path / "notes.txt"
     notes.write_bytes(b"buy milk\ncall Bob")  # no newline at the end: not a half-written record
-    refused(["caption", data, "--out", str(notes)], capsys, str(notes), "not a results file")
+    refused(["caption", data, "--out", str(notes)], capsys, f"cannot use --out {notes}: {notes} is not a results file")
     tiny = tmp_path / "tiny.json"
     tiny.write_bytes(b'{"a": 1}')  # one unterminated line: not the start of a record either
     refused(["caption", data, "--out", str(tiny)], capsys, str(tiny))

@@ -109,9 +109,9 @@ def open_results(args: argparse.Namespace, job: Job) -> "ResultsFile":
     try:
         # The file the user named (checked), through their symlink: the lock opens no symlink.
         results = ResultsFile(os.path.realpath(args.out), retry_failed=args.retry_failed, lock=job.rank == 0)
-    except (ResultsLocked, NotResultsFile) as error:
+    except ResultsLocked as error:
         raise UsageError(str(error)) from error
-    except OSError as error:
+    except (NotResultsFile, OSError) as error:
         raise UsageError(f"cannot use --out {args.out}: {error}") from error
     if results.repaired_bytes:
         print(f"encoder-graphs: dropped a half-written last line ({results.repaired_bytes} bytes) of {args.out}",
