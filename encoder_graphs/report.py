@@ -92,7 +92,8 @@ def format_run_stats(stats: dict) -> str:
         f"{stats['retried_batches']} retried one by one)",
         f"  batch size {stats.get('batch_size', '-')}, prompt padding {stats.get('prompt_padding_pct', 0.0):.0f}%; "
         f"the model waited {stats.get('input_wait_s', 0.0):.2f} s for files still loading "
-        f"({stats.get('input_wait_pct', 0.0):.1f}% of the loop); sidecars written {stats.get('sidecars', 0)}",
+        f"({stats.get('input_wait_pct', 0.0):.1f}% of the loop); sidecars written {stats.get('sidecars', 0)}"
+        + (f", {stats['sidecar_errors']} could not be" if stats.get("sidecar_errors") else ""),
     ]
     if stats.get("first_caption_after_load_s") is not None:
         lines.append(

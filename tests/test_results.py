@@ -154,7 +154,8 @@ def test_bad_out_paths_fail_at_construction(tmp_path):
     assert not Path(str(tmp_path / "a_dir.jsonl") + ".lock").exists()  # released on the way out
     out = tmp_path / "new" / "captions.jsonl"
     with ResultsFile(out):
-        assert out.parent.is_dir() and not out.exists()  # nothing written before the first append
+        assert out.parent.is_dir() and out.read_bytes() == b""  # created to be locked, nothing written
+    assert not out.exists(), "an empty results file the run created is removed with its lock"
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root can write anything")

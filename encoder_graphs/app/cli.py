@@ -1,7 +1,8 @@
 """`encoder-graphs caption PATH...`: caption image and video folders into a resumable JSONL file,
 and optionally caption files beside each image.
 
-Exit status: 0 every file has a caption, 1 some files failed, 2 usage error, 130 interrupted.
+Exit status: 0 every file has a caption, 1 some files failed, 2 usage error, 3 an output could
+not be written during the run, 130 interrupted.
 `--help` and the usage errors that need no model answer before torch or transformers is imported.
 """
 
@@ -10,7 +11,7 @@ import sys
 from pathlib import Path
 
 from encoder_graphs.app.config import COMPILE_FROM_FILES, DEFAULT_IMAGE_TOKENS, DEFAULT_PROMPT, PROMPT_FIELDS
-from encoder_graphs.app.errors import EXIT_INTERRUPTED, EXIT_USAGE, UsageError
+from encoder_graphs.app.errors import EXIT_INTERRUPTED, EXIT_OUTPUT, EXIT_USAGE, OutputError, UsageError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -137,6 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as error:
         print(f"encoder-graphs: error: {error}", file=sys.stderr)
         return EXIT_USAGE
+    except OutputError as error:  # what was written before stays whole
+        print(f"encoder-graphs: error: {error}; {RESUME_HINT} once it can be written", file=sys.stderr)
+        return EXIT_OUTPUT
     except KeyboardInterrupt:
         print(f"\nencoder-graphs: interrupted; {RESUME_HINT}", file=sys.stderr)
         return EXIT_INTERRUPTED

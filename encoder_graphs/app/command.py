@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING
 
 from encoder_graphs.app.config import COMPILE_FROM_FILES, CaptionConfig
 from encoder_graphs.app.distributed import Job, job_from_env
-from encoder_graphs.app.errors import EXIT_FAILURES, EXIT_INTERRUPTED, EXIT_OK, UsageError
+from encoder_graphs.app.errors import EXIT_FAILURES, EXIT_INTERRUPTED, EXIT_OK, OutputError, UsageError
+from encoder_graphs.app.output_checks import check_targets, not_our_stats, special_file
 from encoder_graphs.app.outputs import METADATA_FILE, SidecarPolicy, unwritable
 
 if TYPE_CHECKING:
@@ -90,8 +91,8 @@ def make_plan(args: argparse.Namespace, job: Job) -> Plan:
         raise UsageError(str(error)) from error
     check_outputs(args, roots, files, sidecars)
     results = open_results(args, job)
-    if job.rank == 0 and sidecars.enabled and (written := sidecars.backfill(results.path, [f.path for f in files])):
-        print(f"encoder-graphs: wrote {written} sidecars from captions already in {args.out}", file=sys.stderr)
+    if job.rank == 0:
+        tidy_outputs(args, roots, files, sidecars, results)
     todo = [f for f in files if not results.is_done(f.path) and not sidecars.skips(f.path)]
     if job.distributed:  # every rank must hold the same list before any starts writing parts
         job.barrier("planned")
@@ -101,15 +102,16 @@ def make_plan(args: argparse.Namespace, job: Job) -> Plan:
 def open_results(args: argparse.Namespace, job: Job) -> "ResultsFile":
     """`--out` with what it and any part files hold; locked by rank 0 (or the only process)."""
     from encoder_graphs.app.distributed import part_paths
-    from encoder_graphs.app.results import ResultsFile, ResultsLocked
+    from encoder_graphs.app.results import NotResultsFile, ResultsFile, ResultsLocked
 
     if job.rank != 0:
         job.wait_for("opened", 1)  # rank 0 has the lock and has repaired a cut last line
     try:
-        results = ResultsFile(args.out, retry_failed=args.retry_failed, lock=job.rank == 0)
+        # The file the user named (checked), through their symlink: the lock opens no symlink.
+        results = ResultsFile(os.path.realpath(args.out), retry_failed=args.retry_failed, lock=job.rank == 0)
     except ResultsLocked as error:
         raise UsageError(str(error)) from error
-    except OSError as error:
+    except (NotResultsFile, OSError) as error:
         raise UsageError(f"cannot use --out {args.out}: {error}") from error
     if results.repaired_bytes:
         print(f"encoder-graphs: dropped a half-written last line ({results.repaired_bytes} bytes) of {args.out}",
@@ -131,10 +133,10 @@ def read_prompt(args: argparse.Namespace) -> str:
 
 
 def check_outputs(args: argparse.Namespace, roots: list[Path], files: "list[MediaFile]", sidecars: SidecarPolicy) -> None:
-    """Every path the run will write can be written: checked now, not after the model loaded."""
-    problems = [("--out", args.out, unwritable(args.out))]
-    if args.stats_json is not None:
-        problems.append(("--stats-json", args.stats_json, unwritable(args.stats_json)))
+    """Every path the run will write can be written, and is its own: checked now, not after the
+    model loaded (the results file's format: when `open_results` opens it)."""
+    named = [("--out", args.out)] + ([("--stats-json", args.stats_json)] if args.stats_json is not None else [])
+    problems = [(flag, path, special_file(path) or unwritable(path)) for flag, path in named]
     if sidecars.enabled:
         folders = {f.path.parent for f in files}
         problems += [("--sidecar", folder, unwritable(folder, folder=True)) for folder in sorted(folders)]
@@ -149,12 +151,53 @@ def check_outputs(args: argparse.Namespace, roots: list[Path], files: "list[Medi
             f"--sidecar: {first.name} and {second.name} (and {len(clashes) - 1} more pairs) would share "
             f"{sidecars.path(first)}; rename one or caption them apart"
         )
-    taken = {os.path.abspath(root / METADATA_FILE) for root in roots if args.hf_metadata and root.is_dir()}
-    for flag, path in (("--out", args.out), ("--stats-json", args.stats_json)):
-        if path is not None and os.path.abspath(path) in taken:
-            raise UsageError(f"cannot use {flag} {path}: --hf-metadata writes that file")
-        if path is not None:
-            taken.add(os.path.abspath(path))
+    metadata = [("--hf-metadata", root / METADATA_FILE) for root in roots if args.hf_metadata and root.is_dir()]
+    check_targets(metadata + named, roots, [f.path for f in files if f.kind != "folder"], sidecars)
+    if args.stats_json is not None and (problem := not_our_stats(args.stats_json)) is not None:
+        raise UsageError(f"cannot use --stats-json {args.stats_json}: {problem}")
+
+
+def tidy_outputs(
+    args: argparse.Namespace, roots: list[Path], files: "list[MediaFile]", sidecars: SidecarPolicy,
+    results: "ResultsFile",
+) -> None:
+    """Before the plan (rank 0): the temporaries killed runs left beside this run's outputs
+    removed, and the sidecars of files the results caption already written (one that cannot be
+    is its file's error record)."""
+    from encoder_graphs.app.outputs import remove_stale_temporaries
+
+    media = [f.path for f in files if f.kind != "folder"]
+    targets = [sidecars.path(path) for path in media] if sidecars.enabled else []
+    targets += [root / METADATA_FILE for root in roots if args.hf_metadata and root.is_dir()]
+    targets += [Path(os.path.realpath(args.stats_json))] if args.stats_json is not None else []
+    if removed := remove_stale_temporaries(targets):
+        print(f"encoder-graphs: removed {removed} temporary files a killed run left", file=sys.stderr)
+    if not sidecars.enabled:
+        return
+    written, errors = sidecars.backfill(results.path, media)
+    results.append(errors)
+    if written:
+        print(f"encoder-graphs: wrote {written} sidecars from captions already in {args.out}", file=sys.stderr)
+    report_sidecar_errors([error["error"] for error in errors])
+
+
+def report_sidecar_errors(errors: list[str]) -> None:
+    if errors:
+        print(f"encoder-graphs: {len(errors)} sidecars could not be written ({errors[0]}); their files are "
+              "recorded as errors", file=sys.stderr)
+
+
+def write_output(path: Path, text: str) -> None:
+    """A file the user named written whole (through their symlink, to the file it names);
+    `OutputError` when it cannot be."""
+    from encoder_graphs.app.outputs import write_atomically
+
+    target = Path(os.path.realpath(path))
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        write_atomically(target, text)
+    except OSError as error:
+        raise OutputError(path, error) from error
 
 
 def run(args: argparse.Namespace, plan: Plan) -> int:
@@ -180,8 +223,7 @@ def run(args: argparse.Namespace, plan: Plan) -> int:
     write_metadata(args, plan)
     if args.stats_json is not None:
         payload = {"pipeline": summary, **graph_stats, "model": args.model or "default", "device": str(device)}
-        args.stats_json.parent.mkdir(parents=True, exist_ok=True)
-        args.stats_json.write_text(json.dumps(payload, indent=2, sort_keys=True, default=str) + "\n")
+        write_output(args.stats_json, json.dumps(payload, indent=2, sort_keys=True, default=str) + "\n")
     if summary["interrupted"]:
         print(f"interrupted: {RESUME_HINT}", file=sys.stderr)
         return EXIT_INTERRUPTED
@@ -207,7 +249,11 @@ def write_metadata(args: argparse.Namespace, plan: Plan) -> None:
     if args.hf_metadata:
         from encoder_graphs.app.outputs import write_hf_metadata
 
-        for path in write_hf_metadata(plan.results.path, plan.roots):
+        try:
+            written = write_hf_metadata(plan.results.path, plan.roots)
+        except OSError as error:
+            raise OutputError(error.filename or METADATA_FILE, error) from error
+        for path in written:
             print(f"wrote {path}")
 
 
@@ -274,12 +320,14 @@ def caption_files(
         handle.disable()
         if writer is not plan.results:
             writer.close()
+    report_sidecar_errors(outputs.sidecar_errors)
     stats.skipped = len(plan.files) - len(plan.todo)
     stats.files = len(plan.files)
     summary = {
         **stats.as_dict(),
         "batch_size": config.batch_size,
         "sidecars": outputs.sidecars_written,
+        "sidecar_errors": len(outputs.sidecar_errors),
         "setup_s": setup_s,
         "max_image_tokens": args.max_image_tokens,
         "max_tiles": args.max_tiles,

@@ -1,7 +1,20 @@
-"""The command line's exit statuses and the error that means "the request is wrong"."""
+"""The command line's exit statuses, the error that means "the request is wrong" and the one that
+means "an output could not be written"."""
 
-EXIT_OK, EXIT_FAILURES, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+from pathlib import Path
+
+EXIT_OK, EXIT_FAILURES, EXIT_USAGE, EXIT_OUTPUT, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
 
 class UsageError(Exception):
     """A request the command cannot carry out as given: reported in one line, exit 2."""
+
+
+class OutputError(Exception):
+    """An output (`--out`, `--stats-json`, `metadata.jsonl`) could not be written during the run
+    (disk full, file too large, a folder made read-only): reported in one line, exit 3. What was
+    written before it stays whole, so a rerun resumes."""
+
+    def __init__(self, path: str | Path, error: OSError) -> None:
+        self.path = Path(path)
+        super().__init__(f"cannot write {path}: {error.strerror or error}")

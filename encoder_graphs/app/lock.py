@@ -1,17 +1,25 @@
-"""An exclusive lock on `<file>.lock` beside the file it guards, for one process at a time.
+"""An exclusive lock on a file by its identity, for one process at a time.
 
-`flock` on the lock file, which names the holder (pid and host). The kernel drops the lock when
-the holder dies, so a lock file left by a killed process is taken over, not obeyed; the holder
-unlinks the file before it lets go, and a taker checks it locked the file still at the path.
+`flock` on the guarded file itself (created empty when missing), so every name of it, a hard link
+or a symlink, meets the same lock; the kernel drops it when the holder dies, so a killed holder
+is taken over, not obeyed. `<file>.lock` beside it names the holder (pid and host) for the
+message of a run that finds the file taken: only the holder writes it, never through a symlink
+or into a file with other names. A guarded file the holder created and left empty is removed
+before it lets go, so a taker checks that the file it locked is still the one at the path.
 """
 
+import errno
 import fcntl
 import json
 import os
 import socket
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+# No symlink at the last step (the lock and the writes meet one inode); no wait on a FIFO.
+OPEN_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
 @dataclass(frozen=True)
@@ -35,80 +43,144 @@ class HeldElsewhere(Exception):
         super().__init__(f"held by {holder}")
 
 
+class LockFileError(OSError):
+    """The lock file is not one this command wrote (a symlink, another file's name): not touched."""
+
+
 class FileLock:
-    """`acquire()` once, `release()` when done (also when the process dies, by the kernel)."""
+    """`acquire()` once, `release()` when done (also when the process dies, by the kernel).
+    While held, `fd` is the guarded file open for reading and writing."""
 
     def __init__(self, guarded: str | Path) -> None:
-        self.path = Path(os.path.realpath(guarded) + ".lock")
-        self._fd: int | None = None
+        self.guarded = Path(guarded)
+        self.path = Path(os.path.realpath(self.guarded.parent)) / f"{self.guarded.name}.lock"  # the holder's name
+        self.fd: int | None = None
+        self._holder_fd: int | None = None
+        self._created = False
 
     @property
     def held(self) -> bool:
-        return self._fd is not None
+        return self.fd is not None
 
     def acquire(self) -> None:
-        """Take the lock; HeldElsewhere (naming the holder) when another holds it."""
+        """Take the lock; HeldElsewhere (naming the holder) when another holds it, OSError when
+        the guarded file cannot be opened for writing or is not a regular file, LockFileError when
+        the lock file is not one we wrote."""
         while True:
-            try:
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-            except OSError as error:
-                raise OSError(error.errno, f"cannot create the lock file {self.path}: {error.strerror}") from error
+            fd, self._created = _open_regular(self.guarded)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                holder = _read_holder(fd)
                 os.close(fd)
-                raise HeldElsewhere(holder) from None
+                raise HeldElsewhere(_read_holder(self.path)) from None
             except BaseException:
                 os.close(fd)
                 raise
-            # The holder before us unlinks the lock file before it lets go: if we locked that
-            # unlinked file, the lock file at the path is another one (or none): try again on it.
-            if _same_file(fd, self.path):
+            # A holder before us removes an empty file it created before it lets go: if we locked
+            # that unlinked file, the file at the path is another one (or none): try again on it.
+            if _same_file(fd, self.guarded):
                 break
             os.close(fd)
-        try:  # a stale pid left by a killed run is overwritten
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, (json.dumps({"pid": os.getpid(), "host": socket.gethostname()}) + "\n").encode(), 0)
+        self.fd = fd
+        try:
+            self._holder_fd = _write_holder(self.path)
         except BaseException:
-            os.close(fd)
+            self.release()
             raise
-        self._fd = fd
 
     def release(self) -> None:
-        """Let go of the lock (and remove the lock file while it is still ours). Idempotent."""
-        fd, self._fd = self._fd, None
+        """Let go of the lock (removing the lock file, and the guarded file if we created it and
+        it is still empty). Idempotent."""
+        fd, holder_fd, self.fd, self._holder_fd = self.fd, self._holder_fd, None, None
         if fd is None:
             return
-        try:
-            if _same_file(fd, self.path):  # unlink before unlocking: see `acquire`
+        try:  # unlink before unlocking: see `acquire`
+            if holder_fd is not None and _same_file(holder_fd, self.path):
                 os.unlink(self.path)
+            if self._created and os.fstat(fd).st_size == 0 and _same_file(fd, self.guarded):
+                os.unlink(self.guarded)
         except OSError:
-            pass  # a lock file we cannot remove is harmless: the next run takes it over
+            pass  # a lock file we cannot remove is harmless: the next holder rewrites it
         finally:
+            if holder_fd is not None:
+                os.close(holder_fd)
             os.close(fd)
+
+
+def _open_regular(path: Path) -> tuple[int, bool]:
+    """`path` opened for reading and writing, created when missing (and whether we created it);
+    OSError for a symlink or anything but a regular file."""
+    while True:
+        try:
+            return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | OPEN_FLAGS, 0o666), True
+        except FileExistsError:
+            pass
+        try:
+            fd = os.open(path, os.O_RDWR | OPEN_FLAGS)
+            break
+        except FileNotFoundError:
+            continue  # removed since: create it
+        except OSError as error:
+            raise _no_symlink(error, path) from error
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, f"{path} is not a regular file")
+    return fd, False
+
+
+def _write_holder(path: Path) -> int:
+    """Our pid and host in the lock file `path` (a stale one is overwritten); its descriptor."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | OPEN_FLAGS, 0o644)
+    except OSError as error:
+        error = _no_symlink(error, path)
+        raise LockFileError(error.errno, f"cannot write the lock file {path}: {error.strerror}") from error
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:  # another file's name: not ours to write
+            raise LockFileError(errno.EEXIST, f"the lock file {path} is not one this command wrote (a link or a "
+                                "special file): remove it")
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps({"pid": os.getpid(), "host": socket.gethostname()}) + "\n").encode(), 0)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _no_symlink(error: OSError, path: Path) -> OSError:
+    """ELOOP of O_NOFOLLOW said as what it means here."""
+    if error.errno == errno.ELOOP:
+        return OSError(error.errno, f"{path} is a symbolic link, not a file this command wrote")
+    return error
 
 
 def _same_file(fd: int, path: Path) -> bool:
     try:
-        here, there = os.fstat(fd), os.stat(path)
+        here, there = os.fstat(fd), os.lstat(path)
     except FileNotFoundError:
         return False
     return (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)
 
 
-def _read_holder(fd: int) -> LockHolder:
-    # The holder writes its pid just after locking: give it a moment if the file is still empty.
-    for _ in range(20):
-        try:
+def _read_holder(path: Path) -> LockHolder:
+    try:
+        fd = os.open(path, os.O_RDONLY | OPEN_FLAGS)
+    except OSError:  # a hard link or symlink to the guarded file: its own lock file does not exist
+        return LockHolder(None, None)
+    try:
+        # The holder writes its pid just after locking: give it a moment if the file is still empty.
+        for _ in range(20):
             data = os.pread(fd, 4096, 0)
-        except OSError:
-            break
-        if data.endswith(b"\n"):
-            try:
-                info = json.loads(data)
-                return LockHolder(int(info["pid"]), str(info["host"]))
-            except (ValueError, KeyError, TypeError):
-                break
-        time.sleep(0.005)
+            if data.endswith(b"\n"):
+                try:
+                    info = json.loads(data)
+                    return LockHolder(int(info["pid"]), str(info["host"]))
+                except (ValueError, KeyError, TypeError):
+                    break
+            time.sleep(0.005)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
     return LockHolder(None, None)

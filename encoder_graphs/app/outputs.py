@@ -1,18 +1,30 @@
 """Where captions go: the JSONL results (the run's record, resumable), caption sidecars beside the
 files, and `metadata.jsonl` per root folder (the layout the `datasets` imagefolder loader reads).
-Also the checks that every output can be written, made before any model loads."""
+Files are written whole through a temporary renamed into place, never through a symlink; a
+sidecar that cannot be written is an error record of its file. Also the check that every output
+can be written, made before any model loads."""
 
+import contextlib
+import errno
+import fcntl
+import hashlib
 import json
 import os
+import re
+import stat
 import tempfile
-from collections.abc import Callable, Sequence
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from encoder_graphs.app.lock import OPEN_FLAGS
 from encoder_graphs.app.media import media_kind
 from encoder_graphs.app.results import ResultsFile, path_key, read_records
 
 METADATA_FILE = "metadata.jsonl"
+NAME_MAX = 255  # bytes in a file name (ext4, xfs, btrfs, tmpfs, NFS)
+TEMP_TAIL = re.compile(r"[a-z0-9_]{8}")  # the random part of tempfile.mkstemp's names
 
 
 @dataclass(frozen=True)
@@ -33,8 +45,13 @@ class SidecarPolicy:
         return media.with_suffix(self.ext)
 
     def skips(self, media: Path) -> bool:
-        """A file whose sidecar exists is done, unless `overwrite`."""
-        return self.enabled and not self.overwrite and self.path(media).exists()
+        """A file whose sidecar exists (a file: not a folder of that name) is done, unless `overwrite`."""
+        return self.enabled and not self.overwrite and os.path.isfile(self.path(media))
+
+    def write(self, media: Path, text: str) -> bool:
+        """The sidecar of `media`; without `overwrite` one that exists already (another run's)
+        is kept: False then. OSError when it cannot be written."""
+        return write_atomically(self.path(media), text + "\n", replace=self.overwrite)
 
     def collisions(self, files: Sequence[Path]) -> list[tuple[Path, Path]]:
         """Pairs of files that would write the same sidecar (a.jpg and a.png)."""
@@ -46,17 +63,30 @@ class SidecarPolicy:
                 clashes.append((first, file))
         return clashes
 
-    def backfill(self, results_path: Path, files: Sequence[Path]) -> int:
+    def backfill(self, results_path: Path, files: Sequence[Path]) -> tuple[int, list[dict]]:
         """Write the sidecars of files the results already caption (an earlier run without
-        `--sidecar`, or one killed between its record and its sidecars); how many."""
-        texts = {key: record["text"] for key, record in latest_records(results_path).items() if "text" in record}
-        written = 0
+        `--sidecar`, or one killed between its record and its sidecars): how many, and the error
+        records of those that could not be written."""
+        latest = latest_records(results_path)
+        written, errors = 0, []
         for file in files:
-            text = texts.get(path_key(file))
-            if text is not None and (self.overwrite or not self.path(file).exists()):
-                write_atomically(self.path(file), text + "\n")
-                written += 1
-        return written
+            record = latest.get(path_key(file))
+            if record is None or "text" not in record or (not self.overwrite and os.path.isfile(self.path(file))):
+                continue
+            try:
+                written += self.write(file, record["text"])
+            except OSError as error:
+                errors.append(sidecar_error(record, error))
+        return written, errors
+
+
+def sidecar_error(record: dict, error: OSError) -> dict:
+    """The record saying that the sidecar of `record`'s file could not be written. Appended after
+    the caption's, it is the file's latest: the file counts as failed, and `--retry-failed`
+    captions it again."""
+    identity = {key: record[key] for key in ("path", "relative_path", "kind", "model") if key in record}
+    message = f"cannot write the sidecar {error.filename}: {error.strerror}"
+    return {**identity, "error_kind": "sidecar", "error": message}
 
 
 def relative_path(path: Path, roots: Sequence[Path]) -> str:
@@ -77,14 +107,22 @@ class Outputs:
         self.sidecars = sidecars
         self.on_written = on_written
         self.sidecars_written = 0
+        self.sidecar_errors: list[str] = []  # the error of each sidecar that could not be written
 
     def write(self, records: list[dict]) -> None:
+        """`OutputError` when the results cannot be written; a sidecar that cannot be is its
+        file's error record."""
         self.results.append(records)
         if self.sidecars.enabled:
+            errors = []
             for record in records:
                 if "text" in record:
-                    write_atomically(self.sidecars.path(Path(record["path"])), record["text"] + "\n")
-                    self.sidecars_written += 1
+                    try:
+                        self.sidecars_written += self.sidecars.write(Path(record["path"]), record["text"])
+                    except OSError as error:
+                        errors.append(sidecar_error(record, error))
+            self.results.append(errors)
+            self.sidecar_errors += [error["error"] for error in errors]
         if self.on_written is not None:
             self.on_written(len(records))
 
@@ -118,18 +156,100 @@ def write_hf_metadata(results_path: Path, roots: Sequence[Path]) -> list[Path]:
     return written
 
 
-def write_atomically(path: Path, text: str) -> None:
-    """Write `text` to a temp file beside `path`, then rename: a kill never leaves half a file."""
-    handle, temp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+def write_atomically(path: Path, text: str, *, replace: bool = True) -> bool:
+    """Write `text` to a temporary beside `path`, then rename it to `path`: a kill never leaves
+    half a file, and a symlink (or another name of a file) at `path` is replaced, never written
+    through. `replace=False` keeps whatever regular file is at `path` already: False then. An
+    OSError names `path` (its `filename`)."""
     try:
-        # mkstemp makes 0600 files: take the file's old mode, or what the umask gives a new one.
-        os.fchmod(handle, path.stat().st_mode & 0o7777 if path.exists() else 0o666 & ~_umask())
-        with os.fdopen(handle, "w", encoding="utf-8") as file:
-            file.write(text)
+        fd, temp = tempfile.mkstemp(prefix=temp_prefix(path.name), dir=path.parent)
+    except OSError as error:
+        raise OSError(error.errno, error.strerror, str(path)) from error
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # held while it exists: a run tidying up leaves it alone
+        try:
+            info = os.lstat(path)
+            mode = info.st_mode & 0o7777 if stat.S_ISREG(info.st_mode) else 0o666 & ~_umask()
+        except FileNotFoundError:  # mkstemp makes 0600 files: a new one gets what the umask gives
+            mode = 0o666 & ~_umask()
+        os.fchmod(fd, mode)
+        data = memoryview(text.encode("utf-8"))
+        while data:
+            data = data[os.write(fd, data) :]
+        if not replace:
+            return _link_new(temp, path)
         os.replace(temp, path)
-    except BaseException:
-        Path(temp).unlink(missing_ok=True)
-        raise
+        return True
+    except OSError as error:
+        raise OSError(error.errno, error.strerror, str(path)) from error
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(temp)  # gone already once renamed
+        os.close(fd)
+
+
+def _link_new(temp: str, path: Path) -> bool:
+    """`temp` also named `path` unless `path` exists (False then): two runs never replace each
+    other's file. EEXIST when what is there is not a regular file."""
+    try:
+        os.link(temp, path)  # fails on any existing name, a dangling symlink included
+        return True
+    except FileExistsError:
+        pass
+    except OSError as error:
+        if error.errno not in (errno.EPERM, errno.EOPNOTSUPP):
+            raise
+        if not os.path.lexists(path):  # a filesystem without hard links (FAT): look, then rename
+            os.replace(temp, path)
+            return True
+    if not os.path.isfile(path):
+        raise OSError(errno.EEXIST, "it exists and is not a file")
+    return False
+
+
+def temp_prefix(name: str) -> str:
+    """How the temporaries beside `name` begin: `.<name>.`, or a digest of the name where that and
+    mkstemp's 8 random characters would not fit in NAME_MAX."""
+    prefix = f".{name}."
+    if len(os.fsencode(prefix)) + 8 <= NAME_MAX:
+        return prefix
+    return f".{hashlib.sha256(os.fsencode(name)).hexdigest()[:32]}."
+
+
+def remove_stale_temporaries(targets: Iterable[Path]) -> int:
+    """Remove the temporaries that killed runs left beside `targets` (the files this run may
+    write): only names of exactly the form `temp_prefix(target's name)` + 8 random characters,
+    regular files that no live writer holds (a writer holds its temporary's flock). How many."""
+    prefixes: dict[Path, set[str]] = defaultdict(set)
+    for target in targets:
+        prefixes[target.parent].add(temp_prefix(target.name))
+    removed = 0
+    for folder, wanted in prefixes.items():
+        try:
+            names = os.listdir(folder)
+        except OSError:
+            continue  # a folder that cannot be listed gets no sidecar either
+        for name in names:
+            if name[:-8] in wanted and TEMP_TAIL.fullmatch(name[-8:]) and _remove_unheld(folder / name):
+                removed += 1
+    return removed
+
+
+def _remove_unheld(path: Path) -> bool:
+    try:
+        fd = os.open(path, os.O_RDONLY | OPEN_FLAGS)
+    except OSError:  # a symlink, or gone
+        return False
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return False
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.unlink(path)
+        return True
+    except OSError:  # held: a live run is writing it
+        return False
+    finally:
+        os.close(fd)
 
 
 def _umask() -> int:

@@ -8,17 +8,21 @@ LATEST record of a path wins. `is_done` is true once a path has any record (with
 only when its latest record is not an error); `is_failed` is true when its latest record is an
 error.
 
-One run at a time per results file: `ResultsFile` holds the exclusive lock of `lock.py` on
-`<out>.lock` from construction to `close()` (or the end of a `with` block).
+One run at a time per results file: `ResultsFile` holds the exclusive lock of `lock.py` on the
+file itself (any name of it) from construction to `close()` (or the end of a `with` block), and
+writes through that lock's descriptor. A file that does not begin with a record is not a results
+file: it is refused, never cut or appended to.
 """
 
 import contextlib
-import errno
 import json
 import os
 from pathlib import Path
 
-from encoder_graphs.app.lock import FileLock, HeldElsewhere, LockHolder
+from encoder_graphs.app.errors import OutputError
+from encoder_graphs.app.lock import FileLock, HeldElsewhere, LockFileError, LockHolder
+
+RECORD_START = b'{"path": '  # how every record we write begins (the path is its first key)
 
 
 def path_key(path: str | Path) -> str:
@@ -35,12 +39,22 @@ class ResultsLocked(Exception):
         super().__init__(f"{self.path} is in use by {holder}; wait for it or use another --out")
 
 
+class NotResultsFile(Exception):
+    """The file exists and is not JSONL records this command wrote (notes, an image...)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        super().__init__(f"{self.path} is not a results file this command wrote (its first line is not a record)")
+
+
 class ResultsFile:
     """The results of a caption run; take it with `with ResultsFile(out) as results:`.
 
     Construction creates the parent folder, takes the lock (`ResultsLocked` if another run holds
-    it), checks the file can be appended to (`OSError` otherwise), repairs a half-written last line
-    and reads what earlier runs recorded. Nothing is created but the folder and `<out>.lock`.
+    it; `OSError` if the file cannot be opened for writing, is not a regular file or is a
+    symlink), refuses a file that is not ours (`NotResultsFile`), repairs a half-written last
+    line and reads what earlier runs recorded. It creates the folder, `<out>.lock` and an empty
+    file, removed again at `close()` while it stays empty.
     """
 
     def __init__(self, path: str | Path, *, retry_failed: bool = False, lock: bool = True) -> None:
@@ -59,9 +73,12 @@ class ResultsFile:
                 self._lock.acquire()
             except HeldElsewhere as error:
                 raise ResultsLocked(self.path, error.holder) from None
+            except LockFileError:
+                raise
+            except OSError as error:
+                message = f"cannot append to the results file {self.path}: {error.strerror}"
+                raise OSError(error.errno, message) from error
         try:
-            if lock:
-                self._check_writable()
             self._read_existing()  # under the lock: the tail we cut cannot be another run's batch
         except BaseException:
             self.close()
@@ -74,7 +91,8 @@ class ResultsFile:
         return not self._lock.held
 
     def close(self) -> None:
-        """Let go of the lock (and remove the lock file while it is still ours). Idempotent."""
+        """Let go of the lock (removing the lock file, and the results file if this one created
+        it and it is still empty). Idempotent."""
         self._lock.release()
 
     def __enter__(self) -> "ResultsFile":  # noqa: PYI034 (typing.Self needs 3.11)
@@ -89,27 +107,19 @@ class ResultsFile:
 
     # -- the records ------------------------------------------------------------------------------
 
-    def _check_writable(self) -> None:
-        try:
-            if self.path.exists():
-                with open(self.path, "ab"):
-                    pass
-            elif not os.access(self.path.parent, os.W_OK | os.X_OK):
-                raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
-        except OSError as error:
-            raise OSError(error.errno, f"cannot append to the results file {self.path}: {error.strerror}") from error
-
     def _read_existing(self) -> None:
         if not self.path.exists():
             return
         data = self.path.read_bytes()
         lines = data.splitlines(keepends=True)
+        # Ours begins with a record, or (killed in its first append) with the start of one.
+        if lines and _parse(lines[0]) is None and not (len(lines) == 1 and RECORD_START.startswith(lines[0][:9])):
+            raise NotResultsFile(self.path)
         # Only an unterminated last line is a kill's; only the lock holder cuts it.
         if lines and not lines[-1].endswith(b"\n") and not self.closed:
             self.repaired_bytes = len(lines.pop())
-            with open(self.path, "r+b") as handle:
-                handle.truncate(len(data) - self.repaired_bytes)
-                os.fsync(handle.fileno())
+            os.ftruncate(self._lock.fd, len(data) - self.repaired_bytes)
+            os.fsync(self._lock.fd)
         # A damaged line elsewhere is not ours to delete: it is kept and marks nothing done.
         for record in filter(None, map(_parse, lines)):  # in file order: the latest record wins
             self._mark(record)
@@ -130,17 +140,24 @@ class ResultsFile:
         return path_key(path) in self.failed
 
     def append(self, records: list[dict]) -> None:
-        """Write `records` and make them durable before returning."""
+        """Write `records` and make them durable before returning; `OutputError` when they cannot
+        be (the file is left as it was)."""
         if not records:
             return
         if self.closed:
             raise ValueError(f"{self.path} is closed: its lock is no longer held")
         # ASCII escapes keep undecodable file names (surrogates) writable and the file valid UTF-8.
-        payload = "".join(json.dumps(record) + "\n" for record in records)
-        with open(self.path, "a", encoding="ascii") as handle:
-            handle.write(payload)
-            handle.flush()
-            os.fsync(handle.fileno())
+        payload = memoryview("".join(json.dumps(record) + "\n" for record in records).encode("ascii"))
+        fd = self._lock.fd
+        end = os.lseek(fd, 0, os.SEEK_END)
+        try:
+            while payload:
+                payload = payload[os.write(fd, payload) :]
+            os.fsync(fd)
+        except OSError as error:  # disk full, file too large: the file as it was, no half line
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, end)
+            raise OutputError(self.path, error) from error
         for record in records:
             self._mark(record)
 

@@ -1,0 +1,330 @@
+"""The caption command's outputs, tried as a careless user and as an attacker would (issue 25, CPU,
+the embedded tiny model): an --out or --stats-json that is not ours, an input, a special file or
+another output is refused before the model loads; the lock holds by the file's identity and
+follows no symlink; sidecars are never forced over another run's and one that cannot be written is
+an error record; temporaries fit NAME_MAX and a killed run's are removed; an output that cannot be
+written mid-run exits 3 with nothing lost."""
+
+import fcntl
+import json
+import os
+import resource
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from test_cli import model_cache  # noqa: F401 (autouse: a private model cache for this module)
+from test_dataset_tool import FAST, images, records
+
+from encoder_graphs.app import loading
+from encoder_graphs.app.cli import main
+from encoder_graphs.app.outputs import NAME_MAX, Outputs, SidecarPolicy, temp_prefix
+from encoder_graphs.app.results import ResultsFile, ResultsLocked
+from encoder_graphs.models.default_model import default_model_dir
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """Fails the test if a run gets as far as loading the model."""
+    monkeypatch.setattr(loading, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+
+
+def refused(argv: list[str], capsys, *expected: str) -> None:
+    assert main(argv + FAST) == 2, argv
+    err = capsys.readouterr().err
+    for text in expected:
+        assert text in err, (text, err)
+
+
+def cli(argv: list[str], *, fsize: int | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """The command in a subprocess (this worktree's code), optionally with files capped at `fsize` bytes."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    limit = None if fsize is None else lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
+    command = [sys.executable, "-m", "encoder_graphs", "caption", *argv, *FAST]
+    return subprocess.run(
+        command, env=env, capture_output=True, text=True, timeout=timeout, preexec_fn=limit, check=False
+    )
+
+
+# -- 2: --out / --stats-json that are not ours, inputs, sidecars, or another output --------------------
+
+
+def test_out_and_stats_json_that_are_not_ours_are_refused_untouched(tmp_path, capsys, no_model):
+    images(tmp_path / "data", 2)
+    data = str(tmp_path / "data")
+    notes = tmp_path / "notes.txt"
+    notes.write_bytes(b"buy milk\ncall Bob")  # no newline at the end: not a half-written record
+    refused(["caption", data, "--out", str(notes)], capsys, f"cannot use --out {notes}: {notes} is not a results file")
+    tiny = tmp_path / "tiny.json"
+    tiny.write_bytes(b'{"a": 1}')  # one unterminated line: not the start of a record either
+    refused(["caption", data, "--out", str(tiny)], capsys, str(tiny))
+    config = tmp_path / "config.json"
+    config.write_text('{"model": "mine"}\n')
+    refused(["caption", data, "--out", str(tmp_path / "r.jsonl"), "--stats-json", str(config)], capsys,
+            f"cannot use --stats-json {config}", "not statistics")
+    assert notes.read_bytes() == b"buy milk\ncall Bob" and tiny.read_bytes() == b'{"a": 1}'
+    assert config.read_text() == '{"model": "mine"}\n'
+    assert not (tmp_path / "r.jsonl").exists()
+
+
+def test_inputs_and_sidecar_targets_are_refused_as_outputs(tmp_path, capsys, no_model):
+    files = images(tmp_path / "data", 3)
+    data = str(tmp_path / "data")
+    before = {file: file.read_bytes() for file in files}
+    out = str(tmp_path / "r.jsonl")
+    refused(["caption", data, "--out", str(files[2])], capsys, f"cannot use --out {files[2]}")
+    refused(["caption", data, "--out", out, "--stats-json", str(files[1])], capsys, f"--stats-json {files[1]}")
+    # Not there yet, but the next walk would caption it.
+    refused(["caption", data, "--out", str(tmp_path / "data" / "new.png")], capsys, "image or video")
+    # An input under another name: a hard link named like a results file.
+    (tmp_path / "linked.jsonl").hardlink_to(files[0])
+    refused(["caption", data, "--out", str(tmp_path / "linked.jsonl")], capsys, f"that is {files[0]}")
+    # The sidecar of img01.png would replace the results file mid-run.
+    sidecar = files[1].with_suffix(".txt")
+    refused(["caption", data, "--out", str(sidecar), "--sidecar"], capsys, f"the sidecar of {files[1]}")
+    assert {file: file.read_bytes() for file in files} == before
+    assert not sidecar.exists() and not (tmp_path / "data" / "new.png").exists()
+
+
+def test_two_outputs_naming_one_file_are_refused(tmp_path, capsys, no_model):
+    images(tmp_path / "data", 1)
+    data = str(tmp_path / "data")
+    out = tmp_path / "r.jsonl"
+    out.write_text(json.dumps({"path": "/x.png", "caption": "kept"}) + "\n")
+    before = out.read_bytes()
+    (tmp_path / "stats-link.json").symlink_to(out)
+    (tmp_path / "stats-hard.json").hardlink_to(out)
+    for stats in ("stats-link.json", "stats-hard.json", "r.jsonl"):
+        refused(["caption", data, "--out", str(out), "--stats-json", str(tmp_path / stats)], capsys,
+                f"cannot use --stats-json {tmp_path / stats}: the same file as --out {out}")
+    (tmp_path / "meta.jsonl").symlink_to(tmp_path / "data" / "metadata.jsonl")  # dangling: made by the run
+    refused(["caption", data, "--out", str(tmp_path / "meta.jsonl"), "--hf-metadata"], capsys, "the same file as")
+    assert out.read_bytes() == before
+
+
+def test_our_own_outputs_are_accepted_on_a_rerun(tmp_path):
+    images(tmp_path / "data", 2)
+    argv = ["caption", str(tmp_path / "data"), "--out", str(tmp_path / "r.jsonl"), "--stats-json",
+            str(tmp_path / "s.json"), "--hf-metadata", "--batch-size", "1"]
+    assert main(argv + FAST) == 0
+    (tmp_path / "data" / "img99.png").write_bytes((tmp_path / "data" / "img00.png").read_bytes())
+    assert main(argv + FAST) == 0, "--out, --stats-json and metadata.jsonl written by the first run"
+    assert len(records(tmp_path / "r.jsonl")) == 3
+    assert json.loads((tmp_path / "s.json").read_text())["pipeline"]["skipped"] == 2
+
+
+# -- 8, 10: the lock by the file's identity, never through a symlink --------------------------------
+
+
+def test_a_symlinked_or_hard_linked_lock_file_is_not_written(tmp_path, capsys, no_model):
+    images(tmp_path / "data", 1)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    out = tmp_path / "r.jsonl"
+    lock = Path(f"{out}.lock")
+    lock.symlink_to(victim)
+    refused(["caption", str(tmp_path / "data"), "--out", str(out)], capsys, str(lock), "symbolic link")
+    lock.unlink()
+    lock.hardlink_to(victim)
+    with pytest.raises(OSError, match="not one this command wrote"):
+        ResultsFile(out)
+    assert victim.read_text() == "precious\n" and lock.read_text() == "precious\n"
+    assert not out.exists(), "the results file made for the lock is removed again"
+
+
+def test_a_hard_link_or_symlink_to_out_meets_its_lock(tmp_path, capsys, no_model):
+    images(tmp_path / "data", 1)
+    out = tmp_path / "r.jsonl"
+    with ResultsFile(out):
+        (tmp_path / "hard.jsonl").hardlink_to(out)
+        (tmp_path / "soft.jsonl").symlink_to(out)
+        with pytest.raises(ResultsLocked):
+            ResultsFile(tmp_path / "hard.jsonl")
+        for name in ("hard.jsonl", "soft.jsonl"):
+            refused(["caption", str(tmp_path / "data"), "--out", str(tmp_path / name)], capsys, "is in use by")
+
+
+def test_a_sidecar_another_run_wrote_meanwhile_is_kept_without_overwrite(tmp_path):
+    media = images(tmp_path / "data", 2)
+    theirs = media[0].with_suffix(".txt")
+    theirs.write_text("the other run's caption\n")  # written after this run planned its files
+    record = {"path": str(media[0]), "relative_path": media[0].name, "kind": "image", "text": "ours"}
+    with ResultsFile(tmp_path / "r.jsonl") as results:
+        outputs = Outputs(results, SidecarPolicy(enabled=True))
+        outputs.write([record, {**record, "path": str(media[1]), "text": "ours too"}])
+        assert theirs.read_text() == "the other run's caption\n" and outputs.sidecars_written == 1
+        assert media[1].with_suffix(".txt").read_text() == "ours too\n"
+        Outputs(results, SidecarPolicy(enabled=True, overwrite=True)).write([record])
+    assert theirs.read_text() == "ours\n", "--overwrite replaces it"
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    theirs.unlink()
+    theirs.symlink_to(victim)
+    with ResultsFile(tmp_path / "r.jsonl") as results:
+        Outputs(results, SidecarPolicy(enabled=True, overwrite=True)).write([record])
+    assert victim.read_text() == "precious\n" and not theirs.is_symlink() and theirs.read_text() == "ours\n"
+
+
+# -- 11: special files as --out / --stats-json -------------------------------------------------------
+
+
+def test_special_files_as_outputs_are_refused_at_once(tmp_path):
+    images(tmp_path / "data", 1)
+    fifo = tmp_path / "out.fifo"
+    os.mkfifo(fifo)
+    cases = [(["--out", str(fifo)], "is a FIFO"), (["--out", "/dev/full"], "is a character device"),
+             (["--out", "/dev/null"], "is a character device"),
+             (["--out", str(tmp_path / "r.jsonl"), "--stats-json", "/dev/null"], "is a character device")]
+    for extra, reason in cases:  # the old hang (FIFO) and endless read (/dev/full) end at the timeout
+        done = cli([str(tmp_path / "data"), *extra], timeout=60)
+        assert done.returncode == 2, (extra, done.stderr)
+        assert f"cannot use {extra[-2]} {extra[-1]}: {extra[-1]} {reason}" in done.stderr
+        assert "loading model" not in done.stderr
+
+
+# -- 12: long names, a folder where the sidecar goes, a sidecar that cannot be written --------------
+
+
+def test_long_names_and_unwritable_sidecars_are_error_records_and_reruns_go_on(tmp_path, capsys):
+    data = tmp_path / "data"
+    data.mkdir()
+    long_name, too_long = "a" * 246 + ".png", "b" * 248 + ".png"  # a 254- and a 256-byte .caption
+    for name in (long_name, too_long, "c.png"):
+        images(data, 1)[0].rename(data / name)
+    (data / "c.caption").mkdir()  # a folder where c.png's sidecar goes
+    out = tmp_path / "r.jsonl"
+    argv = ["caption", str(data), "--out", str(out), "--sidecar", "--sidecar-ext", ".caption"] + FAST
+    assert main(argv) == 1
+    assert "2 sidecars could not be written" in capsys.readouterr().err
+    latest = {Path(r["path"]).name: r for r in records(out)}
+    assert latest[too_long]["error_kind"] == "sidecar" and "File name too long" in latest[too_long]["error"]
+    assert latest["c.png"]["error_kind"] == "sidecar" and "exists and is not a file" in latest["c.png"]["error"]
+    assert (data / long_name).with_suffix(".caption").read_text() == latest[long_name]["text"] + "\n"
+    assert len(records(out)) == 5, "three captions, then the two sidecars' errors"
+    assert main(argv) == 1, "a rerun does not crash: the errors stand"
+    again = tmp_path / "again.jsonl"  # a new --out captions all three again; --overwrite meets the folder
+    assert main(argv + ["--out", str(again), "--overwrite"]) == 1
+    assert "Is a directory" in {Path(r["path"]).name: r for r in records(again)}["c.png"]["error"]
+    # Sidecars written from the records of a run without --sidecar fail the same way, before any model.
+    plain = tmp_path / "plain.jsonl"
+    assert main(["caption", str(data), "--out", str(plain)] + FAST) == 0
+    assert main(["caption", str(data), "--out", str(plain), "--sidecar", "--sidecar-ext", ".caption"] + FAST) == 1
+    assert sorted(r.get("error_kind", "-") for r in records(plain)[3:]) == ["sidecar", "sidecar"]
+    assert not [p for p in data.iterdir() if p.name.startswith(".")], "no temporary left"
+
+
+def test_temporary_names_fit_name_max():
+    assert temp_prefix("img.txt") == ".img.txt."
+    for name in ("a" * 246 + ".txt", "é" * 125 + ".txt"):
+        assert len(os.fsencode(temp_prefix(name))) + 8 <= NAME_MAX
+    assert temp_prefix("a" * 246 + ".txt") != temp_prefix("a" * 247 + ".txt")
+
+
+def test_a_sidecar_on_a_full_disk_is_an_error_not_a_crash(tmp_path):
+    """RLIMIT_FSIZE stands for a full disk: the same OSError path, without a disk to fill."""
+    sidecar = tmp_path / "img.txt"
+    code = textwrap.dedent(
+        f"""
+        import resource
+        from pathlib import Path
+        from encoder_graphs.app.outputs import SidecarPolicy
+        resource.setrlimit(resource.RLIMIT_FSIZE, (8, 8))
+        try:
+            SidecarPolicy(enabled=True).write(Path({str(tmp_path / "img.png")!r}), "a caption longer than 8 bytes")
+        except OSError as error:
+            print(error.filename, error.strerror)
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60, check=False
+    )
+    assert done.stdout.strip() == f"{sidecar} File too large", done.stderr
+    assert list(tmp_path.iterdir()) == [], "neither the sidecar nor its temporary is left"
+
+
+# -- 15: an output that cannot be written mid-run: exit 3, nothing lost ------------------------------
+
+
+def test_out_too_large_mid_run_exits_3_and_a_rerun_finishes(tmp_path):
+    default_model_dir()  # built here: the capped subprocess only reads it
+    images(tmp_path / "data", 4)
+    out = tmp_path / "r.jsonl"
+    argv = [str(tmp_path / "data"), "--out", str(out), "--batch-size", "2"]
+    done = cli(argv, fsize=1200)  # one batch of two records fits, not two
+    assert done.returncode == 3, done.stderr
+    assert f"cannot write {out}: File too large" in done.stderr and "Traceback" not in done.stderr
+    assert not out.exists() or out.read_bytes().endswith(b"\n"), "no half-written line"
+    kept = records(out) if out.exists() else []
+    assert len(kept) < 4
+    assert main(["caption", *argv, *FAST]) == 0
+    assert sorted(r["path"] for r in records(out)) == sorted(str(p) for p in (tmp_path / "data").iterdir())
+    assert records(out)[: len(kept)] == kept
+
+
+def test_stats_json_too_large_exits_3_after_the_captions(tmp_path):
+    default_model_dir()
+    images(tmp_path / "data", 1)
+    out, stats = tmp_path / "r.jsonl", tmp_path / "s.json"
+    done = cli([str(tmp_path / "data"), "--out", str(out), "--stats-json", str(stats)], fsize=2000)
+    assert done.returncode == 3, done.stderr
+    assert f"cannot write {stats}: File too large" in done.stderr and "Traceback" not in done.stderr
+    assert len(records(out)) == 1 and not stats.exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == [], "no temporary left"
+
+
+def test_a_folder_made_read_only_mid_run_exits_3(tmp_path):
+    (tmp_path / "stats").mkdir(mode=0o555)
+    try:
+        (tmp_path / "stats" / "probe").touch()
+        pytest.skip("this user writes into read-only folders (root with CAP_DAC_OVERRIDE)")
+    except PermissionError:
+        (tmp_path / "stats").chmod(0o755)
+    default_model_dir()
+    images(tmp_path / "data", 12)
+    out, stats = tmp_path / "r.jsonl", tmp_path / "stats" / "s.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    command = [sys.executable, "-m", "encoder_graphs", "caption", str(tmp_path / "data"), "--out", str(out),
+               "--stats-json", str(stats), "--batch-size", "2", *FAST]
+    process = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (out.exists() and out.read_bytes().count(b"\n") >= 2) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    (tmp_path / "stats").chmod(0o555)
+    try:
+        _, err = process.communicate(timeout=120)
+    finally:
+        (tmp_path / "stats").chmod(0o755)
+    assert process.returncode == 3, err
+    assert f"cannot write {stats}: Permission denied" in err and "Traceback" not in err
+    assert len(records(out)) == 12
+
+
+# -- 16: temporaries of killed runs ------------------------------------------------------------------
+
+
+def test_temporaries_of_killed_runs_are_removed_and_nothing_else(tmp_path, capsys):
+    files = images(tmp_path / "data", 2)
+    data = tmp_path / "data"
+    stale = [data / ".img00.txt.k1ll3d_x", data / ".metadata.jsonl.abcdefgh",
+             data / f"{temp_prefix('a' * 250 + '.txt')}zzzzzzzz"]
+    (data / ("a" * 250 + ".png")).write_bytes(files[0].read_bytes())
+    others = [data / ".img00.txt.short", data / ".img00.txt.ABCDEFGH", data / ".notes.txt.abcdefgh",
+              data / ".img00.txt.abcdefgh.bak", data / "img00.txt.abcdefgh"]
+    for path in stale + others:
+        path.write_text("x")
+    (data / ".img01.txt.linkedxx").symlink_to(tmp_path / "elsewhere")
+    live = data / ".img01.txt.writing1"
+    live.write_text("a live run's")
+    with open(live) as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # a run over this folder writing that sidecar right now
+        argv = ["caption", str(data), "--out", str(tmp_path / "r.jsonl"), "--sidecar", "--hf-metadata"]
+        assert main(argv + FAST) == 0
+    assert "removed 3 temporary files" in capsys.readouterr().err
+    assert not any(path.exists() for path in stale)
+    assert all(path.exists() for path in others) and live.exists() and (data / ".img01.txt.linkedxx").is_symlink()
