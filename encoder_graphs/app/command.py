@@ -70,7 +70,7 @@ def make_plan(args: argparse.Namespace, job: Job) -> Plan:
     if not roots:
         raise UsageError("give at least one PATH (or --samples)")
     try:
-        files = discover(roots, include_hidden=args.include_hidden)
+        files = discover(roots, include_hidden=args.include_hidden, follow_links=not args.no_follow_links)
     except FileNotFoundError as error:
         raise UsageError(str(error)) from error
     if not files:
@@ -90,7 +90,8 @@ def make_plan(args: argparse.Namespace, job: Job) -> Plan:
         raise UsageError(str(error)) from error
     check_outputs(args, roots, files, sidecars)
     results = open_results(args, job)
-    if job.rank == 0 and sidecars.enabled and (written := sidecars.backfill(results.path, [f.path for f in files])):
+    names = [name for f in files for name in f.names]
+    if job.rank == 0 and sidecars.enabled and (written := sidecars.backfill(results.path, names)):
         print(f"encoder-graphs: wrote {written} sidecars from captions already in {args.out}", file=sys.stderr)
     todo = [f for f in files if not results.is_done(f.path) and not sidecars.skips(f.path)]
     if job.distributed:  # every rank must hold the same list before any starts writing parts
@@ -136,14 +137,14 @@ def check_outputs(args: argparse.Namespace, roots: list[Path], files: "list[Medi
     if args.stats_json is not None:
         problems.append(("--stats-json", args.stats_json, unwritable(args.stats_json)))
     if sidecars.enabled:
-        folders = {f.path.parent for f in files}
+        folders = {name.parent for f in files for name in f.names}
         problems += [("--sidecar", folder, unwritable(folder, folder=True)) for folder in sorted(folders)]
     if args.hf_metadata:
         problems += [("--hf-metadata", root, unwritable(root, folder=True)) for root in roots if root.is_dir()]
     for flag, path, problem in problems:
         if problem is not None:
             raise UsageError(f"cannot use {flag} {path}: {problem}")
-    if sidecars.enabled and (clashes := sidecars.collisions([f.path for f in files])):
+    if sidecars.enabled and (clashes := sidecars.collisions([name for f in files for name in f.names])):
         first, second = clashes[0]
         raise UsageError(
             f"--sidecar: {first.name} and {second.name} (and {len(clashes) - 1} more pairs) would share "
@@ -262,7 +263,8 @@ def caption_files(
     writer = ResultsFile(part_path(plan.results.path, job.rank)) if job.distributed else plan.results
     files = claimed(job, by_cost(plan.todo), claim_chunk(config.batch_size)) if job.distributed else plan.todo
     progress = None if args.quiet or job.distributed else Progress(len(plan.todo))
-    outputs = Outputs(writer, plan.sidecars, progress.advance if progress else None)
+    aliases = {str(f.path): f.aliases for f in plan.todo if f.aliases}
+    outputs = Outputs(writer, plan.sidecars, progress.advance if progress else None, aliases)
     captioner = Captioner(model, inputs, config, limits, roots=plan.roots, model_name=args.model or "default")
     try:
         if job.distributed:  # ranks start claiming together: one whose capture ends first would claim ahead

@@ -5,7 +5,7 @@ Also the checks that every output can be written, made before any model loads.""
 import json
 import os
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,14 +68,21 @@ def relative_path(path: Path, roots: Sequence[Path]) -> str:
 
 
 class Outputs:
-    """Writes a batch's records: JSONL first (durable), then the sidecars of its captions."""
+    """Writes a batch's records: JSONL first (durable), then the sidecars of its captions, one for
+    each name of the file: its record's path and its `aliases` (`MediaFile.aliases`, keyed by
+    that path)."""
 
     def __init__(
-        self, results: ResultsFile, sidecars: SidecarPolicy, on_written: Callable[[int], None] | None = None
+        self,
+        results: ResultsFile,
+        sidecars: SidecarPolicy,
+        on_written: Callable[[int], None] | None = None,
+        aliases: Mapping[str, Sequence[Path]] | None = None,
     ) -> None:
         self.results = results
         self.sidecars = sidecars
         self.on_written = on_written
+        self.aliases = aliases or {}
         self.sidecars_written = 0
 
     def write(self, records: list[dict]) -> None:
@@ -83,8 +90,9 @@ class Outputs:
         if self.sidecars.enabled:
             for record in records:
                 if "text" in record:
-                    write_atomically(self.sidecars.path(Path(record["path"])), record["text"] + "\n")
-                    self.sidecars_written += 1
+                    for name in (Path(record["path"]), *self.aliases.get(record["path"], ())):
+                        write_atomically(self.sidecars.path(name), record["text"] + "\n")
+                        self.sidecars_written += 1
         if self.on_written is not None:
             self.on_written(len(records))
 
