@@ -4,20 +4,43 @@ several names, FIFOs, sockets and devices, images whose header promises an absur
 templates and prompt files that would grow without bound, a video's recorded size. CPU, the
 embedded tiny model."""
 
+import json
 import os
 import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import textwrap
 import threading
 import time
+import zlib
 from pathlib import Path
 
 import pytest
 from test_cli import good_images, lines_of, model_cache  # noqa: F401 (autouse: a private model cache)
+from test_media import png_header_only, write_video
 
 from encoder_graphs.app.cli import main
-from encoder_graphs.app.media import MAX_FOLDER_NAMES, LoadLimits, MediaError, MediaFile, discover, load
+from encoder_graphs.app.media import MAX_FOLDER_NAMES, LoadLimits, MediaError, MediaFile, discover, load, load_image
 
 FAST = ["--max-new-tokens", "3", "--quiet"]
 LIMITS = LoadLimits(max_pixels=224 * 224, frame_max_pixels=112 * 112, max_frames=8)
+
+
+def write_png(path: Path, width: int, height: int, depth: int = 8) -> None:
+    """A valid greyscale PNG of zeros, compressed as it is written: a 13000 x 13000 16-bit one is a
+    few hundred KB on disk and never whole in memory here."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    row = b"\0" * (1 + width * depth // 8)  # filter byte, then the row
+    packer = zlib.compressobj(9)
+    idat = b"".join(packer.compress(row * min(256, height - top)) for top in range(0, height, 256)) + packer.flush()
+    ihdr = struct.pack(">IIBBBBB", width, height, depth, 0, 0, 0, 0)
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", idat) + chunk(b"IEND", b""))
 
 
 def load_in_time(file: MediaFile, seconds: float = 10.0) -> MediaError:
@@ -36,6 +59,14 @@ def load_in_time(file: MediaFile, seconds: float = 10.0) -> MediaError:
     assert outcome, f"loading {file.path} blocked"
     assert isinstance(outcome[0], MediaError), outcome[0]
     return outcome[0]
+
+
+def unblock(fifo: Path) -> None:
+    """Give a reader stuck opening `fifo` its writer (and so EOF), so no thread stays blocked."""
+    try:
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+    except OSError:  # no reader waiting
+        pass
 
 
 # -- 9: symlinks ---------------------------------------------------------------------------------
@@ -154,3 +185,98 @@ def test_link_cycles_and_link_lattices_end_quickly(tmp_path):
     assert len(deep) == 1 and len(deep[0].names) <= MAX_FOLDER_NAMES
     refused = [f for f in files if f.kind == "folder"]
     assert refused and all(f"more than {MAX_FOLDER_NAMES} names" in f.reason for f in refused)
+
+
+# -- 11: special files -------------------------------------------------------------------------
+
+
+def test_fifos_sockets_and_devices_become_errors_without_being_opened(tmp_path, monkeypatch):
+    data = tmp_path / "data"
+    data.mkdir()
+    os.mkfifo(data / "x.jpg")
+    monkeypatch.chdir(data)  # a socket's path must be short
+    server = socket.socket(socket.AF_UNIX)
+    server.bind("s.png")
+    try:
+        files = discover([data]) + [MediaFile(Path("/dev/null"), "image")]
+        assert [f.path.name for f in files] == ["s.png", "x.jpg", "null"]
+        for file, what in zip(files, ("a socket", "a FIFO", "a character device")):
+            error = load_in_time(file)
+            assert error.kind == "special" and what in str(error) and str(file.path) in str(error)
+    finally:
+        unblock(data / "x.jpg")
+        server.close()
+
+
+def test_a_fifo_in_the_folder_neither_hangs_the_run_nor_ctrl_c(tmp_path, model_cache):  # noqa: F811
+    good_images(tmp_path / "data", 30)
+    fifo = tmp_path / "data" / "a.jpg"  # first in file order: loaded at once
+    os.mkfifo(fifo)
+    out = tmp_path / "r.jsonl"
+    command = [sys.executable, "-m", "encoder_graphs", "caption", str(tmp_path / "data"), "--out", str(out),
+               "--batch-size", "1", *FAST]
+    env = {**os.environ, "ENCODER_GRAPHS_CACHE": str(model_cache)}
+    process = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (out.exists() and out.read_text().count("\n") >= 3) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        process.send_signal(signal.SIGINT)
+        _, err = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            unblock(fifo)
+            process.wait()
+    assert process.returncode == 130, err
+    by_name = {Path(r["path"]).name: r for r in lines_of(out)}
+    assert by_name["a.jpg"]["error_kind"] == "special" and "FIFO" in by_name["a.jpg"]["error"]
+    assert 3 <= len(by_name) < 31
+
+
+# -- 13: memory ----------------------------------------------------------------------------------
+
+
+def test_an_absurd_aspect_ratio_is_refused_from_the_header(tmp_path):
+    png_header_only(tmp_path / "claims.png", 1_000_000, 1)  # no pixel data: decoding it would fail otherwise
+    with pytest.raises(MediaError, match="1000000x1") as error:
+        load_image(tmp_path / "claims.png", LIMITS)
+    assert error.value.kind == "aspect_ratio" and "claims.png" in str(error.value)
+    write_video(tmp_path / "strip.mp4", frames=2, size=(3600, 16))
+    with pytest.raises(MediaError, match="3600x16") as error:
+        load(MediaFile(tmp_path / "strip.mp4", "video"), LIMITS)
+    assert error.value.kind == "aspect_ratio"
+    # A real 1 KB PNG of 1,000,000 x 1 pixels, in a run: an error record, the other file captioned.
+    good_images(tmp_path / "data", 1)
+    write_png(tmp_path / "data" / "line.png", 1_000_000, 1)
+    assert (tmp_path / "data" / "line.png").stat().st_size < 2048
+    out = tmp_path / "r.jsonl"
+    assert main(["caption", str(tmp_path / "data"), "--out", str(out)] + FAST) == 1
+    by_name = {Path(r["path"]).name: r for r in lines_of(out)}
+    assert by_name["line.png"]["error_kind"] == "aspect_ratio" and "caption" in by_name["img00.png"]
+
+
+def test_huge_16_bit_pngs_decode_reduced_and_one_at_a_time(tmp_path):
+    write_png(tmp_path / "a.png", 13000, 13000, depth=16)
+    shutil.copy(tmp_path / "a.png", tmp_path / "b.png")
+    script = textwrap.dedent(f"""
+        import json, resource, sys
+        from concurrent.futures import ThreadPoolExecutor
+        from encoder_graphs.app.media import LoadLimits, load_image
+        # A guard, so that a regression fails here instead of swapping the machine.
+        resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
+        paths = [{str(tmp_path / "a.png")!r}, {str(tmp_path / "b.png")!r}]
+        with ThreadPoolExecutor(2) as pool:
+            sizes = [image.size for image in pool.map(lambda p: load_image(p, LoadLimits()), paths)]
+        print(json.dumps({{"sizes": sizes, "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}}))
+    """)
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    command = [sys.executable, "-c", script]
+    finished = subprocess.run(command, check=False, env=env, capture_output=True, text=True, timeout=120)
+    assert finished.returncode == 0, finished.stderr
+    result = json.loads(finished.stdout)
+    most = LoadLimits().max_pixels
+    assert all(most <= w * h < 4 * most for w, h in result["sizes"]), result
+    # One decoded 13000 x 13000 16-bit bitmap is 338 MB (its 8-bit copy 169 MB); two at once, or
+    # a float copy of one, would pass 1 GB.
+    assert result["peak"] < 1 << 30, result

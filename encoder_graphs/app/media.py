@@ -1,18 +1,24 @@
 """Finding images and videos under the given paths, and loading them safely.
 
 Every way a file can be bad ends in a `MediaError` naming the file and a short `kind`, so the
-pipeline can record it and go on. Links into pseudo-filesystems are never followed.
+pipeline can record it and go on. Nothing is read that could hang the run or exhaust its memory:
+special files are never opened, links into pseudo-filesystems never followed, and an image's size
+and shape are judged from its header before any pixel is decoded.
 """
 
 import math
 import os
+import stat
+import threading
 import warnings
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
-from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL import Image, UnidentifiedImageError
 
 from encoder_graphs.app.results import path_key
 
@@ -25,12 +31,29 @@ PSEUDO_FILESYSTEMS = ("/proc", "/sys", "/dev")
 # Names one real folder is walked under (through links): a lattice of links would otherwise name
 # each file 2**depth times.
 MAX_FOLDER_NAMES = 32
+ORIENTATION_TAG = 0x0112  # EXIF
+# How EXIF orientations 2-8 turn a stored image upright (PIL's ImageOps.exif_transpose table).
+UPRIGHT = {
+    2: Image.Transpose.FLIP_LEFT_RIGHT,
+    3: Image.Transpose.ROTATE_180,
+    4: Image.Transpose.FLIP_TOP_BOTTOM,
+    5: Image.Transpose.TRANSPOSE,
+    6: Image.Transpose.ROTATE_270,
+    7: Image.Transpose.TRANSVERSE,
+    8: Image.Transpose.ROTATE_90,
+}
+WIDE_MODES = frozenset({"I;16", "I;16B", "I;16L", "I;16N", "I", "F"})  # more than 8 bits a channel
+# Bytes a decoded pixel may take while an image is converted: its bitmap (at most 4) and one
+# converted copy.
+DECODE_BYTES_PER_PIXEL = 8
+
 
 class MediaError(Exception):
     """A file that cannot be captioned.
 
-    `kind`: unreadable, empty, special (a link into /proc, /sys or /dev: not followed), corrupt,
-    too_large, no_frames, unsupported (no video decoder).
+    `kind`: unreadable, empty, special (a FIFO, device or socket, or a link into /proc, /sys or
+    /dev: never opened), corrupt, too_large (pixels), aspect_ratio (past the models' 200:1),
+    no_frames, unsupported (no video decoder).
     """
 
     def __init__(self, path: Path | str, kind: str, reason: str) -> None:
@@ -75,6 +98,9 @@ class LoadLimits:
     max_pixels: int = 1280 * 28 * 28
     min_side: int = 28  # tiny images are grown to this (the model's patch * merge size)
     max_decode_pixels: int = 2 * Image.MAX_IMAGE_PIXELS  # refuse to decode larger (bombs)
+    # Longest side over shortest: Qwen-VL's processors refuse past 200, and a 1,000,000 x 1 strip
+    # grown to `min_side` would be 28 million pixels wide.
+    max_aspect: float = 200.0
     max_frames: int = 16
     frame_max_pixels: int = 256 * 28 * 28
 
@@ -85,6 +111,8 @@ class LoadLimits:
             raise ValueError(f"min_side {self.min_side} does not fit the pixel limits")
         if self.max_pixels > self.max_decode_pixels:
             raise ValueError("max_pixels must not exceed max_decode_pixels")
+        if not self.max_aspect >= 1:
+            raise ValueError(f"max_aspect must be >= 1, got {self.max_aspect}")
 
 
 def media_kind(path: Path) -> str | None:
@@ -241,33 +269,76 @@ def _folder_reason(path: Path) -> str:
     return "it could not be listed when the files were gathered"
 
 
+class DecodeBudget:
+    """Bytes of decoded bitmaps that the loader threads may hold at once. Sixteen threads each
+    decoding a 13000 x 13000 16-bit PNG would hold 16 x 340 MB plus their conversions: within the
+    budget the largest images decode one at a time (one larger than the whole budget alone), while
+    photos (JPEGs decode reduced, a few MB) never wait."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.free = total
+        self._changed = threading.Condition()
+
+    @contextmanager
+    def hold(self, nbytes: int) -> Iterator[None]:
+        nbytes = min(nbytes, self.total)
+        with self._changed:
+            self._changed.wait_for(lambda: self.free >= nbytes)
+            self.free -= nbytes
+        try:
+            yield
+        finally:
+            with self._changed:
+                self.free += nbytes
+                self._changed.notify_all()
+
+
+DECODE_BUDGET = DecodeBudget(2 << 30)
+
+
 def load_image(path: Path, limits: LoadLimits) -> Image.Image:
-    _check_readable(path)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            with Image.open(path) as image:
-                width, height = image.size
-                if width * height > limits.max_decode_pixels:
-                    raise MediaError(path, "too_large", f"{width}x{height} pixels exceeds the decode limit")
-                # JPEG can decode at 1/2, 1/4, 1/8 scale: a huge photo never becomes a huge bitmap.
-                scale = math.sqrt(limits.max_pixels / (width * height))
-                if scale < 1:
-                    image.draft("RGB", (max(1, int(width * scale)), max(1, int(height * scale))))
-                image.load()
-                rgb = _to_rgb(ImageOps.exif_transpose(image))  # phone photos: upright as seen
-    except MediaError:
-        raise
-    except Image.DecompressionBombError as error:
-        raise MediaError(path, "too_large", str(error)) from error
-    except PermissionError as error:
-        raise MediaError(path, "unreadable", f"permission denied ({error.strerror})") from error
-    except UnidentifiedImageError as error:
-        raise MediaError(path, "corrupt", "not a recognised image") from error
-    except (OSError, ValueError, SyntaxError, EOFError) as error:
-        # PIL reports truncated and malformed data as any of these.
-        raise MediaError(path, "corrupt", f"cannot decode image ({error})") from error
-    return fit(reduce(rgb, limits.max_pixels), None, limits.min_side)
+    """Decoded as small as the limits allow: a JPEG reduced inside its decoder, other formats box
+    reduced right after decoding, before any conversion (a float copy of a 16-bit bitmap is four
+    times its size); turned upright by its EXIF orientation."""
+    with _open_regular(path) as handle:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+                with Image.open(handle) as image:
+                    _check_size(path, *image.size, limits)
+                    # JPEG can decode at 1/2, 1/4, 1/8 scale: a huge photo never becomes a huge bitmap.
+                    scale = math.sqrt(limits.max_pixels / (image.width * image.height))
+                    if scale < 1:
+                        image.draft("RGB", (max(1, int(image.width * scale)), max(1, int(image.height * scale))))
+                    with DECODE_BUDGET.hold(image.width * image.height * DECODE_BYTES_PER_PIXEL):
+                        image.load()
+                        orientation = image.getexif().get(ORIENTATION_TAG, 1)  # a PNG's may follow its pixels
+                        rgb = _to_rgb(reduce(_narrow(image), limits.max_pixels))
+        except MediaError:
+            raise
+        except Image.DecompressionBombError as error:
+            raise MediaError(path, "too_large", str(error)) from error
+        except UnidentifiedImageError as error:
+            raise MediaError(path, "corrupt", "not a recognised image") from error
+        except (OSError, ValueError, SyntaxError, EOFError) as error:
+            # PIL reports truncated and malformed data as any of these.
+            raise MediaError(path, "corrupt", f"cannot decode image ({error})") from error
+    if orientation in UPRIGHT:  # phone photos: upright as seen
+        rgb = rgb.transpose(UPRIGHT[orientation])
+    return fit(rgb, None, limits.min_side)
+
+
+def _check_size(path: Path, width: int, height: int, limits: LoadLimits) -> None:
+    """From the header, before any pixel is decoded: too many pixels, or too elongated a shape."""
+    if width < 1 or height < 1:
+        raise MediaError(path, "corrupt", f"the header gives {width}x{height} pixels")
+    if width * height > limits.max_decode_pixels:
+        raise MediaError(path, "too_large", f"{width}x{height} pixels exceeds the decode limit")
+    if max(width, height) > limits.max_aspect * min(width, height):
+        raise MediaError(
+            path, "aspect_ratio", f"{width}x{height} pixels: longer than {limits.max_aspect:g} times its width"
+        )
 
 
 def reduce(image: Image.Image, max_pixels: int) -> Image.Image:
@@ -286,7 +357,6 @@ def load_video(path: Path, limits: LoadLimits) -> VideoFrames:
     frame, the stride doubling when the set fills), because many containers do not say how many
     frames they hold.
     """
-    _check_readable(path)
     try:
         import av
     except ImportError as error:
@@ -297,28 +367,29 @@ def load_video(path: Path, limits: LoadLimits) -> VideoFrames:
     stride = 1
     decoded = 0
     fps = None
-    try:
-        with av.open(str(path)) as container:
-            if not container.streams.video:
-                raise MediaError(path, "no_frames", "no video stream")
-            stream = container.streams.video[0]
-            stream.thread_type = "AUTO"
-            fps = float(stream.average_rate) if stream.average_rate else None
-            for index, frame in enumerate(container.decode(stream)):
-                decoded = index + 1
-                if index % stride:
-                    continue
-                size = size or (frame.width, frame.height)
-                candidates.append(fit(frame.to_image().convert("RGB"), limits.frame_max_pixels, limits.min_side))
-                if len(candidates) == keep:
-                    candidates = candidates[::2]
-                    stride *= 2
-    except MediaError:
-        raise
-    except PermissionError as error:
-        raise MediaError(path, "unreadable", f"permission denied ({error.strerror})") from error
-    except (av.FFmpegError, OSError, ValueError) as error:
-        raise MediaError(path, "corrupt", f"cannot decode video ({error})") from error
+    with _open_regular(path) as handle:
+        try:
+            with av.open(handle) as container:
+                if not container.streams.video:
+                    raise MediaError(path, "no_frames", "no video stream")
+                stream = container.streams.video[0]
+                if stream.codec_context.width and stream.codec_context.height:  # 0 where the header does not say
+                    _check_size(path, stream.codec_context.width, stream.codec_context.height, limits)
+                stream.thread_type = "AUTO"
+                fps = float(stream.average_rate) if stream.average_rate else None
+                for index, frame in enumerate(container.decode(stream)):
+                    decoded = index + 1
+                    if index % stride:
+                        continue
+                    size = size or (frame.width, frame.height)
+                    candidates.append(fit(frame.to_image().convert("RGB"), limits.frame_max_pixels, limits.min_side))
+                    if len(candidates) == keep:
+                        candidates = candidates[::2]
+                        stride *= 2
+        except MediaError:
+            raise
+        except (av.FFmpegError, OSError, ValueError) as error:
+            raise MediaError(path, "corrupt", f"cannot decode video ({error})") from error
     if not candidates:
         raise MediaError(path, "no_frames", "the video has no decodable frames")
     count = min(limits.max_frames, len(candidates))
@@ -342,27 +413,57 @@ def fit(image: Image.Image, max_pixels: int | None, min_side: int) -> Image.Imag
     return image.resize(size, Image.Resampling.BICUBIC, reducing_gap=None if scale > 1 else 3.0)
 
 
-def _check_readable(path: Path) -> None:
+def _open_regular(path: Path) -> BinaryIO:
+    """`path` opened for reading, once it is known to be a regular file. A FIFO, device or socket
+    is never opened: opening a FIFO waits for a writer (a run would hang, Ctrl-C too), and opening
+    a device can act on it. O_NONBLOCK keeps a FIFO swapped in after the check from blocking the
+    open (regular files ignore it), and the opened file must be the one checked."""
     try:
-        size = os.stat(path).st_size
-        with open(path, "rb"):
-            pass
+        info = os.stat(path)
+        if not stat.S_ISREG(info.st_mode):
+            raise MediaError(path, "special", f"{_file_type(info.st_mode)}, not a regular file: not read")
+        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except PermissionError as error:
         raise MediaError(path, "unreadable", f"permission denied ({error.strerror})") from error
     except OSError as error:
         raise MediaError(path, "unreadable", error.strerror or str(error)) from error
-    if size == 0:
+    handle = os.fdopen(descriptor, "rb")
+    opened = os.fstat(descriptor)
+    if (opened.st_dev, opened.st_ino) != (info.st_dev, info.st_ino):
+        handle.close()
+        raise MediaError(path, "unreadable", "the file was replaced while it was opened")
+    if opened.st_size == 0:
+        handle.close()
         raise MediaError(path, "empty", "zero-byte file")
+    return handle
+
+
+def _file_type(mode: int) -> str:
+    kinds = {stat.S_ISFIFO: "a FIFO", stat.S_ISCHR: "a character device", stat.S_ISBLK: "a block device",
+             stat.S_ISSOCK: "a socket", stat.S_ISDIR: "a folder"}
+    return next((name for test, name in kinds.items() if test(mode)), "a special file")
+
+
+def _narrow(image: Image.Image) -> Image.Image:
+    """One byte a channel, in a mode `Image.reduce` takes: 16- and 32-bit grey scaled to 8 bits
+    (not clipped: 65535 is white), band by band (a float copy of a 13000 x 13000 bitmap would be
+    1.4 GB); palettes, bilevel and other modes converted, with their alpha."""
+    if image.mode in WIDE_MODES:
+        peak = 65535.0 if image.mode.startswith("I;16") or image.getextrema()[1] > 255 else 255.0
+        gray = Image.new("L", image.size)
+        for top in range(0, image.height, 256):
+            band = np.asarray(image.crop((0, top, image.width, min(top + 256, image.height))), dtype=np.float32)
+            gray.paste(Image.fromarray(np.clip(band * (255.0 / peak), 0, 255).astype(np.uint8), "L"), (0, top))
+        return gray
+    if image.mode in ("L", "LA", "RGB", "RGBA", "CMYK"):
+        return image
+    alpha = image.mode == "PA" or (image.mode == "P" and "transparency" in image.info)
+    return image.convert("RGBA" if alpha else "RGB")
 
 
 def _to_rgb(image: Image.Image) -> Image.Image:
-    """RGB for any PIL mode: 16-bit and float scaled to 8 bits (not clipped), alpha over white."""
-    if image.mode in ("I;16", "I;16B", "I;16L", "I;16N", "I", "F"):
-        values = np.asarray(image, dtype=np.float64)
-        peak = 65535.0 if image.mode.startswith("I;16") or values.max() > 255 else 255.0
-        gray = np.clip(values * (255.0 / peak), 0, 255).astype(np.uint8)
-        return Image.fromarray(gray, "L").convert("RGB")
-    if image.mode in ("RGBA", "LA", "PA") or (image.mode == "P" and "transparency" in image.info):
+    """RGB from `_narrow`'s modes: alpha over white."""
+    if image.mode in ("RGBA", "LA"):
         rgba = image.convert("RGBA")
         background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
         return Image.alpha_composite(background, rgba).convert("RGB")
