@@ -22,7 +22,9 @@ import pytest
 from test_cli import good_images, lines_of, model_cache  # noqa: F401 (autouse: a private model cache)
 from test_media import png_header_only, write_video
 
+from encoder_graphs.app import loading
 from encoder_graphs.app.cli import main
+from encoder_graphs.app.config import CaptionConfig
 from encoder_graphs.app.media import MAX_FOLDER_NAMES, LoadLimits, MediaError, MediaFile, discover, load, load_image
 
 FAST = ["--max-new-tokens", "3", "--quiet"]
@@ -280,3 +282,39 @@ def test_huge_16_bit_pngs_decode_reduced_and_one_at_a_time(tmp_path):
     # One decoded 13000 x 13000 16-bit bitmap is 338 MB (its 8-bit copy 169 MB); two at once, or
     # a float copy of one, would pass 1 GB.
     assert result["peak"] < 1 << 30, result
+
+
+# -- 14: prompt bounds ---------------------------------------------------------------------------
+
+
+def test_unbounded_prompts_are_refused_before_the_model_loads(tmp_path, monkeypatch, capsys):
+    good_images(tmp_path / "data", 1)
+    monkeypatch.setattr(loading, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    huge = tmp_path / "huge.txt"
+    with open(huge, "wb") as handle:
+        handle.truncate(100 << 20)  # 100 MB, sparse
+    base = ["caption", str(tmp_path / "data"), "--out", str(tmp_path / "r.jsonl")] + FAST
+    cases = {
+        ("--prompt", "{name:{width}{height}}"): "nested",
+        ("--prompt", "{name!r:>99999999}"): "!r",
+        ("--prompt", "{name:>99999999}"): "99999999",
+        ("--prompt", "{width:.99999999f}"): "99999999",
+        ("--prompt", "x" * 70_000): "bytes",
+        ("--prompt-file", str(huge)): "bytes",
+    }
+    for (flag, value), words in cases.items():
+        started = time.monotonic()
+        assert main(base + [flag, value]) == 2, value[:40]
+        err = capsys.readouterr().err
+        assert words in err and "prompt" in err and time.monotonic() - started < 5, (value[:40], err[:300])
+    with pytest.raises(ValueError, match="nested"):
+        CaptionConfig(prompt="{name:{width}}")
+    assert CaptionConfig(prompt="{name:>20} {width:05d}").prompt_for("a", "b", 7, 8) == " " * 19 + "a 00007"
+
+
+def test_a_prompt_files_byte_order_mark_is_dropped(tmp_path):
+    good_images(tmp_path / "data", 1)
+    (tmp_path / "p.txt").write_bytes("Describe {name}.\n".encode("utf-8-sig"))
+    out = tmp_path / "r.jsonl"
+    assert main(["caption", str(tmp_path / "data"), "--out", str(out), "--prompt-file", str(tmp_path / "p.txt")] + FAST) == 0
+    assert lines_of(out)[0]["prompt"] == "Describe img00."

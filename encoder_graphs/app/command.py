@@ -3,6 +3,7 @@ what is not done yet, write records, sidecars and metadata, report. Ctrl-C stops
 current batch (a second one at once); a rerun of the same command resumes."""
 
 import argparse
+import codecs
 import json
 import os
 import signal
@@ -14,7 +15,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from encoder_graphs.app.config import COMPILE_FROM_FILES, CaptionConfig
+from encoder_graphs.app.config import COMPILE_FROM_FILES, MAX_PROMPT_BYTES, CaptionConfig
 from encoder_graphs.app.distributed import Job, job_from_env
 from encoder_graphs.app.errors import EXIT_FAILURES, EXIT_INTERRUPTED, EXIT_OK, UsageError
 from encoder_graphs.app.outputs import METADATA_FILE, SidecarPolicy, unwritable
@@ -123,10 +124,16 @@ def open_results(args: argparse.Namespace, job: Job) -> "ResultsFile":
 
 
 def read_prompt(args: argparse.Namespace) -> str:
+    """`--prompt`, or `--prompt-file`'s text without its byte-order mark, read no further than a
+    prompt may be long."""
     if args.prompt_file is None:
         return args.prompt
     try:
-        return args.prompt_file.read_text(encoding="utf-8").strip()
+        with open(args.prompt_file, "rb") as handle:
+            data = handle.read(MAX_PROMPT_BYTES + len(codecs.BOM_UTF8) + 1).removeprefix(codecs.BOM_UTF8)
+        if len(data) > MAX_PROMPT_BYTES:
+            raise UsageError(f"--prompt-file {args.prompt_file}: more than the {MAX_PROMPT_BYTES} bytes a prompt may have")
+        return data.decode("utf-8").strip()
     except (OSError, UnicodeDecodeError) as error:
         raise UsageError(f"cannot read --prompt-file {args.prompt_file}: {error}") from error
 
