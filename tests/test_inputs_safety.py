@@ -318,3 +318,16 @@ def test_a_prompt_files_byte_order_mark_is_dropped(tmp_path):
     out = tmp_path / "r.jsonl"
     assert main(["caption", str(tmp_path / "data"), "--out", str(out), "--prompt-file", str(tmp_path / "p.txt")] + FAST) == 0
     assert lines_of(out)[0]["prompt"] == "Describe img00."
+
+
+# -- 7: a video's recorded size ------------------------------------------------------------------
+
+
+def test_a_videos_width_and_height_are_the_streams(tmp_path):
+    (tmp_path / "data").mkdir()
+    write_video(tmp_path / "data" / "clip.mp4", frames=4, size=(640, 480))
+    out = tmp_path / "r.jsonl"
+    assert main(["caption", str(tmp_path / "data"), "--out", str(out), "--max-frames", "2"] + FAST) == 0
+    (record,) = lines_of(out)
+    assert (record["width"], record["height"]) == (640, 480)
+    assert record["model_width"] * record["model_height"] < 640 * 480, "the frames were shrunk for the model"
