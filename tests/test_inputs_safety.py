@@ -154,8 +154,8 @@ def test_a_file_under_several_names_is_captioned_once_and_every_name_gets_its_si
     (record,) = lines_of(out)
     assert record["path"] == str(data / "img00.png")
     for name in ("img00", "link", "a_link"):
-        assert (data / f"{name}.txt").read_text() == record["text"] + "\n", name
-    assert not (data / f"{name}.txt").is_symlink()
+        sidecar = data / f"{name}.txt"
+        assert sidecar.read_text() == record["text"] + "\n" and not sidecar.is_symlink(), name
     # A name added later gets its sidecar from the record; nothing is captioned again.
     (data / "late.png").symlink_to(data / "img00.png")
     assert main(["caption", str(data), "--out", str(out), "--sidecar"] + FAST) == 0
