@@ -73,7 +73,7 @@ def write_zoo(folder: Path, huge: bool = True) -> dict[str, str]:
         save("huge.jpg", Image.new("L", (10000, 10000), 128), quality=50)
     png_header_only(folder / "bomb.png", 30000, 30000)
     expected["bomb.png"] = "too_large"
-    save("extreme_aspect.png", Image.new("RGB", (2, 3000)), outcome="preprocess")
+    save("extreme_aspect.png", Image.new("RGB", (2, 3000)), outcome="aspect_ratio")  # refused from the header
 
     (folder / "text.jpg").write_text("this is not an image\n")
     expected["text.jpg"] = "corrupt"

@@ -96,6 +96,12 @@ def _output_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--retry-failed", action="store_true", help="try again the files whose latest record is an error")
     group.add_argument("--include-hidden", action="store_true", help="also caption hidden files and folders")
+    group.add_argument(
+        "--no-follow-links",
+        action="store_true",
+        help="skip symlinks found in the folders, so the run stays inside the PATHs given (links given as PATH "
+        "are used); by default links are followed, except into /proc, /sys and /dev",
+    )
     group.add_argument("--stats-json", type=Path, default=None, help="also write the statistics as JSON")
     group.add_argument("--quiet", action="store_true", help="no progress bar")
 

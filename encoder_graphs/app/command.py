@@ -3,6 +3,7 @@ what is not done yet, write records, sidecars and metadata, report. Ctrl-C stops
 current batch (a second one at once); a rerun of the same command resumes."""
 
 import argparse
+import codecs
 import json
 import os
 import signal
@@ -14,7 +15,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from encoder_graphs.app.config import COMPILE_FROM_FILES, CaptionConfig
+from encoder_graphs.app.config import COMPILE_FROM_FILES, MAX_PROMPT_BYTES, CaptionConfig
 from encoder_graphs.app.distributed import Job, job_from_env
 from encoder_graphs.app.errors import EXIT_FAILURES, EXIT_INTERRUPTED, EXIT_OK, OutputError, UsageError
 from encoder_graphs.app.output_checks import check_targets, not_our_stats, special_file
@@ -71,7 +72,7 @@ def make_plan(args: argparse.Namespace, job: Job) -> Plan:
     if not roots:
         raise UsageError("give at least one PATH (or --samples)")
     try:
-        files = discover(roots, include_hidden=args.include_hidden)
+        files = discover(roots, include_hidden=args.include_hidden, follow_links=not args.no_follow_links)
     except FileNotFoundError as error:
         raise UsageError(str(error)) from error
     if not files:
@@ -124,10 +125,16 @@ def open_results(args: argparse.Namespace, job: Job) -> "ResultsFile":
 
 
 def read_prompt(args: argparse.Namespace) -> str:
+    """`--prompt`, or `--prompt-file`'s text without its byte-order mark, read no further than a
+    prompt may be long."""
     if args.prompt_file is None:
         return args.prompt
     try:
-        return args.prompt_file.read_text(encoding="utf-8").strip()
+        with open(args.prompt_file, "rb") as handle:
+            data = handle.read(MAX_PROMPT_BYTES + len(codecs.BOM_UTF8) + 1).removeprefix(codecs.BOM_UTF8)
+        if len(data) > MAX_PROMPT_BYTES:
+            raise UsageError(f"--prompt-file {args.prompt_file}: more than the {MAX_PROMPT_BYTES} bytes a prompt may have")
+        return data.decode("utf-8").strip()
     except (OSError, UnicodeDecodeError) as error:
         raise UsageError(f"cannot read --prompt-file {args.prompt_file}: {error}") from error
 
@@ -138,14 +145,14 @@ def check_outputs(args: argparse.Namespace, roots: list[Path], files: "list[Medi
     named = [("--out", args.out)] + ([("--stats-json", args.stats_json)] if args.stats_json is not None else [])
     problems = [(flag, path, special_file(path) or unwritable(path)) for flag, path in named]
     if sidecars.enabled:
-        folders = {f.path.parent for f in files}
+        folders = {name.parent for f in files for name in f.names}
         problems += [("--sidecar", folder, unwritable(folder, folder=True)) for folder in sorted(folders)]
     if args.hf_metadata:
         problems += [("--hf-metadata", root, unwritable(root, folder=True)) for root in roots if root.is_dir()]
     for flag, path, problem in problems:
         if problem is not None:
             raise UsageError(f"cannot use {flag} {path}: {problem}")
-    if sidecars.enabled and (clashes := sidecars.collisions([f.path for f in files])):
+    if sidecars.enabled and (clashes := sidecars.collisions([name for f in files for name in f.names])):
         first, second = clashes[0]
         raise UsageError(
             f"--sidecar: {first.name} and {second.name} (and {len(clashes) - 1} more pairs) would share "
@@ -166,7 +173,7 @@ def tidy_outputs(
     is its file's error record)."""
     from encoder_graphs.app.outputs import remove_stale_temporaries
 
-    media = [f.path for f in files if f.kind != "folder"]
+    media = [name for f in files if f.kind != "folder" for name in f.names]
     targets = [sidecars.path(path) for path in media] if sidecars.enabled else []
     targets += [root / METADATA_FILE for root in roots if args.hf_metadata and root.is_dir()]
     targets += [Path(os.path.realpath(args.stats_json))] if args.stats_json is not None else []
@@ -308,7 +315,8 @@ def caption_files(
     writer = ResultsFile(part_path(plan.results.path, job.rank)) if job.distributed else plan.results
     files = claimed(job, by_cost(plan.todo), claim_chunk(config.batch_size)) if job.distributed else plan.todo
     progress = None if args.quiet or job.distributed else Progress(len(plan.todo))
-    outputs = Outputs(writer, plan.sidecars, progress.advance if progress else None)
+    aliases = {str(f.path): f.aliases for f in plan.todo if f.aliases}
+    outputs = Outputs(writer, plan.sidecars, progress.advance if progress else None, aliases)
     captioner = Captioner(model, inputs, config, limits, roots=plan.roots, model_name=args.model or "default")
     try:
         if job.distributed:  # ranks start claiming together: one whose capture ends first would claim ahead

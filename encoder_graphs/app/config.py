@@ -2,6 +2,7 @@
 torch or a model."""
 
 import os
+import re
 import string
 from dataclasses import dataclass, field
 
@@ -9,6 +10,10 @@ DEFAULT_PROMPT = "Describe this in one sentence."
 # What a prompt template may name: the file's name without its extension, its folder's name, and
 # the image's size in pixels (a video's frame size as decoded).
 PROMPT_FIELDS = ("name", "folder", "width", "height")
+# A prompt is an instruction, not a document: 64 KiB is some 16,000 tokens. Bounded when the
+# arguments are checked, before a model loads (a 100 MB prompt file took a minute to fail).
+MAX_PROMPT_BYTES = 64 << 10
+MAX_FIELD_WIDTH = 256  # the widths and precisions a prompt's format specs may ask for
 COMPILE_FROM_FILES = 2000  # files a GPU from which the command compiles the encoder blocks (command.wants_compile)
 # The resolution policy's default: vision tokens an image (or a video frame) may become, the top
 # of the Qwen team's 256-1280 guidance; 1,003,520 pixels for 28-pixel tokens (Qwen2/2.5-VL),
@@ -51,16 +56,7 @@ class CaptionConfig:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        try:
-            fields = {field for _, field, _, _ in string.Formatter().parse(self.prompt) if field is not None}
-            unknown = sorted(fields - set(PROMPT_FIELDS))
-            if not unknown:
-                self.prompt_for("name", "folder", 1, 1)  # format specs, conversions
-        except (ValueError, IndexError, KeyError) as error:
-            raise ValueError(f"bad prompt template {self.prompt!r}: {error}") from error
-        if unknown:
-            names = ", ".join("{" + f + "}" for f in unknown)
-            raise ValueError(f"the prompt names {names}; it may use {', '.join('{' + f + '}' for f in PROMPT_FIELDS)}")
+        check_template(self.prompt)
 
     def prompt_for(self, name: str, folder: str, width: int, height: int) -> str:
         """The prompt of one file: the template with its fields filled in."""
@@ -77,3 +73,33 @@ class CaptionConfig:
         if self.temperature == 0:
             return {"do_sample": False}
         return {"do_sample": True, "temperature": self.temperature, "top_p": self.top_p, "top_k": 0}
+
+
+def check_template(prompt: str) -> None:
+    """A prompt template whose every filled-in prompt stays small: at most MAX_PROMPT_BYTES, only
+    PROMPT_FIELDS, no conversions (!r), no fields nested in a format spec (`{name:{width}}` would
+    take the image's width as its own), widths and precisions up to MAX_FIELD_WIDTH. Raises
+    ValueError naming what is wrong."""
+    size = len(prompt.encode("utf-8", "surrogatepass"))
+    if size > MAX_PROMPT_BYTES:
+        raise ValueError(f"the prompt is {size} bytes, more than the {MAX_PROMPT_BYTES} bytes a prompt may have")
+    try:
+        parsed = [(name, spec, conversion) for _, name, spec, conversion in string.Formatter().parse(prompt)]
+    except ValueError as error:
+        raise ValueError(f"bad prompt template {prompt!r}: {error}") from error
+    fields = [item for item in parsed if item[0] is not None]
+    if unknown := sorted({name for name, _, _ in fields} - set(PROMPT_FIELDS)):
+        names = ", ".join("{" + f + "}" for f in unknown)
+        raise ValueError(f"the prompt names {names}; it may use {', '.join('{' + f + '}' for f in PROMPT_FIELDS)}")
+    for name, spec, conversion in fields:
+        field_text = "{" + name + (f"!{conversion}" if conversion else "") + (f":{spec}" if spec else "") + "}"
+        if conversion is not None:
+            raise ValueError(f"the prompt's {field_text}: fields take no conversion (!{conversion})")
+        if "{" in spec:
+            raise ValueError(f"the prompt's {field_text}: nested fields in a format spec are not allowed")
+        if any(int(number) > MAX_FIELD_WIDTH for number in re.findall(r"\d+", spec)):
+            raise ValueError(f"the prompt's {field_text}: widths and precisions go up to {MAX_FIELD_WIDTH}")
+    try:  # the format specs themselves, with the longest values a file gives
+        prompt.format(name="n" * 255, folder="f" * 255, width=99999, height=99999)
+    except ValueError as error:
+        raise ValueError(f"bad prompt template {prompt!r}: {error}") from error

@@ -1,29 +1,59 @@
 """Finding images and videos under the given paths, and loading them safely.
 
 Every way a file can be bad ends in a `MediaError` naming the file and a short `kind`, so the
-pipeline can record it and go on.
+pipeline can record it and go on. Nothing is read that could hang the run or exhaust its memory:
+special files are never opened, links into pseudo-filesystems never followed, and an image's size
+and shape are judged from its header before any pixel is decoded.
 """
 
 import math
 import os
+import stat
+import threading
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
-from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL import Image, UnidentifiedImageError
 
 from encoder_graphs.app.results import path_key
 
 IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tiff", ".tif"})
 VIDEO_EXTENSIONS = frozenset({".mp4", ".webm", ".mkv", ".avi"})
 SAMPLES_DIR = Path(__file__).parent / "samples"
+# Decided by the real path (links resolved): whatever is mounted there is the kernel's view of
+# processes, devices and drivers, not a dataset (`ds/me -> /proc/self` reaches the whole disk).
+PSEUDO_FILESYSTEMS = ("/proc", "/sys", "/dev")
+# Names one real folder is walked under (through links): a lattice of links would otherwise name
+# each file 2**depth times.
+MAX_FOLDER_NAMES = 32
+ORIENTATION_TAG = 0x0112  # EXIF
+# How EXIF orientations 2-8 turn a stored image upright (PIL's ImageOps.exif_transpose table).
+UPRIGHT = {
+    2: Image.Transpose.FLIP_LEFT_RIGHT,
+    3: Image.Transpose.ROTATE_180,
+    4: Image.Transpose.FLIP_TOP_BOTTOM,
+    5: Image.Transpose.TRANSPOSE,
+    6: Image.Transpose.ROTATE_270,
+    7: Image.Transpose.TRANSVERSE,
+    8: Image.Transpose.ROTATE_90,
+}
+WIDE_MODES = frozenset({"I;16", "I;16B", "I;16L", "I;16N", "I", "F"})  # more than 8 bits a channel
+# Bytes a decoded pixel may take while an image is converted: its bitmap (at most 4) and one
+# converted copy.
+DECODE_BYTES_PER_PIXEL = 8
 
 
 class MediaError(Exception):
     """A file that cannot be captioned.
 
-    `kind`: unreadable, empty, corrupt, too_large, no_frames, unsupported (no video decoder).
+    `kind`: unreadable, empty, special (a FIFO, device or socket, or a link into /proc, /sys or
+    /dev: never opened), corrupt, too_large (pixels), aspect_ratio (past the models' 200:1),
+    no_frames, unsupported (no video decoder).
     """
 
     def __init__(self, path: Path | str, kind: str, reason: str) -> None:
@@ -34,8 +64,17 @@ class MediaError(Exception):
 @dataclass(frozen=True)
 class MediaFile:
     path: Path
-    kind: str  # "image" | "video" | "folder" (one that could not be listed: `load` raises)
-    reason: str = field(default="", compare=False)  # why a "folder" could not be listed
+    kind: str  # "image" | "video" | "folder" (one the walk could not list or would not enter: `load` raises)
+    # Set by the walk for an entry it will not read (`load` raises it): why, and the MediaError kind.
+    reason: str = field(default="", compare=False)
+    error_kind: str = field(default="unreadable", compare=False)
+    # The same file's other names under the roots (links), sorted: `discover`'s docstring.
+    aliases: tuple[Path, ...] = field(default=(), compare=False)
+
+    @property
+    def names(self) -> tuple[Path, ...]:
+        """Every name of the file, `path` first."""
+        return (self.path, *self.aliases)
 
 
 class VideoFrames(list):
@@ -59,6 +98,9 @@ class LoadLimits:
     max_pixels: int = 1280 * 28 * 28
     min_side: int = 28  # tiny images are grown to this (the model's patch * merge size)
     max_decode_pixels: int = 2 * Image.MAX_IMAGE_PIXELS  # refuse to decode larger (bombs)
+    # Longest side over shortest: Qwen-VL's processors refuse past 200, and a 1,000,000 x 1 strip
+    # grown to `min_side` would be 28 million pixels wide.
+    max_aspect: float = 200.0
     max_frames: int = 16
     frame_max_pixels: int = 256 * 28 * 28
 
@@ -69,6 +111,8 @@ class LoadLimits:
             raise ValueError(f"min_side {self.min_side} does not fit the pixel limits")
         if self.max_pixels > self.max_decode_pixels:
             raise ValueError("max_pixels must not exceed max_decode_pixels")
+        if not self.max_aspect >= 1:
+            raise ValueError(f"max_aspect must be >= 1, got {self.max_aspect}")
 
 
 def media_kind(path: Path) -> str | None:
@@ -80,61 +124,114 @@ def media_kind(path: Path) -> str | None:
     return None
 
 
-def discover(paths: list[str | Path], *, include_hidden: bool = False) -> list[MediaFile]:
-    """Media files under `paths` (files or folders, walked recursively), sorted, each once.
+def discover(
+    paths: list[str | Path], *, include_hidden: bool = False, follow_links: bool = True
+) -> list[MediaFile]:
+    """Media files under `paths` (files or folders, walked recursively), sorted, each file once.
 
     Paths are made absolute (symlinks kept): a results file written from one working directory
     resumes from any other. Raises FileNotFoundError for a path that does not exist; files of other
-    types are skipped. Symlinked folders are followed, each real folder walked once (so a link to
-    an ancestor cannot loop) and each real file listed once (`path_key`). Hidden files and folders
-    (name starting with ".") are skipped unless `include_hidden`; a path given in `paths` is always
-    used. A folder that cannot be listed is not dropped silently: it is listed as a
-    `MediaFile(kind="folder")`, which `load` reports as an "unreadable" `MediaError`.
+    types are skipped. Hidden files and folders (name starting with ".") are skipped unless
+    `include_hidden`; a path given in `paths` is always used, links included.
+
+    Links met in the walk are followed (datasets spread over disks rely on it) unless
+    `follow_links` is False, which skips them so the walk stays inside the roots. Never followed:
+    a link back to a folder above it on its way (a loop); a link whose target's real path lies in
+    /proc, /sys or /dev, nor a folder there (unless the root given is in that one too, e.g.
+    /dev/shm/data); a folder's names past MAX_FOLDER_NAMES. The refused ones, and a folder that
+    cannot be listed, are not dropped silently: each is an entry with a `reason` (kind "folder",
+    or its media kind for a file link), which `load` raises as a `MediaError`.
+
+    A file reached under several names (a file link and its target, folders linked twice, two
+    linked roots) is one entry, whose identity is its real path (`results.path_key`). Its `path`
+    is the name without links when there is one, else the first name in order; `aliases` holds the
+    others (`names`: all of them), so that each name can get its own sidecar and metadata row while
+    the file is captioned once.
     """
-    found: dict[str, MediaFile] = {}
-    visited: set[tuple[int, int]] = set()  # (st_dev, st_ino) of every folder walked
+    walk = _Walk(include_hidden, follow_links)
+    names: dict[str, set[Path]] = {}  # real path -> names
+    refused: dict[Path, MediaFile] = {}
     for root in map(Path, paths):
         if not root.exists() and not root.is_symlink():
             raise FileNotFoundError(f"no such file or directory: {root}")
-        candidates = _walk(root, visited, include_hidden) if root.is_dir() else [(root, None)]
-        for path, reason in candidates:
-            kind = "folder" if reason is not None else media_kind(path)
-            if kind is not None:
-                found.setdefault(path_key(path), MediaFile(Path(os.path.abspath(path)), kind, reason or ""))
-    return sorted(found.values(), key=lambda f: str(f.path))
+        absolute = Path(os.path.abspath(root))
+        found = walk.folder(absolute) if root.is_dir() else [(absolute, path_key(absolute), None)]
+        for path, real, refusal in found:
+            if refusal is not None:
+                refused[path] = MediaFile(path, media_kind(path) or "folder", *refusal)
+            elif media_kind(path) is not None:
+                names.setdefault(real, set()).add(path)
+    files = [_named(real, sorted(same)) for real, same in names.items()] + list(refused.values())
+    return sorted(files, key=lambda f: str(f.path))
 
 
-def _walk(root: Path, visited: set[tuple[int, int]], include_hidden: bool) -> list[tuple[Path, str | None]]:
-    """(path, None) for every file under `root`, following symlinked folders but never into a
-    folder already in `visited`; (folder, why) for every folder that cannot be listed."""
-    found: list[tuple[Path, str | None]] = []
-    stack = [root]  # depth first, without recursion: deep trees do not hit the recursion limit
-    while stack:
-        folder = stack.pop()
-        try:
-            info = os.stat(folder)
-            identity = (info.st_dev, info.st_ino)
-            if identity in visited:
+def _named(real: str, names: list[Path]) -> MediaFile:
+    """The entry of one file: the name that is its real path when there is one."""
+    path = next((name for name in names if str(name) == real), names[0])
+    return MediaFile(path, media_kind(path) or "image", aliases=tuple(n for n in names if n != path))
+
+
+class _Walk:
+    """The walk of `discover` over any number of roots: how many names each real folder has been
+    walked under so far."""
+
+    def __init__(self, include_hidden: bool, follow_links: bool) -> None:
+        self.include_hidden = include_hidden
+        self.follow_links = follow_links
+        self.folder_names: dict[tuple[int, int], set[Path]] = {}  # (st_dev, st_ino) -> names walked
+
+    def folder(self, root: Path) -> Iterator[tuple[Path, str, tuple[str, str] | None]]:
+        """(name, real path, None) for every file under `root`; (name, real path, (why, kind)) for
+        every entry not read."""
+        home = _pseudo_filesystem(os.path.realpath(root))  # a root given there may be walked
+        # Depth first, without recursion (deep trees do not hit the recursion limit). Each entry
+        # carries its real path (links resolved only where there is one: a realpath per file would
+        # cost a system call per path component) and the folders above it on this name.
+        stack: list[tuple[Path, str, tuple[tuple[int, int], ...]]] = [(root, os.path.realpath(root), ())]
+        while stack:
+            folder, real, above = stack.pop()
+            try:
+                info = os.stat(folder)
+                identity = (info.st_dev, info.st_ino)
+                if identity in above:
+                    continue  # a link back up: following it would loop
+                walked = self.folder_names.setdefault(identity, set())
+                if folder not in walked and len(walked) >= MAX_FOLDER_NAMES:
+                    if len(walked) == MAX_FOLDER_NAMES:  # reported once, under its first name past the limit
+                        walked.add(folder)
+                        why = f"this folder is reached under more than {MAX_FOLDER_NAMES} names (links): not walked again"
+                        yield folder, real, (why, "unreadable")
+                    continue
+                walked.add(folder)
+                entries = _list_folder(folder)
+            except OSError as error:
+                yield folder, real, (f"cannot list this folder: {_reason(error)}", "unreadable")
                 continue
-            visited.add(identity)
-            entries = _list_folder(folder)
-        except OSError as error:
-            found.append((folder, _reason(error)))
-            continue
-        subfolders = []
-        for name, is_dir in entries:
-            if not include_hidden and name.startswith("."):
-                continue
-            if is_dir:
-                subfolders.append(folder / name)
-            else:
-                found.append((folder / name, None))
-        stack.extend(reversed(subfolders))
-    return found
+            subfolders = []
+            for name, is_dir, is_link in entries:
+                if (not self.include_hidden and name.startswith(".")) or (is_link and not self.follow_links):
+                    continue
+                path = folder / name
+                if not is_dir and media_kind(path) is None:
+                    continue  # not media: never resolved or read
+                target = os.path.realpath(path) if is_link else os.path.join(real, name)
+                pseudo = _pseudo_filesystem(target)
+                if pseudo is not None and pseudo != home:
+                    yield path, target, (f"not followed: it is in {pseudo}, a pseudo-filesystem", "special")
+                elif is_dir:
+                    subfolders.append((path, target, (*above, identity)))
+                else:
+                    yield path, target, None
+            stack.extend(reversed(subfolders))
 
 
-def _list_folder(folder: Path) -> list[tuple[str, bool]]:
-    """(name, is a folder (symlinks followed)) for each entry, by name. Raises OSError."""
+def _pseudo_filesystem(real: str) -> str | None:
+    """The pseudo-filesystem (/proc, /sys or /dev) that the real path `real` lies in, or None."""
+    return next((top for top in PSEUDO_FILESYSTEMS if real == top or real.startswith(top + os.sep)), None)
+
+
+def _list_folder(folder: Path) -> list[tuple[str, bool, bool]]:
+    """(name, is a folder (links followed), is a link) for each entry, by name. Raises OSError."""
     with os.scandir(folder) as entries:
         listed = []
         for entry in entries:
@@ -142,7 +239,7 @@ def _list_folder(folder: Path) -> list[tuple[str, bool]]:
                 is_dir = entry.is_dir()  # follows symlinks; False for a dangling one
             except OSError:
                 is_dir = False
-            listed.append((entry.name, is_dir))
+            listed.append((entry.name, is_dir, entry.is_symlink()))
     return sorted(listed)
 
 
@@ -154,9 +251,10 @@ def _reason(error: OSError) -> str:
 
 def load(file: MediaFile, limits: LoadLimits) -> Image.Image | VideoFrames:
     """An RGB image, or an even number of equally sized RGB video frames."""
+    if file.reason:
+        raise MediaError(file.path, file.error_kind, file.reason)
     if file.kind == "folder":
-        reason = file.reason or _folder_reason(file.path)
-        raise MediaError(file.path, "unreadable", f"cannot list this folder: {reason}")
+        raise MediaError(file.path, "unreadable", f"cannot list this folder: {_folder_reason(file.path)}")
     if file.kind == "image":
         return load_image(file.path, limits)
     return load_video(file.path, limits)
@@ -171,33 +269,76 @@ def _folder_reason(path: Path) -> str:
     return "it could not be listed when the files were gathered"
 
 
+class DecodeBudget:
+    """Bytes of decoded bitmaps that the loader threads may hold at once. Sixteen threads each
+    decoding a 13000 x 13000 16-bit PNG would hold 16 x 340 MB plus their conversions: within the
+    budget the largest images decode one at a time (one larger than the whole budget alone), while
+    photos (JPEGs decode reduced, a few MB) never wait."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.free = total
+        self._changed = threading.Condition()
+
+    @contextmanager
+    def hold(self, nbytes: int) -> Iterator[None]:
+        nbytes = min(nbytes, self.total)
+        with self._changed:
+            self._changed.wait_for(lambda: self.free >= nbytes)
+            self.free -= nbytes
+        try:
+            yield
+        finally:
+            with self._changed:
+                self.free += nbytes
+                self._changed.notify_all()
+
+
+DECODE_BUDGET = DecodeBudget(2 << 30)
+
+
 def load_image(path: Path, limits: LoadLimits) -> Image.Image:
-    _check_readable(path)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            with Image.open(path) as image:
-                width, height = image.size
-                if width * height > limits.max_decode_pixels:
-                    raise MediaError(path, "too_large", f"{width}x{height} pixels exceeds the decode limit")
-                # JPEG can decode at 1/2, 1/4, 1/8 scale: a huge photo never becomes a huge bitmap.
-                scale = math.sqrt(limits.max_pixels / (width * height))
-                if scale < 1:
-                    image.draft("RGB", (max(1, int(width * scale)), max(1, int(height * scale))))
-                image.load()
-                rgb = _to_rgb(ImageOps.exif_transpose(image))  # phone photos: upright as seen
-    except MediaError:
-        raise
-    except Image.DecompressionBombError as error:
-        raise MediaError(path, "too_large", str(error)) from error
-    except PermissionError as error:
-        raise MediaError(path, "unreadable", f"permission denied ({error.strerror})") from error
-    except UnidentifiedImageError as error:
-        raise MediaError(path, "corrupt", "not a recognised image") from error
-    except (OSError, ValueError, SyntaxError, EOFError) as error:
-        # PIL reports truncated and malformed data as any of these.
-        raise MediaError(path, "corrupt", f"cannot decode image ({error})") from error
-    return fit(reduce(rgb, limits.max_pixels), None, limits.min_side)
+    """Decoded as small as the limits allow: a JPEG reduced inside its decoder, other formats box
+    reduced right after decoding, before any conversion (a float copy of a 16-bit bitmap is four
+    times its size); turned upright by its EXIF orientation."""
+    with _open_regular(path) as handle:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+                with Image.open(handle) as image:
+                    _check_size(path, *image.size, limits)
+                    # JPEG can decode at 1/2, 1/4, 1/8 scale: a huge photo never becomes a huge bitmap.
+                    scale = math.sqrt(limits.max_pixels / (image.width * image.height))
+                    if scale < 1:
+                        image.draft("RGB", (max(1, int(image.width * scale)), max(1, int(image.height * scale))))
+                    with DECODE_BUDGET.hold(image.width * image.height * DECODE_BYTES_PER_PIXEL):
+                        image.load()
+                        orientation = image.getexif().get(ORIENTATION_TAG, 1)  # a PNG's may follow its pixels
+                        rgb = _to_rgb(reduce(_narrow(image), limits.max_pixels))
+        except MediaError:
+            raise
+        except Image.DecompressionBombError as error:
+            raise MediaError(path, "too_large", str(error)) from error
+        except UnidentifiedImageError as error:
+            raise MediaError(path, "corrupt", "not a recognised image") from error
+        except (OSError, ValueError, SyntaxError, EOFError) as error:
+            # PIL reports truncated and malformed data as any of these.
+            raise MediaError(path, "corrupt", f"cannot decode image ({error})") from error
+    if orientation in UPRIGHT:  # phone photos: upright as seen
+        rgb = rgb.transpose(UPRIGHT[orientation])
+    return fit(rgb, None, limits.min_side)
+
+
+def _check_size(path: Path, width: int, height: int, limits: LoadLimits) -> None:
+    """From the header, before any pixel is decoded: too many pixels, or too elongated a shape."""
+    if width < 1 or height < 1:
+        raise MediaError(path, "corrupt", f"the header gives {width}x{height} pixels")
+    if width * height > limits.max_decode_pixels:
+        raise MediaError(path, "too_large", f"{width}x{height} pixels exceeds the decode limit")
+    if max(width, height) > limits.max_aspect * min(width, height):
+        raise MediaError(
+            path, "aspect_ratio", f"{width}x{height} pixels: longer than {limits.max_aspect:g} times its width"
+        )
 
 
 def reduce(image: Image.Image, max_pixels: int) -> Image.Image:
@@ -216,7 +357,6 @@ def load_video(path: Path, limits: LoadLimits) -> VideoFrames:
     frame, the stride doubling when the set fills), because many containers do not say how many
     frames they hold.
     """
-    _check_readable(path)
     try:
         import av
     except ImportError as error:
@@ -227,28 +367,29 @@ def load_video(path: Path, limits: LoadLimits) -> VideoFrames:
     stride = 1
     decoded = 0
     fps = None
-    try:
-        with av.open(str(path)) as container:
-            if not container.streams.video:
-                raise MediaError(path, "no_frames", "no video stream")
-            stream = container.streams.video[0]
-            stream.thread_type = "AUTO"
-            fps = float(stream.average_rate) if stream.average_rate else None
-            for index, frame in enumerate(container.decode(stream)):
-                decoded = index + 1
-                if index % stride:
-                    continue
-                size = size or (frame.width, frame.height)
-                candidates.append(fit(frame.to_image().convert("RGB"), limits.frame_max_pixels, limits.min_side))
-                if len(candidates) == keep:
-                    candidates = candidates[::2]
-                    stride *= 2
-    except MediaError:
-        raise
-    except PermissionError as error:
-        raise MediaError(path, "unreadable", f"permission denied ({error.strerror})") from error
-    except (av.FFmpegError, OSError, ValueError) as error:
-        raise MediaError(path, "corrupt", f"cannot decode video ({error})") from error
+    with _open_regular(path) as handle:
+        try:
+            with av.open(handle) as container:
+                if not container.streams.video:
+                    raise MediaError(path, "no_frames", "no video stream")
+                stream = container.streams.video[0]
+                if stream.codec_context.width and stream.codec_context.height:  # 0 where the header does not say
+                    _check_size(path, stream.codec_context.width, stream.codec_context.height, limits)
+                stream.thread_type = "AUTO"
+                fps = float(stream.average_rate) if stream.average_rate else None
+                for index, frame in enumerate(container.decode(stream)):
+                    decoded = index + 1
+                    if index % stride:
+                        continue
+                    size = size or (frame.width, frame.height)
+                    candidates.append(fit(frame.to_image().convert("RGB"), limits.frame_max_pixels, limits.min_side))
+                    if len(candidates) == keep:
+                        candidates = candidates[::2]
+                        stride *= 2
+        except MediaError:
+            raise
+        except (av.FFmpegError, OSError, ValueError) as error:
+            raise MediaError(path, "corrupt", f"cannot decode video ({error})") from error
     if not candidates:
         raise MediaError(path, "no_frames", "the video has no decodable frames")
     count = min(limits.max_frames, len(candidates))
@@ -272,27 +413,57 @@ def fit(image: Image.Image, max_pixels: int | None, min_side: int) -> Image.Imag
     return image.resize(size, Image.Resampling.BICUBIC, reducing_gap=None if scale > 1 else 3.0)
 
 
-def _check_readable(path: Path) -> None:
+def _open_regular(path: Path) -> BinaryIO:
+    """`path` opened for reading, once it is known to be a regular file. A FIFO, device or socket
+    is never opened: opening a FIFO waits for a writer (a run would hang, Ctrl-C too), and opening
+    a device can act on it. O_NONBLOCK keeps a FIFO swapped in after the check from blocking the
+    open (regular files ignore it), and the opened file must be the one checked."""
     try:
-        size = os.stat(path).st_size
-        with open(path, "rb"):
-            pass
+        info = os.stat(path)
+        if not stat.S_ISREG(info.st_mode):
+            raise MediaError(path, "special", f"{_file_type(info.st_mode)}, not a regular file: not read")
+        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except PermissionError as error:
         raise MediaError(path, "unreadable", f"permission denied ({error.strerror})") from error
     except OSError as error:
         raise MediaError(path, "unreadable", error.strerror or str(error)) from error
-    if size == 0:
+    handle = os.fdopen(descriptor, "rb")
+    opened = os.fstat(descriptor)
+    if (opened.st_dev, opened.st_ino) != (info.st_dev, info.st_ino):
+        handle.close()
+        raise MediaError(path, "unreadable", "the file was replaced while it was opened")
+    if opened.st_size == 0:
+        handle.close()
         raise MediaError(path, "empty", "zero-byte file")
+    return handle
+
+
+def _file_type(mode: int) -> str:
+    kinds = {stat.S_ISFIFO: "a FIFO", stat.S_ISCHR: "a character device", stat.S_ISBLK: "a block device",
+             stat.S_ISSOCK: "a socket", stat.S_ISDIR: "a folder"}
+    return next((name for test, name in kinds.items() if test(mode)), "a special file")
+
+
+def _narrow(image: Image.Image) -> Image.Image:
+    """One byte a channel, in a mode `Image.reduce` takes: 16- and 32-bit grey scaled to 8 bits
+    (not clipped: 65535 is white), band by band (a float copy of a 13000 x 13000 bitmap would be
+    1.4 GB); palettes, bilevel and other modes converted, with their alpha."""
+    if image.mode in WIDE_MODES:
+        peak = 65535.0 if image.mode.startswith("I;16") or image.getextrema()[1] > 255 else 255.0
+        gray = Image.new("L", image.size)
+        for top in range(0, image.height, 256):
+            band = np.asarray(image.crop((0, top, image.width, min(top + 256, image.height))), dtype=np.float32)
+            gray.paste(Image.fromarray(np.clip(band * (255.0 / peak), 0, 255).astype(np.uint8), "L"), (0, top))
+        return gray
+    if image.mode in ("L", "LA", "RGB", "RGBA", "CMYK"):
+        return image
+    alpha = image.mode == "PA" or (image.mode == "P" and "transparency" in image.info)
+    return image.convert("RGBA" if alpha else "RGB")
 
 
 def _to_rgb(image: Image.Image) -> Image.Image:
-    """RGB for any PIL mode: 16-bit and float scaled to 8 bits (not clipped), alpha over white."""
-    if image.mode in ("I;16", "I;16B", "I;16L", "I;16N", "I", "F"):
-        values = np.asarray(image, dtype=np.float64)
-        peak = 65535.0 if image.mode.startswith("I;16") or values.max() > 255 else 255.0
-        gray = np.clip(values * (255.0 / peak), 0, 255).astype(np.uint8)
-        return Image.fromarray(gray, "L").convert("RGB")
-    if image.mode in ("RGBA", "LA", "PA") or (image.mode == "P" and "transparency" in image.info):
+    """RGB from `_narrow`'s modes: alpha over white."""
+    if image.mode in ("RGBA", "LA"):
         rgba = image.convert("RGBA")
         background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
         return Image.alpha_composite(background, rgba).convert("RGB")

@@ -14,7 +14,7 @@ import re
 import stat
 import tempfile
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -98,14 +98,21 @@ def relative_path(path: Path, roots: Sequence[Path]) -> str:
 
 
 class Outputs:
-    """Writes a batch's records: JSONL first (durable), then the sidecars of its captions."""
+    """Writes a batch's records: JSONL first (durable), then the sidecars of its captions, one for
+    each name of the file: its record's path and its `aliases` (`MediaFile.aliases`, keyed by
+    that path)."""
 
     def __init__(
-        self, results: ResultsFile, sidecars: SidecarPolicy, on_written: Callable[[int], None] | None = None
+        self,
+        results: ResultsFile,
+        sidecars: SidecarPolicy,
+        on_written: Callable[[int], None] | None = None,
+        aliases: Mapping[str, Sequence[Path]] | None = None,
     ) -> None:
         self.results = results
         self.sidecars = sidecars
         self.on_written = on_written
+        self.aliases = aliases or {}
         self.sidecars_written = 0
         self.sidecar_errors: list[str] = []  # the error of each sidecar that could not be written
 
@@ -117,10 +124,11 @@ class Outputs:
             errors = []
             for record in records:
                 if "text" in record:
-                    try:
-                        self.sidecars_written += self.sidecars.write(Path(record["path"]), record["text"])
-                    except OSError as error:
-                        errors.append(sidecar_error(record, error))
+                    for name in (Path(record["path"]), *self.aliases.get(record["path"], ())):
+                        try:
+                            self.sidecars_written += self.sidecars.write(name, record["text"])
+                        except OSError as error:
+                            errors.append(sidecar_error(record, error))
             self.results.append(errors)
             self.sidecar_errors += [error["error"] for error in errors]
         if self.on_written is not None:
