@@ -148,7 +148,7 @@ def _list_folder(folder: Path) -> list[tuple[str, bool]]:
 
 def _reason(error: OSError) -> str:
     if isinstance(error, PermissionError):
-        return f"permission denied ({error.strerror})" if error.strerror else "permission denied"
+        return "permission denied"
     return error.strerror or str(error)
 
 
@@ -191,7 +191,7 @@ def load_image(path: Path, limits: LoadLimits) -> Image.Image:
     except Image.DecompressionBombError as error:
         raise MediaError(path, "too_large", str(error)) from error
     except PermissionError as error:
-        raise MediaError(path, "unreadable", f"permission denied ({error.strerror})") from error
+        raise MediaError(path, "unreadable", "permission denied") from error
     except UnidentifiedImageError as error:
         raise MediaError(path, "corrupt", "not a recognised image") from error
     except (OSError, ValueError, SyntaxError, EOFError) as error:
@@ -246,7 +246,7 @@ def load_video(path: Path, limits: LoadLimits) -> VideoFrames:
     except MediaError:
         raise
     except PermissionError as error:
-        raise MediaError(path, "unreadable", f"permission denied ({error.strerror})") from error
+        raise MediaError(path, "unreadable", "permission denied") from error
     except (av.FFmpegError, OSError, ValueError) as error:
         raise MediaError(path, "corrupt", f"cannot decode video ({error})") from error
     if not candidates:
@@ -278,7 +278,7 @@ def _check_readable(path: Path) -> None:
         with open(path, "rb"):
             pass
     except PermissionError as error:
-        raise MediaError(path, "unreadable", f"permission denied ({error.strerror})") from error
+        raise MediaError(path, "unreadable", "permission denied") from error
     except OSError as error:
         raise MediaError(path, "unreadable", error.strerror or str(error)) from error
     if size == 0:
