@@ -124,7 +124,9 @@ def enable_cuda_graphs(
     stopping criteria, scores or dicts in the output, no `max_new_tokens`, and (when sampling)
     top-k, which transformers sets to 50 by default, so pass `top_k=0` to sample through the
     graphs. Real Qwen-VL checkpoints ship `repetition_penalty=1.05` in their generation config:
-    their calls reach the graphs only with `repetition_penalty=1.0` given explicitly.
+    their calls reach the graphs only with `repetition_penalty=1.0` given explicitly. Sampling
+    takes `generator=`, a `torch.Generator` or one per row (a row's tokens then depend on its own
+    generator only); such a call must reach the graphs, else ValueError.
     """
     if getattr(model, "_encoder_graphs", None) is not None:
         raise RuntimeError("encoder graphs are already enabled on this model; disable() them first")
@@ -207,14 +209,17 @@ def _graphed_generate(handle: EncoderGraphsHandle, runner: DecoderGraphRunner, o
     def generate(
         inputs: torch.Tensor | None = None, generation_config: GenerationConfig | None = None, *args, **kwargs
     ):
+        generator = kwargs.pop("generator", None)  # ours: the stock generate has none
         try:
             if args:
                 raise StockOnly("positional arguments after generation_config")
             arguments = runner_arguments(model, inputs, generation_config, kwargs)
         except StockOnly as why:
+            if generator is not None:
+                raise ValueError(f"generator= needs the decoder graphs; this call goes to stock: {why}") from why
             handle.generate_fallbacks[str(why)] += 1
             return original(inputs, generation_config, *args, **kwargs)
-        return runner.generate(**arguments)
+        return runner.generate(**arguments, generator=generator)
 
     generate.__doc__ = "generate through decoder CUDA graphs where supported (encoder_graphs.enable_cuda_graphs)."
     return generate

@@ -7,22 +7,29 @@ not be written during the run, 130 interrupted.
 """
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
 from encoder_graphs.app.config import COMPILE_FROM_FILES, DEFAULT_IMAGE_TOKENS, DEFAULT_PROMPT, PROMPT_FIELDS
-from encoder_graphs.app.errors import EXIT_INTERRUPTED, EXIT_OUTPUT, EXIT_USAGE, OutputError, UsageError
+from encoder_graphs.app.errors import EXIT_INTERRUPTED, EXIT_OUTPUT, EXIT_USAGE, OutputError, UsageError, printable
+from encoder_graphs.models.preset_names import PRESET_NAMES
 
 
 def build_parser() -> argparse.ArgumentParser:
     from encoder_graphs import __version__
 
-    parser = argparse.ArgumentParser(prog="encoder-graphs", description=__doc__.splitlines()[0])
+    description = " ".join(__doc__.split("\n\n")[0].split())  # the first paragraph, as one line
+    parser = argparse.ArgumentParser(prog="encoder-graphs", description=description)
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     caption = commands.add_parser("caption", help="caption images and videos into a JSONL file")
     caption.add_argument("paths", nargs="*", metavar="PATH", help="image/video files or folders (recursive)")
-    caption.add_argument("--samples", action="store_true", help="also caption the bundled sample images")
+    caption.add_argument(
+        "--samples",
+        action="store_true",
+        help="also caption the bundled sample images (without --out: into a new temporary folder, printed)",
+    )
     _model_arguments(caption)
     _text_arguments(caption)
     _output_arguments(caption)
@@ -35,8 +42,8 @@ def _model_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--model",
         default=None,
-        help="a local checkpoint directory or a preset name; default: the embedded tiny model "
-        "(random weights: its captions are noise)",
+        help="a local checkpoint directory, or a preset (random weights: speed tests, noise captions): "
+        f"{', '.join(PRESET_NAMES)}; default: the embedded tiny model (random weights too)",
     )
     group.add_argument(
         "--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: cuda when available (default)"
@@ -65,19 +72,30 @@ def _model_arguments(parser: argparse.ArgumentParser) -> None:
 def _text_arguments(parser: argparse.ArgumentParser) -> None:
     fields = ", ".join("{" + f + "}" for f in PROMPT_FIELDS)
     group = parser.add_argument_group("prompt and caption text")
-    group.add_argument(
+    prompt = group.add_mutually_exclusive_group()
+    prompt.add_argument(
         "--prompt", default=DEFAULT_PROMPT, help=f"the instruction given with each file; may use {fields} "
         "(default: %(default)r)"
     )
-    group.add_argument("--prompt-file", type=Path, default=None, help="read the prompt (template) from this file")
+    prompt.add_argument("--prompt-file", type=Path, default=None, help="read the prompt (template) from this file")
     group.add_argument("--prefix", default="", help="text put before each caption (trigger words), e.g. 'photo of sks, '")
     group.add_argument("--suffix", default="", help="text put after each caption")
     group.add_argument(
         "--max-new-tokens", type=_positive_int, default=32, help="caption length limit (default: %(default)s)"
     )
-    group.add_argument("--temperature", type=_non_negative_float, default=0.0, help="0: greedy (default)")
-    group.add_argument("--top-p", type=_non_negative_float, default=1.0, help="nucleus sampling (default: 1.0)")
-    group.add_argument("--seed", type=int, default=None, help="seed for sampling")
+    group.add_argument(
+        "--temperature", type=_non_negative_float, default=0.0, help="above 0: sample (default: 0, greedy)"
+    )
+    group.add_argument(
+        "--top-p", type=_probability, default=None, help="with --temperature: nucleus sampling (default: 1.0, off)"
+    )
+    group.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="with --temperature: a file's caption then depends on the seed and its path within its folder "
+        "only, not on its batch: a resumed run samples as an uninterrupted one",
+    )
 
 
 def _output_arguments(parser: argparse.ArgumentParser) -> None:
@@ -85,11 +103,11 @@ def _output_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--out",
         type=Path,
-        default=Path("captions.jsonl"),
-        help="JSONL record, one line per file; a rerun skips the files already in it (default: %(default)s)",
+        default=None,
+        help="JSONL record, one line per file; a rerun skips the files already in it (default: captions.jsonl)",
     )
     group.add_argument("--sidecar", action="store_true", help="also write each caption to <file>.txt beside the file")
-    group.add_argument("--sidecar-ext", default=".txt", help="extension of the sidecar files (default: %(default)s)")
+    group.add_argument("--sidecar-ext", default=None, help="with --sidecar: the sidecars' extension (default: .txt)")
     group.add_argument("--overwrite", action="store_true", help="with --sidecar: caption files whose sidecar exists")
     group.add_argument(
         "--hf-metadata", action="store_true", help="also write metadata.jsonl (file_name, text) in each folder given"
@@ -112,7 +130,8 @@ def _performance_arguments(parser: argparse.ArgumentParser) -> None:
         "--batch-size",
         type=_batch_size,
         default=None,
-        help="files in one generate call, or auto: the most the GPU memory left holds, up to 64 (default: auto)",
+        help="files in one generate call, at most what the GPU memory left holds; auto: that most, up to 64 "
+        "(default: auto)",
     )
     group.add_argument(
         "--max-batch-tokens",
@@ -121,14 +140,18 @@ def _performance_arguments(parser: argparse.ArgumentParser) -> None:
         help="vision tokens in one generate call (default: 1024 x the batch size)",
     )
     group.add_argument("--budgets", type=_budgets, default=None, help="encoder token budgets, e.g. 1024,4096")
-    group.add_argument("--attn-backend", default=None, help="varlen attention backend of the encoder graphs")
+    group.add_argument(
+        "--attn-backend", default=None, help="varlen attention backend of the encoder graphs: torch, flash_attn, "
+        "flashinfer or sdpa (default: per model and device)"
+    )
     group.add_argument("--no-graphs", action="store_true", help="run the encoder and the decoder eagerly (no CUDA graphs)")
     group.add_argument(
         "--compile",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="torch.compile the encoder blocks before capture: ~10 s more at start, faster encoding "
-        f"(default: on a GPU with at least {COMPILE_FROM_FILES} files to caption per GPU)",
+        help="torch.compile, before the capture, the encoder's blocks, the language model's MLPs and norms and "
+        "the decode step's layers: ~30 s more at start (less with inductor's cache warm), faster encoding and "
+        f"decoding (default: on a GPU with at least {COMPILE_FROM_FILES} files to caption per GPU)",
     )
 
 
@@ -140,9 +163,11 @@ def main(argv: list[str] | None = None) -> int:
     from encoder_graphs.app.command import RESUME_HINT, caption
 
     try:
+        if (problem := flag_problem(args)) is not None:
+            raise UsageError(problem)
         return caption(args)
     except UsageError as error:
-        print(f"encoder-graphs: error: {error}", file=sys.stderr)
+        print(f"encoder-graphs: error: {printable(str(error))}", file=sys.stderr)
         return EXIT_USAGE
     except OutputError as error:  # what was written before stays whole
         print(f"encoder-graphs: error: {error}; {RESUME_HINT} once it can be written", file=sys.stderr)
@@ -150,6 +175,23 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"\nencoder-graphs: interrupted; {RESUME_HINT}", file=sys.stderr)
         return EXIT_INTERRUPTED
+
+
+def flag_problem(args: argparse.Namespace) -> str | None:
+    """A flag that the others given would make ignored (a usage error, not a silent no-op)."""
+    if not args.sidecar:
+        for flag, given in (("--overwrite", args.overwrite), ("--sidecar-ext", args.sidecar_ext is not None)):
+            if given:
+                return f"{flag} applies to sidecars: add --sidecar"
+    if args.temperature == 0:
+        for flag, given in (("--top-p", args.top_p is not None), ("--seed", args.seed is not None)):
+            if given:
+                return f"{flag} applies to sampling: add --temperature above 0 (0 is greedy)"
+    if args.samples:  # the samples live in the installed package: nothing is written beside them
+        for flag, given in (("--sidecar", args.sidecar), ("--hf-metadata", args.hf_metadata)):
+            if given:
+                return f"{flag} with --samples would write into the installed package; copy the samples elsewhere"
+    return None
 
 
 def _positive_int(text: str) -> int:
@@ -174,8 +216,19 @@ def _non_negative_float(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
+    return value
+
+
+def _probability(text: str) -> float:
+    """A number in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number above 0 and at most 1, got {text!r}")
     return value
 
 

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from encoder_graphs.app.config import COMPILE_FROM_FILES, MAX_PROMPT_BYTES, CaptionConfig
+from encoder_graphs.app.config import COMPILE_FROM_FILES, DEFAULT_PROMPT, MAX_PROMPT_BYTES, CaptionConfig
 from encoder_graphs.app.distributed import Job, job_from_env
-from encoder_graphs.app.errors import EXIT_FAILURES, EXIT_INTERRUPTED, EXIT_OK, OutputError, UsageError
+from encoder_graphs.app.errors import EXIT_FAILURES, EXIT_INTERRUPTED, EXIT_OK, OutputError, UsageError, printable
 from encoder_graphs.app.output_checks import check_targets, not_our_stats, special_file
 from encoder_graphs.app.outputs import METADATA_FILE, SidecarPolicy, unwritable
 
@@ -25,7 +25,8 @@ if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedModel
 
-    from encoder_graphs.app.media import MediaFile
+    from encoder_graphs.app.loading import ModelSource
+    from encoder_graphs.app.media import LoadLimits, MediaFile
     from encoder_graphs.app.results import ResultsFile
     from encoder_graphs.protocols import CaptionInputs
 
@@ -56,9 +57,12 @@ def caption(args: argparse.Namespace) -> int:
     with plan.results:  # rank 0 (or the only process) holds the lock on --out until the run ends
         if not plan.todo:
             failed = sum(plan.results.is_failed(f.path) for f in plan.files)
-            where = f"{args.out}" + (" or have sidecars" if plan.sidecars.enabled else "")
+            where = printable(args.out) + (" or have sidecars" if plan.sidecars.enabled else "")
             print(f"nothing to do: all {len(plan.files)} files are already in {where} ({failed} of them as errors)")
             write_metadata(args, plan)
+            if plan.job.rank == 0:
+                files = len(plan.files)
+                write_stats_json(args, {"pipeline": {"files": files, "skipped": files, "succeeded": 0, "failed": 0}})
             return exit_status(plan)
         return run(args, plan)
 
@@ -85,11 +89,15 @@ def make_plan(args: argparse.Namespace, job: Job) -> Plan:
             prefix=args.prefix,
             suffix=args.suffix,
             temperature=args.temperature,
-            top_p=args.top_p,
+            top_p=args.top_p or CaptionConfig.top_p,
+            seed=args.seed,
         )
-        sidecars = SidecarPolicy(args.sidecar, args.sidecar_ext, args.overwrite)
+        sidecars = SidecarPolicy(args.sidecar, args.sidecar_ext or SidecarPolicy.ext, args.overwrite)
     except ValueError as error:
         raise UsageError(str(error)) from error
+    check_attention_backend(args.attn_backend)
+    if args.out is None:
+        args.out = default_out(args.samples, job)
     check_outputs(args, roots, files, sidecars)
     results = open_results(args, job)
     if job.rank == 0:
@@ -98,6 +106,30 @@ def make_plan(args: argparse.Namespace, job: Job) -> Plan:
     if job.distributed:  # every rank must hold the same list before any starts writing parts
         job.barrier("planned")
     return Plan(roots, files, todo, config, sidecars, results, job)
+
+
+def default_out(samples: bool, job: Job) -> Path:
+    """`--out` not given: captions.jsonl here; with `--samples`, in a new temporary folder (printed),
+    so that a demo neither drops a file into the working folder nor finds it done next time."""
+    if not samples:
+        return Path("captions.jsonl")
+    if job.distributed:  # each rank would make a folder of its own
+        raise UsageError("--samples under torchrun: give --out")
+    import tempfile
+
+    out = Path(tempfile.mkdtemp(prefix="encoder-graphs-samples-")) / "captions.jsonl"
+    print(f"encoder-graphs: --samples without --out: writing {printable(out)}", file=sys.stderr)
+    return out
+
+
+def check_attention_backend(name: str | None) -> None:
+    if name is not None:
+        from encoder_graphs.models.attention import get_attention_backend
+
+        try:
+            get_attention_backend(name)
+        except (ValueError, ImportError) as error:
+            raise UsageError(f"--attn-backend {name}: {error}") from error
 
 
 def open_results(args: argparse.Namespace, job: Job) -> "ResultsFile":
@@ -115,8 +147,8 @@ def open_results(args: argparse.Namespace, job: Job) -> "ResultsFile":
     except (NotResultsFile, OSError) as error:
         raise UsageError(f"cannot use --out {args.out}: {error}") from error
     if results.repaired_bytes:
-        print(f"encoder-graphs: dropped a half-written last line ({results.repaired_bytes} bytes) of {args.out}",
-              file=sys.stderr)
+        print(f"encoder-graphs: dropped a half-written last line ({results.repaired_bytes} bytes) of "
+              f"{printable(args.out)}", file=sys.stderr)
     for part in part_paths(results.path):  # left by a killed torchrun job
         results.include(part)
     if job.distributed and job.rank == 0:
@@ -154,9 +186,11 @@ def check_outputs(args: argparse.Namespace, roots: list[Path], files: "list[Medi
             raise UsageError(f"cannot use {flag} {path}: {problem}")
     if sidecars.enabled and (clashes := sidecars.collisions([name for f in files for name in f.names])):
         first, second = clashes[0]
+        others = len(clashes) - 1
+        more = f" (and {others} more pair{'s' * (others > 1)})" if others else ""
         raise UsageError(
-            f"--sidecar: {first.name} and {second.name} (and {len(clashes) - 1} more pairs) would share "
-            f"{sidecars.path(first)}; rename one or caption them apart"
+            f"--sidecar: {first.name} and {second.name}{more} would share {sidecars.path(first)}; "
+            "rename one or caption them apart"
         )
     metadata = [("--hf-metadata", root / METADATA_FILE) for root in roots if args.hf_metadata and root.is_dir()]
     check_targets(metadata + named, roots, [f.path for f in files if f.kind != "folder"], sidecars)
@@ -184,7 +218,7 @@ def tidy_outputs(
     written, errors = sidecars.backfill(results.path, media)
     results.append(errors)
     if written:
-        print(f"encoder-graphs: wrote {written} sidecars from captions already in {args.out}", file=sys.stderr)
+        print(f"encoder-graphs: wrote {written} sidecars from captions already in {printable(args.out)}", file=sys.stderr)
     report_sidecar_errors([error["error"] for error in errors])
 
 
@@ -208,18 +242,18 @@ def write_output(path: Path, text: str) -> None:
 
 
 def run(args: argparse.Namespace, plan: Plan) -> int:
-    from encoder_graphs.app.loading import load_model, pick_device
+    from encoder_graphs.app.loading import load_model, open_model, pick_device
     from encoder_graphs.report import format_run_stats
 
     device = pick_device(args.device, plan.job.local_rank)
-    print(f"encoder-graphs: loading model {args.model or '(embedded tiny default)'} on {device} ...", file=sys.stderr)
-    model, inputs = load_model(args.model, device, max_tiles=args.max_tiles, max_image_tokens=args.max_image_tokens)
+    source = open_model(args.model, max_tiles=args.max_tiles, max_image_tokens=args.max_image_tokens)
+    limits = load_limits(args, source)
+    longest = check_length(args, plan, source, limits)  # before the weights: GBs for a real model
+    name = printable(args.model) if args.model else "(embedded tiny default)"
+    print(f"encoder-graphs: loading model {name} on {device} ...", file=sys.stderr)
+    model = load_model(source, device)
     loaded = time.perf_counter()  # the weights are on the device
-    if args.seed is not None:
-        import torch
-
-        torch.manual_seed(args.seed)
-    summary, graph_stats, graph_table = caption_files(args, plan, model, inputs, device)
+    summary, graph_stats, graph_table = caption_files(args, plan, model, source.inputs, device, limits, longest)
     summary["load_s"] = loaded - STARTED
     if summary["first_records_s"] is not None:
         summary["first_caption_after_load_s"] = summary["setup_s"] + summary["first_records_s"]
@@ -228,9 +262,7 @@ def run(args: argparse.Namespace, plan: Plan) -> int:
     print(format_run_stats(summary))
     print(graph_table)
     write_metadata(args, plan)
-    if args.stats_json is not None:
-        payload = {"pipeline": summary, **graph_stats, "model": args.model or "default", "device": str(device)}
-        write_output(args.stats_json, json.dumps(payload, indent=2, sort_keys=True, default=str) + "\n")
+    write_stats_json(args, {"pipeline": summary, **graph_stats, "device": str(device)})
     if summary["interrupted"]:
         print(f"interrupted: {RESUME_HINT}", file=sys.stderr)
         return EXIT_INTERRUPTED
@@ -261,36 +293,44 @@ def write_metadata(args: argparse.Namespace, plan: Plan) -> None:
         except OSError as error:
             raise OutputError(error.filename or METADATA_FILE, error) from error
         for path in written:
-            print(f"wrote {path}")
+            print(f"wrote {printable(path)}")
+
+
+def write_stats_json(args: argparse.Namespace, payload: dict) -> None:
+    """`--stats-json`, whenever the command ends normally: a run, or nothing to do."""
+    if args.stats_json is not None:
+        payload = {**payload, "model": args.model or "default"}
+        write_output(args.stats_json, json.dumps(payload, indent=2, sort_keys=True, default=str) + "\n")
 
 
 def caption_files(
-    args: argparse.Namespace, plan: Plan, model: "PreTrainedModel", inputs: "CaptionInputs", device: "torch.device"
+    args: argparse.Namespace,
+    plan: Plan,
+    model: "PreTrainedModel",
+    inputs: "CaptionInputs",
+    device: "torch.device",
+    limits: "LoadLimits",
+    longest: int,
 ) -> tuple[dict, dict, str]:
     """Enable the graphs, caption the files still to do, disable them: the run's and the graphs'
-    statistics."""
+    statistics. `longest`: the longest sequence (`check_length`), which sizes the decoder's
+    cache, its length tiers and the batch."""
     from encoder_graphs import enable_cuda_graphs
     from encoder_graphs.app.distributed import by_cost, claim_chunk, claimed, part_path
-    from encoder_graphs.app.media import LoadLimits
     from encoder_graphs.app.outputs import Outputs
-    from encoder_graphs.app.pipeline import Captioner, longest_sequence
+    from encoder_graphs.app.pipeline import Captioner
     from encoder_graphs.app.results import ResultsFile
     from encoder_graphs.app.runstats import Progress
 
     setup_started = time.perf_counter()
-    limits = LoadLimits(
-        max_frames=args.max_frames,
-        min_side=inputs.min_side,
-        max_pixels=inputs.max_image_pixels,
-        frame_max_pixels=inputs.max_frame_pixels,
-    )
-    # The resolution policy sizes the decoder's cache, its length tiers and the batch.
-    longest = longest_sequence(inputs, plan.config, limits, videos=any(f.kind == "video" for f in plan.todo))
-    check_length(args, model, longest)
     longest_prompt = longest - plan.config.max_new_tokens
-    batch_size = args.batch_size or auto_batch_size(model, longest, longest_prompt, device)
     # A batch never holds more files than the job, so the decoder captures no larger bucket.
-    batch_size = min(batch_size, max(1, len(plan.todo)))
+    files = max(1, len(plan.todo))
+    requested = min(args.batch_size, files) if args.batch_size else None
+    batch_size = min(files, fitting_batch_size(requested, model, longest, longest_prompt, device))
+    if requested is not None and batch_size < requested:
+        print(f"encoder-graphs: --batch-size {args.batch_size} capped to {batch_size}: the GPU memory free holds "
+              f"{batch_size} sequences of up to {longest} tokens", file=sys.stderr)
     # Unless given, the vision-token cap lets a batch of the largest items through: the batch
     # size already counts their memory.
     max_batch_tokens = args.max_batch_tokens or longest_prompt * batch_size
@@ -359,27 +399,64 @@ def wants_compile(args: argparse.Namespace, plan: Plan, device: "torch.device") 
     return device.type == "cuda" and len(plan.todo) >= COMPILE_FROM_FILES * plan.job.world_size
 
 
-def check_length(args: argparse.Namespace, model: "PreTrainedModel", longest: int) -> None:
-    positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)
-    if positions is not None and longest > positions:
-        raise UsageError(
-            f"--max-new-tokens {args.max_new_tokens}: the longest prompt plus the caption reaches {longest} "
-            f"tokens, past the model's {positions} positions"
-        )
+def load_limits(args: argparse.Namespace, source: "ModelSource") -> "LoadLimits":
+    from encoder_graphs.app.media import LoadLimits
+
+    inputs = source.inputs
+    return LoadLimits(
+        max_frames=args.max_frames,
+        min_side=inputs.min_side,
+        max_pixels=inputs.max_image_pixels,
+        frame_max_pixels=inputs.max_frame_pixels,
+    )
 
 
-def auto_batch_size(model: "PreTrainedModel", longest: int, longest_prompt: int, device: "torch.device") -> int:
-    """`--batch-size auto`: the most sequences of the longest length the GPU memory free now
-    holds, up to 64 (`app.sizing`); throughput grows with the batch (RESULTS.md). 8 without CUDA."""
+def check_length(args: argparse.Namespace, plan: Plan, source: "ModelSource", limits: "LoadLimits") -> int:
+    """The job's longest sequence (`longest_sequence`); past the model's positions, a usage error
+    naming the flag that makes it so: the caption's length, the frames of a video, the prompt, or
+    the images' resolution."""
+    from encoder_graphs.app.pipeline import longest_sequence
+
+    inputs, config = source.inputs, plan.config
+    longest = longest_sequence(inputs, config, limits, videos=any(f.kind == "video" for f in plan.todo))
+    positions = getattr(source.config.get_text_config(), "max_position_embeddings", None)
+    if positions is None or longest <= positions:
+        return longest
+    prompt = longest - config.max_new_tokens
+    image_prompt = longest_sequence(inputs, config, limits, videos=False) - config.max_new_tokens
+    past = f"past the model's {positions} positions"
+    if prompt < positions:
+        raise UsageError(f"--max-new-tokens {config.max_new_tokens}: the longest prompt ({prompt} tokens) plus the "
+                         f"caption reaches {longest} tokens, {past}; at most {positions - prompt}")
+    if image_prompt < positions:
+        raise UsageError(f"--max-frames {args.max_frames}: a video's prompt reaches {prompt} tokens, {past}")
+    plain = replace(config, prompt=DEFAULT_PROMPT)
+    if longest_sequence(inputs, plain, limits, videos=False) - config.max_new_tokens < positions:
+        flag = "--prompt" if args.prompt_file is None else f"--prompt-file {args.prompt_file}"
+        raise UsageError(f"{flag}: the prompt around the largest image reaches {image_prompt} tokens, {past}")
+    raise UsageError(f"the prompt around the largest image reaches {image_prompt} tokens, {past}: "
+                     "lower --max-image-tokens (Qwen-VL) or --max-tiles (InternVL)")
+
+
+def fitting_batch_size(
+    requested: int | None, model: "PreTrainedModel", longest: int, longest_prompt: int, device: "torch.device"
+) -> int:
+    """`--batch-size N`, capped on a GPU at the most sequences of the longest length its free
+    memory holds (a batch whose cache cannot be allocated would fail every file); `auto`
+    (`requested` None): that most, up to 64 (`app.sizing`), as throughput grows with the batch
+    (RESULTS.md). Without CUDA, N or 8."""
     from encoder_graphs.app.sizing import AUTO_BATCH_DEFAULT, TextSizes, batch_size_for, sequence_memory
 
     if device.type != "cuda":
-        return AUTO_BATCH_DEFAULT
+        return requested or AUTO_BATCH_DEFAULT
     import torch
 
     sizes = TextSizes.of(model.config.get_text_config(decoder=True), model.dtype.itemsize)
     free, _ = torch.cuda.mem_get_info(device)
-    return batch_size_for(free, sequence_memory(sizes, longest, longest_prompt))
+    per_sequence = sequence_memory(sizes, longest, longest_prompt)
+    if requested is None:
+        return batch_size_for(free, per_sequence)
+    return batch_size_for(free, per_sequence, most=requested, multiple=1)
 
 
 @contextmanager

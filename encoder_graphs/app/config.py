@@ -1,6 +1,7 @@
 """The caption run's settings: plain Python, so the command line can check them before it loads
 torch or a model."""
 
+import hashlib
 import os
 import re
 import string
@@ -45,6 +46,7 @@ class CaptionConfig:
     suffix: str = ""
     temperature: float = 0.0  # 0: greedy
     top_p: float = 1.0
+    seed: int | None = None  # when sampling: each file's draws from its own seed (seed_for)
 
     def __post_init__(self) -> None:
         if not self.prompt.strip():
@@ -61,6 +63,13 @@ class CaptionConfig:
     def prompt_for(self, name: str, folder: str, width: int, height: int) -> str:
         """The prompt of one file: the template with its fields filled in."""
         return self.prompt.format(name=name, folder=folder, width=width, height=height)
+
+    def seed_for(self, name: str) -> int:
+        """The sampling seed of the file at `name` (its path within its root): from the run's seed
+        and the name only, so a file draws the same tokens in any batch, beside any other files,
+        in a resumed run as in an uninterrupted one."""
+        key = f"{self.seed}\0{name}".encode("utf-8", "surrogatepass")  # undecodable names too
+        return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest()) >> 1  # < 2**63
 
     def text(self, caption: str) -> str:
         """The caption with the prefix and suffix around it."""

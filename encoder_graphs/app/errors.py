@@ -1,5 +1,5 @@
-"""The command line's exit statuses, the error that means "the request is wrong" and the one that
-means "an output could not be written"."""
+"""The command line's exit statuses, the error that means "the request is wrong", the one that
+means "an output could not be written", and how names are shown on a terminal."""
 
 from pathlib import Path
 
@@ -17,4 +17,11 @@ class OutputError(Exception):
 
     def __init__(self, path: str | Path, error: OSError) -> None:
         self.path = Path(path)
-        super().__init__(f"cannot write {path}: {error.strerror or error}")
+        super().__init__(f"cannot write {printable(path)}: {error.strerror or error}")
+
+
+def printable(text: object) -> str:
+    """`text` with control characters and undecodable bytes escaped (`\\x1b`, `\\udcff`): a file
+    name can hold terminal escapes, which printed raw would drive the user's terminal."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape", "backslashreplace").decode("ascii")
+                   for c in str(text))

@@ -1,14 +1,16 @@
 """Loading the model and its caption inputs: a checkpoint directory, a preset (random weights,
 the embedded tokenizer where it fits), or the embedded tiny default; and the device."""
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from encoder_graphs.app.errors import UsageError
+from encoder_graphs.models.preset_names import PRESET_NAMES
 
 if TYPE_CHECKING:
     import torch
-    from transformers import PreTrainedModel
+    from transformers import PretrainedConfig, PreTrainedModel
 
     from encoder_graphs.protocols import CaptionInputs
 
@@ -25,60 +27,67 @@ def pick_device(name: str, local_rank: int = 0) -> "torch.device":
     return torch.device("cuda", local_rank)
 
 
-def load_model(
-    name: str | None, device: "torch.device", *, max_tiles: int | None = None, max_image_tokens: int | None = None
-) -> "tuple[PreTrainedModel, CaptionInputs]":
-    """(model, inputs) for a checkpoint directory, a preset name, or the embedded default; the
+@dataclass(frozen=True)
+class ModelSource:
+    """A model to load: its config and caption inputs, read first (they take seconds at most), so
+    that the request is checked against them before the weights (GBs) load. `preset`: a preset's
+    name, else None and `directory` holds the checkpoint."""
+
+    config: "PretrainedConfig"
+    inputs: "CaptionInputs"
+    directory: Path | None = None
+    preset: str | None = None
+
+
+def open_model(name: str | None, *, max_tiles: int | None = None, max_image_tokens: int | None = None) -> ModelSource:
+    """The config and inputs of a checkpoint directory, a preset name, or the embedded default; the
     inputs follow the resolution policy (`max_tiles`, `max_image_tokens`: `from_pretrained`'s)."""
-    import torch
+    from transformers import AutoConfig
     from transformers.utils import logging as hf_logging
 
-    from encoder_graphs.models.presets import PRESETS
+    from encoder_graphs.models.preset_files import preset_files_dir
+    from encoder_graphs.models.registry import family_for_config
 
     hf_logging.disable_progress_bar()
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     resolution = {"max_tiles": max_tiles, "max_image_tokens": max_image_tokens}
-    if name is not None and name in PRESETS and not Path(name).exists():
-        return _load_preset(name, dtype, device, resolution)
+    if name is not None and name in PRESET_NAMES and not Path(name).exists():
+        from encoder_graphs.models.presets import get_config
+
+        config = get_config(name)
+        inputs = family_for_config(config).inputs.from_pretrained(preset_files_dir(name), **resolution)
+        inputs.check_model(config)
+        return ModelSource(config, inputs, preset=name)
     from encoder_graphs.models.default_model import default_model_dir
 
     directory = default_model_dir() if name is None else Path(name)
     if not (directory / "config.json").is_file():
         raise UsageError(
-            f"--model {name}: neither a checkpoint directory (no config.json) nor a preset "
-            f"({', '.join(sorted(PRESETS))})"
+            f"--model {name}: neither a checkpoint directory (no config.json) nor a preset ({', '.join(PRESET_NAMES)})"
         )
-    return _load_checkpoint(directory, dtype, device, resolution)
-
-
-def _load_checkpoint(
-    directory: Path, dtype: "torch.dtype", device: "torch.device", resolution: dict
-) -> "tuple[PreTrainedModel, CaptionInputs]":
-    from transformers import AutoConfig, AutoModelForImageTextToText
-
-    from encoder_graphs.models.registry import family_for_config
-
     try:
         config = AutoConfig.from_pretrained(directory, trust_remote_code=False)
         inputs = family_for_config(config).inputs.from_pretrained(directory, **resolution)
-        inputs.check_model(config)  # before loading: a large checkpoint takes GBs
-        model = AutoModelForImageTextToText.from_pretrained(
-            directory, dtype=dtype, use_safetensors=True, trust_remote_code=False
-        )
+        inputs.check_model(config)
     except (OSError, ValueError) as error:
         raise UsageError(f"cannot load the model from {directory}: {error}") from error
-    return model.to(device).eval(), inputs
+    return ModelSource(config, inputs, directory=directory)
 
 
-def _load_preset(
-    name: str, dtype: "torch.dtype", device: "torch.device", resolution: dict
-) -> "tuple[PreTrainedModel, CaptionInputs]":
-    """A random-weight preset with its generated tokenizer and processor files (noise captions)."""
-    from encoder_graphs.models.preset_files import preset_files_dir
-    from encoder_graphs.models.presets import build_model, get_config
-    from encoder_graphs.models.registry import family_for_config
+def load_model(source: ModelSource, device: "torch.device") -> "PreTrainedModel":
+    """The weights of `source` on `device` (bfloat16 on CUDA, float32 on the CPU); a random-weight
+    preset is built there."""
+    import torch
+    from transformers import AutoModelForImageTextToText
 
-    config = get_config(name)
-    inputs = family_for_config(config).inputs.from_pretrained(preset_files_dir(name), **resolution)
-    inputs.check_model(config)
-    return build_model(name, dtype=dtype, device=device), inputs
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if source.preset is not None:
+        from encoder_graphs.models.presets import build_model
+
+        return build_model(source.preset, dtype=dtype, device=device)
+    try:
+        model = AutoModelForImageTextToText.from_pretrained(
+            source.directory, dtype=dtype, use_safetensors=True, trust_remote_code=False
+        )
+    except (OSError, ValueError) as error:
+        raise UsageError(f"cannot load the model from {source.directory}: {error}") from error
+    return model.to(device).eval()

@@ -245,7 +245,7 @@ def _list_folder(folder: Path) -> list[tuple[str, bool, bool]]:
 
 def _reason(error: OSError) -> str:
     if isinstance(error, PermissionError):
-        return f"permission denied ({error.strerror})" if error.strerror else "permission denied"
+        return "permission denied"
     return error.strerror or str(error)
 
 
@@ -424,7 +424,7 @@ def _open_regular(path: Path) -> BinaryIO:
             raise MediaError(path, "special", f"{_file_type(info.st_mode)}, not a regular file: not read")
         descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except PermissionError as error:
-        raise MediaError(path, "unreadable", f"permission denied ({error.strerror})") from error
+        raise MediaError(path, "unreadable", "permission denied") from error
     except OSError as error:
         raise MediaError(path, "unreadable", error.strerror or str(error)) from error
     handle = os.fdopen(descriptor, "rb")

@@ -182,20 +182,24 @@ class Captioner:
     def caption_batch(
         self, batch: list[Pending], stats: RunStats, collated: "Future[dict[str, torch.Tensor]] | None" = None
     ) -> list[dict]:
-        """The records of one batch (`collated`: its `collate`, when already under way)."""
+        """The records of one batch (`collated`: its `collate`, when already under way). Only a
+        file that fails alone gets an error record: a batch out of memory is split in halves (the
+        memory is not one file's fault), one that fails otherwise is retried one by one (one item
+        can break a whole batch)."""
         try:
             return self._generate(batch, stats, collated)
         except Exception as error:  # noqa: BLE001
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
+            out_of_memory = isinstance(error, torch.OutOfMemoryError)
             if len(batch) == 1:
-                file = batch[0].file
-                record = self._error_record(file, "model", f"{file.path}: {type(error).__name__}: {error}")
+                record = self._failure_record(batch[0].file, error)
                 self._count_failure(record, stats)
                 return [record]
-        # One item can break a whole batch: retry one by one so only that one fails.
         stats.retried_batches += 1
-        return [record for pending in batch for record in self.caption_batch([pending], stats)]
+        half = (len(batch) + 1) // 2
+        parts = [batch[:half], batch[half:]] if out_of_memory else [[pending] for pending in batch]
+        return [record for part in parts for record in self.caption_batch(part, stats)]
 
     def _generate(
         self, batch: list[Pending], stats: RunStats, collated: "Future[dict[str, torch.Tensor]] | None"
@@ -214,6 +218,7 @@ class Captioner:
             output = self.model.generate(
                 **model_inputs,
                 **self.config.sampling,
+                **self._generators(batch),
                 max_new_tokens=self.config.max_new_tokens,
                 repetition_penalty=1.0,
                 eos_token_id=self.inputs.eos_token_id,
@@ -224,6 +229,14 @@ class Captioner:
         stats.batches += 1
         stats.batch_ms.append(batch_ms)
         return [self._record(pending, tokens, batch_ms, len(batch), stats) for pending, tokens in zip(batch, new_tokens)]
+
+    def _generators(self, batch: list[Pending]) -> dict[str, list[torch.Generator]]:
+        """With a seed, when sampling: `generate`'s `generator`, one per file seeded by the seed
+        and the file's path within its root (`CaptionConfig.seed_for`)."""
+        if self.config.seed is None or self.config.temperature == 0:
+            return {}
+        names = [relative_path(pending.file.path, self.roots) for pending in batch]
+        return {"generator": [torch.Generator(self.device).manual_seed(self.config.seed_for(n)) for n in names]}
 
     def _record(self, pending: Pending, tokens: list[int], batch_ms: float, batch_size: int, stats: RunStats) -> dict:
         ended = self.inputs.eos_token_id in tokens
@@ -253,6 +266,13 @@ class Captioner:
 
     def _identity(self, file: MediaFile) -> dict:
         return {"path": str(file.path), "relative_path": relative_path(file.path, self.roots), "kind": file.kind}
+
+    def _failure_record(self, file: MediaFile, error: Exception) -> dict:
+        """The error record of a file whose batch of one failed in the model."""
+        if isinstance(error, torch.OutOfMemoryError):  # torch's message goes on with allocator advice
+            first_line = (str(error).splitlines() or ["no details"])[0]
+            return self._error_record(file, "out_of_memory", f"{file.path}: out of memory even alone ({first_line})")
+        return self._error_record(file, "model", f"{file.path}: {type(error).__name__}: {error}")
 
     def _error_record(self, file: MediaFile, kind: str, message: str) -> dict:
         return {**self._identity(file), "model": self.model_name, "error_kind": kind, "error": message}

@@ -19,7 +19,7 @@ class RunStats:
     failures: Counter = field(default_factory=Counter)  # error kind -> count
     generated_tokens: int = 0
     batches: int = 0
-    retried_batches: int = 0
+    retried_batches: int = 0  # failed, then split: in halves when out of memory, else one by one
     wall_s: float = 0.0
     input_wait_s: float = 0.0  # the model waiting for files still loading
     first_records_s: float | None = None  # from the loop's start until the first batch's records

@@ -91,8 +91,11 @@ def sequence_memory(sizes: TextSizes, longest: int, longest_prompt: int) -> Sequ
     return SequenceMemory(resident, per_prompt_token * longest_prompt)
 
 
-def batch_size_for(free_bytes: int, per_sequence: SequenceMemory, most: int = AUTO_BATCH_MAX) -> int:
-    """The most sequences (up to `most`; a multiple of 8 from 8 on, for the decoder's buckets)
-    whose peak fits `free_bytes` less the reserve; at least 1."""
+def batch_size_for(
+    free_bytes: int, per_sequence: SequenceMemory, most: int = AUTO_BATCH_MAX, multiple: int = 8
+) -> int:
+    """The most sequences (up to `most`; a multiple of `multiple` from `multiple` on: 8 for the
+    decoder's buckets) whose peak fits `free_bytes` less the reserve; at least 1. `--batch-size N`
+    is capped so (multiple 1): a batch whose cache cannot be allocated fails every file."""
     fits = max(0, free_bytes - RESERVE_BYTES) // per_sequence.peak
-    return max(1, min(most, fits if fits < 8 else fits - fits % 8))
+    return max(1, min(most, fits if fits < multiple else fits - fits % multiple))

@@ -21,7 +21,7 @@ import torch
 
 from encoder_graphs.decoder.buffers import DecodeBuffers, DecoderGraphConfig, TextDims
 from encoder_graphs.decoder.generation import token_id_list
-from encoder_graphs.decoder.sampling import SamplingParams, select_next_tokens
+from encoder_graphs.decoder.sampling import Generators, SamplingParams, select_next_tokens
 from encoder_graphs.decoder.static_cache import SlotCache
 from encoder_graphs.decoder.stats import DecodeCounters
 from encoder_graphs.decoder.step import decode_step, packed_prefill, prefill
@@ -224,14 +224,18 @@ class DecoderGraphRunner:
         top_p: float = 1.0,
         eos_token_id: int | Sequence[int] | None = None,
         pad_token_id: int | None = None,
-        generator: torch.Generator | None = None,
+        generator: Generators = None,
         stop_check_interval: int = 8,
         **model_inputs: torch.Tensor,
     ) -> torch.Tensor:
         """Prompt ids followed by new ids, [batch, prompt_len + new], as `generate` returns them:
-        left-padded prompts in, finished sequences padded with `pad_token_id` after their EOS."""
+        left-padded prompts in, finished sequences padded with `pad_token_id` after their EOS.
+        `generator`: the sampling's, or one per row (each row draws one vocabulary of noise a
+        step from its own: its tokens do not depend on the other rows)."""
         if max_new_tokens < 1 or stop_check_interval < 1:
             raise ValueError(f"max_new_tokens ({max_new_tokens}) and stop_check_interval must be >= 1")
+        if not (generator is None or isinstance(generator, torch.Generator) or len(generator) == len(input_ids)):
+            raise ValueError(f"{len(generator)} generators for {len(input_ids)} rows")
         params = SamplingParams(do_sample, temperature, top_p)
         eos_ids = token_id_list(self.model.generation_config.eos_token_id if eos_token_id is None else eos_token_id)
         input_ids = input_ids.to(self.device)

@@ -4,9 +4,12 @@ Temperature and top-p follow transformers' TemperatureLogitsWarper and TopPLogit
 greedy picks the same token as `generate(do_sample=False)` and top-p keeps the same set.
 """
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+Generators = torch.Generator | Sequence[torch.Generator] | None
 
 
 @dataclass(frozen=True)
@@ -22,10 +25,9 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 
 
-def select_next_tokens(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
-) -> torch.Tensor:
-    """Token ids [batch] from float logits [batch, vocab]."""
+def select_next_tokens(logits: torch.Tensor, params: SamplingParams, generator: Generators = None) -> torch.Tensor:
+    """Token ids [batch] from float logits [batch, vocab]. `generator`: one for the batch, or one
+    per row, so that a row's draws depend on neither its batch nor the other rows."""
     if not params.do_sample:
         return logits.argmax(dim=-1)
     scores = logits / params.temperature
@@ -34,7 +36,11 @@ def select_next_tokens(
     probs = scores.softmax(dim=-1)
     # Exponential race (argmax of p / E, E ~ Exp(1)) draws from `probs` like multinomial,
     # but never synchronises with the host.
-    race = torch.empty_like(probs).exponential_(1.0, generator=generator)
+    if generator is None or isinstance(generator, torch.Generator):
+        race = torch.empty_like(probs).exponential_(1.0, generator=generator)
+    else:
+        rows = zip(probs, generator, strict=True)
+        race = torch.stack([torch.empty_like(row).exponential_(1.0, generator=g) for row, g in rows])
     return probs.div_(race).argmax(dim=-1)
 
 

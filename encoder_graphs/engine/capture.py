@@ -23,7 +23,7 @@ _CAPTURE_PHRASES = ("captur", "out of memory")
 def unavailable_reason(enabled: bool, device: torch.device) -> str | None:
     """Why graphs cannot run here, or None when they can."""
     if not enabled:
-        return "disabled (enabled=False)"
+        return "--no-graphs / enabled=False"
     if device.type != "cuda" or not torch.cuda.is_available():
         return "no CUDA device"
     return None

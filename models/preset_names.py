@@ -1,0 +1,16 @@
+"""The presets' names without importing torch or transformers: `--help` lists them
+(`presets/PRESETS` holds the presets; a test keeps the two the same)."""
+
+PRESET_NAMES = (
+    "tiny-qwen2-vl",
+    "tiny-qwen2.5-vl",
+    "tiny-qwen3-vl",
+    "tiny-internvl",
+    "qwen2-vl-2b",
+    "qwen2.5-vl-3b",
+    "qwen2.5-vl-7b",
+    "qwen3-vl-2b",
+    "internvl3-1b",
+    "internvl3.5-2b",
+    "internvl3-38b-vision",
+)

@@ -1,0 +1,312 @@
+"""The caption command's flags as a careful user meets them (issue 25, items 6 and 18-22): usage
+errors before the model loads, naming the flag; no flag ignored silently; seeds per file; out of
+memory split off from a file's own failure; --samples outputs; readable messages. CPU, the
+embedded tiny model."""
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+from test_cli import model_cache  # noqa: F401 (autouse: a private model cache for this module)
+from test_media import write_video
+from transformers import Qwen2VLForConditionalGeneration
+
+from encoder_graphs.app import loading
+from encoder_graphs.app.cli import build_parser, main
+from encoder_graphs.app.config import CaptionConfig
+from encoder_graphs.app.media import SAMPLES_DIR, LoadLimits, MediaError, MediaFile, discover, load
+from encoder_graphs.app.outputs import Outputs, SidecarPolicy
+from encoder_graphs.app.pipeline import Captioner
+from encoder_graphs.app.results import ResultsFile
+from encoder_graphs.app.sizing import RESERVE_BYTES, TextSizes, batch_size_for, sequence_memory
+from encoder_graphs.models.default_model import default_model_dir
+from encoder_graphs.models.presets import PRESETS, get_config
+from encoder_graphs.models.qwen_inputs import QwenVLInputs
+
+FAST = ["--max-new-tokens", "3", "--quiet"]
+
+
+def images(folder: Path, count: int, prefix: str = "img") -> list[Path]:
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for index in range(count):
+        paths.append(folder / f"{prefix}{index:02d}.png")
+        Image.new("RGB", (40 + 8 * index, 56), (30 * index, 80, 160)).save(paths[-1])
+    return paths
+
+
+def records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """The model's weights must not load: every case is a usage error found before."""
+    monkeypatch.setattr(loading, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+
+
+# ----- 18: usage errors found before the model loads, naming the right flag ---------------------
+def test_lengths_and_backends_are_usage_errors_before_the_model_loads(tmp_path, no_model, capsys):
+    images(tmp_path / "data", 1)
+    write_video(tmp_path / "data" / "clip.mp4", frames=4)
+    (tmp_path / "long.txt").write_text("Describe the picture in great detail please. " * 300)
+    base = ["caption", str(tmp_path / "data"), "--out", str(tmp_path / "r.jsonl"), "--quiet"]
+    cases = {
+        "--max-new-tokens 1000": ["--max-new-tokens", "1000"],
+        "--attn-backend bogus": ["--attn-backend", "bogus"],
+        "--max-frames 1000": ["--max-frames", "1000"],
+        f"--prompt-file {tmp_path / 'long.txt'}": ["--prompt-file", str(tmp_path / "long.txt")],
+    }
+    for flag, extra in cases.items():
+        assert main(base + extra) == 2, extra
+        err = capsys.readouterr().err
+        assert f"error: {flag}" in err, err
+        if "--max-new-tokens" not in flag:
+            assert "--max-new-tokens" not in err, err
+    assert main(base + ["--max-new-tokens", "1000"]) == 2
+    assert "at most" in capsys.readouterr().err  # says what is allowed
+    assert not (tmp_path / "r.jsonl").exists()
+
+
+# ----- 20: flags that would be ignored silently ----------------------------------------------------
+def test_flags_that_would_be_ignored_are_usage_errors(tmp_path, no_model, capsys):
+    images(tmp_path / "data", 1)
+    (tmp_path / "p.txt").write_text("Describe.")
+    base = ["caption", str(tmp_path / "data"), "--out", str(tmp_path / "r.jsonl")] + FAST
+    cases = [
+        ("--overwrite", ["--overwrite"]),
+        ("--sidecar-ext", ["--sidecar-ext", ".cap"]),
+        ("--top-p", ["--top-p", "0.9"]),
+        ("--seed", ["--seed", "3"]),
+        ("--seed", ["--temperature", "0", "--seed", "3"]),
+        ("--temperature", ["--temperature", "inf"]),
+        ("--temperature", ["--temperature", "nan"]),
+        ("--prompt-file", ["--prompt", "Hi.", "--prompt-file", str(tmp_path / "p.txt")]),
+        ("--top-p", ["--temperature", "1", "--top-p", "0"]),  # named as the flag, not top_p
+    ]
+    for flag, extra in cases:
+        assert main(base + extra) == 2, extra
+        err = capsys.readouterr().err
+        assert flag in err and "top_p" not in err, (extra, err)
+    assert not (tmp_path / "r.jsonl").exists()
+
+
+def test_the_flags_of_sampling_and_sidecars_parse_when_given_together():
+    args = build_parser().parse_args(
+        ["caption", "x", "--temperature", "0.7", "--top-p", "0.9", "--seed", "1", "--sidecar", "--sidecar-ext", ".cap"]
+    )
+    assert (args.temperature, args.top_p, args.seed, args.sidecar_ext) == (0.7, 0.9, 1, ".cap")
+
+
+# ----- 19: a sampled caption depends on the seed and the file only -------------------------------
+def test_seeded_captions_do_not_depend_on_the_batch_or_the_other_files(tmp_path):
+    images(tmp_path / "data", 3)
+    sample = ["--temperature", "1.5", "--seed", "11", "--max-new-tokens", "8", "--quiet"]
+
+    def captions(root: Path, out: str, *extra: str) -> dict[str, str]:
+        assert main(["caption", str(root), "--out", str(tmp_path / out), *sample, *extra]) == 0
+        return {r["relative_path"]: r["caption"] for r in records(tmp_path / out)}
+
+    together = captions(tmp_path / "data", "together.jsonl", "--batch-size", "3")
+    # A resumed run: two files done before the "kill", the third captioned alone.
+    (tmp_path / "resumed.jsonl").write_text("".join(
+        line for line in (tmp_path / "together.jsonl").read_text().splitlines(keepends=True)
+        if '"img02.png"' not in line
+    ))
+    resumed = captions(tmp_path / "data", "resumed.jsonl", "--batch-size", "1")
+    assert resumed == together
+    shutil.copytree(tmp_path / "data", tmp_path / "more")
+    images(tmp_path / "more", 2, prefix="extra")
+    more = captions(tmp_path / "more", "more.jsonl", "--batch-size", "3")
+    assert {name: more[name] for name in together} == together
+    other_seed = captions(tmp_path / "data", "other.jsonl", "--batch-size", "3", "--seed", "12")
+    assert other_seed != together
+
+
+# ----- 6: out of memory is not the file's fault --------------------------------------------------
+class MemoryBoundInputs(QwenVLInputs):
+    """The real inputs, whose move to the device runs out of memory as a small device would: past
+    2 prompts, or for an image of more than 100 patches even alone. The seam a CUDA OOM comes
+    through (the pixels' copy to the device), without a stand-in for torch or the model."""
+
+    def to_model(self, collated, device, dtype):
+        if collated["input_ids"].shape[0] > 2 or int(collated["image_grid_thw"].prod(1).max()) > 100:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+        return super().to_model(collated, device, dtype)
+
+
+def test_out_of_memory_splits_the_batch_and_fails_only_a_file_that_fails_alone(tmp_path):
+    paths = images(tmp_path / "data", 5)
+    Image.new("RGB", (224, 224), (9, 9, 9)).save(paths[3])  # 256 patches: too large even alone
+    inputs = MemoryBoundInputs.from_pretrained(default_model_dir())
+    model = Qwen2VLForConditionalGeneration.from_pretrained(default_model_dir()).eval()
+    captioner = Captioner(model, inputs, CaptionConfig(max_new_tokens=2, batch_size=5), LoadLimits())
+    with ResultsFile(tmp_path / "r.jsonl") as results:
+        stats = captioner.run(discover([tmp_path / "data"]), Outputs(results, SidecarPolicy()))
+    by_path = {r["path"]: r for r in records(tmp_path / "r.jsonl")}
+    assert len(by_path) == 5 and set(by_path) == {str(p) for p in paths}
+    assert [p.name for p in paths if "error" in by_path[str(p)]] == ["img03.png"]
+    failed = by_path[str(paths[3])]
+    assert failed["error_kind"] == "out_of_memory" and "out of memory" in failed["error"]
+    assert stats.succeeded == 4 and stats.failed == 1 and stats.retried_batches >= 2
+    assert all(r["timings"]["batch_size"] <= 2 for r in by_path.values() if "caption" in r)
+
+
+def test_a_huge_batch_size_is_capped_by_what_the_cache_can_hold():
+    """The cap `--batch-size N` gets on a GPU (command.fitting_batch_size; the GPU test below runs
+    it): the most sequences whose memory fits, not rounded to the auto size's multiples of 8."""
+    sizes = TextSizes.of(get_config("qwen2.5-vl-7b").get_text_config(decoder=True), 2)
+    per_sequence = sequence_memory(sizes, 2048, 2000)
+    usable = 60 * 2**30
+    capped = batch_size_for(RESERVE_BYTES + usable, per_sequence, most=1_000_000, multiple=1)
+    assert capped * per_sequence.peak <= usable < (capped + 1) * per_sequence.peak
+    assert capped % 8 and batch_size_for(RESERVE_BYTES + usable, per_sequence, most=1_000_000) == capped - capped % 8
+    assert batch_size_for(RESERVE_BYTES + usable, per_sequence, most=3, multiple=1) == 3  # a small request stands
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_seeded_sampling_on_cuda_replays_the_decoder_graphs_and_repeats(tmp_path):
+    """Per-file generators on the device, sampling outside the graphs: the decode steps replay
+    graphs, nothing goes to stock generate, the same command gives the same captions."""
+    images(tmp_path / "data", 3)
+    runs = []
+    for name in ("a", "b"):
+        out, stats = tmp_path / f"{name}.jsonl", tmp_path / f"{name}.json"
+        argv = ["caption", str(tmp_path / "data"), "--out", str(out), "--stats-json", str(stats), "--device", "cuda"]
+        assert main(argv + ["--temperature", "1.5", "--seed", "5", "--max-new-tokens", "8", "--quiet"]) == 0
+        runs.append(({r["path"]: r["caption"] for r in records(out)}, json.loads(stats.read_text())))
+    assert runs[0][0] == runs[1][0]
+    graph_stats = runs[0][1]
+    assert graph_stats["decoder"]["graph_steps"] > 0 and graph_stats["generate_fallbacks"] == {}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_huge_batch_size_on_cuda_is_capped_and_every_file_captioned(tmp_path, capsys):
+    """Issue 25 item 6 as reported: `--batch-size 1000000` failed every file out of memory. A
+    Qwen2.5-VL-3B-size model at its own resolution (16,384 tokens an image) holds ~20 such
+    sequences in an 80 GB card: the batch is capped before anything runs, and no file fails."""
+    images(tmp_path / "data", 64)
+    out = tmp_path / "r.jsonl"
+    argv = ["caption", str(tmp_path / "data"), "--out", str(out), "--model", "qwen2.5-vl-3b", "--device", "cuda"]
+    argv += ["--max-image-tokens", "model", "--batch-size", "1000000", "--max-new-tokens", "2", "--quiet"]
+    assert main(argv) == 0
+    assert "--batch-size 1000000 capped to" in capsys.readouterr().err
+    assert all("caption" in r for r in records(out)) and len(records(out)) == 64
+
+
+# ----- 21: --samples, --stats-json with nothing to do, presets in --help ---------------------------
+def test_samples_write_to_a_printed_temporary_folder_never_into_the_package(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    package = sorted(SAMPLES_DIR.iterdir())
+    outs = []
+    for _ in range(2):  # a second run captions them again, into a folder of its own
+        assert main(["caption", "--samples"] + FAST) == 0
+        printed = [line for line in capsys.readouterr().err.splitlines() if "--samples" in line]
+        (out,) = [Path(word) for line in printed for word in line.split() if word.endswith("captions.jsonl")]
+        assert out.is_relative_to(tmp_path / "tmp") and len(records(out)) == len(package)
+        outs.append(out)
+    assert outs[0] != outs[1]
+    assert list(tmp_path.iterdir()) == [tmp_path / "tmp"], "nothing in the working folder"
+    for flag in ("--sidecar", "--hf-metadata"):
+        assert main(["caption", "--samples", flag] + FAST) == 2
+        assert flag in capsys.readouterr().err
+    assert sorted(SAMPLES_DIR.iterdir()) == package
+
+
+def test_stats_json_is_written_when_there_is_nothing_to_do(tmp_path, no_model):
+    (path,) = images(tmp_path / "data", 1)
+    out, stats = tmp_path / "r.jsonl", tmp_path / "stats.json"
+    with ResultsFile(out) as results:
+        results.append([{"path": str(path), "caption": "x", "text": "x"}])
+    assert main(["caption", str(tmp_path / "data"), "--out", str(out), "--stats-json", str(stats)] + FAST) == 0
+    pipeline = json.loads(stats.read_text())["pipeline"]
+    assert (pipeline["files"], pipeline["skipped"], pipeline["succeeded"]) == (1, 1, 0)
+
+
+def test_help_lists_the_presets_and_reads_well(capsys):
+    assert main(["--help"]) == 0
+    top = capsys.readouterr().out
+    assert not any(line.rstrip().endswith(",") for line in top.splitlines()), top
+    assert main(["caption", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert all(name in text for name in PRESETS), text
+    compile_help = text[text.index("--compile, --no-compile") :]  # the last flag: its help to the end
+    assert "decode step" in compile_help  # what --compile compiles now, the decoder included
+
+
+@pytest.mark.torchvision
+def test_the_readme_api_example_builds_inputs_with_the_processor_and_runs(tmp_path, capsys):
+    """The README's example as written (the default tiny checkpoint, two images; the CPU without
+    CUDA): the official processor's inputs reach the graphs, no call goes to stock generate."""
+    pytest.importorskip("torchvision")
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    (code,) = [block for block in re.findall(r"```python\n(.*?)```", readme, re.S) if "AutoProcessor" in block]
+    names = []
+    for index in range(2):
+        names.append(str(tmp_path / f"{index}.jpg"))
+        Image.new("RGB", (64 + 32 * index, 64), (90 * index, 40, 200)).save(names[-1])
+    code = code.replace('"/models/Qwen2.5-VL-3B-Instruct"', repr(str(default_model_dir())))
+    code = code.replace('("a.jpg", "b.jpg")', repr(tuple(names)))
+    if not torch.cuda.is_available():
+        code = code.replace('"cuda"', '"cpu"')
+    namespace = {}
+    exec(code, namespace)  # noqa: S102
+    assert len(namespace["captions"]) == 2
+    assert "generate calls sent to stock generate: -" in capsys.readouterr().out
+
+
+# ----- 22: messages ------------------------------------------------------------------------------
+def test_a_single_sidecar_clash_has_no_zero_more(tmp_path, no_model, capsys):
+    images(tmp_path / "data", 1, prefix="a")
+    Image.new("RGB", (40, 40)).save(tmp_path / "data" / "a00.jpg")
+    argv = ["caption", str(tmp_path / "data"), "--out", str(tmp_path / "r.jsonl"), "--sidecar"] + FAST
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "a00.jpg and a00.png" in err and "more pair" not in err
+    Image.new("RGB", (40, 40)).save(tmp_path / "data" / "a00.bmp")
+    assert main(argv) == 2
+    assert "(and 1 more pair)" in capsys.readouterr().err
+
+
+def test_permission_denied_is_said_once(tmp_path):
+    (path,) = images(tmp_path, 1)
+    path.chmod(0)
+    Image.init()  # every PIL plugin imported before the effective user changes
+    as_root = os.geteuid() == 0
+    if as_root:  # root reads anything: read as nobody (the real user stays root, to switch back)
+        os.seteuid(65534)
+    try:
+        with pytest.raises(MediaError) as error:
+            load(MediaFile(path, "image"), LoadLimits())
+    finally:
+        if as_root:
+            os.seteuid(0)
+    assert error.value.kind == "unreadable"
+    assert str(error.value).lower().count("permission denied") == 1, str(error.value)
+
+
+def test_graphs_turned_off_are_reported_plainly(tmp_path, capsys):
+    images(tmp_path / "data", 1)
+    assert main(["caption", str(tmp_path / "data"), "--out", str(tmp_path / "r.jsonl"), "--no-graphs"] + FAST) == 0
+    out = capsys.readouterr().out
+    assert "encoder graphs: off (--no-graphs / enabled=False)" in out
+    assert "disabled (enabled=False)" not in out
+
+
+def test_names_with_terminal_escapes_are_printed_escaped(tmp_path, no_model, capsys):
+    hostile = tmp_path / "x\x1b]0;owned\x07\x1b[2J"
+    hostile.mkdir()
+    assert main(["caption", str(hostile), "--out", str(tmp_path / "r.jsonl")] + FAST) == 2
+    err = capsys.readouterr().err
+    assert "\x1b" not in err and "\x07" not in err
+    assert "x\\x1b]0;owned\\x07\\x1b[2J" in err
