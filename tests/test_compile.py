@@ -11,6 +11,7 @@ from torch import nn
 from encoder_graphs import enable_cuda_graphs
 from encoder_graphs.engine.compile import compile_blocks
 from encoder_graphs.models.presets import build_model
+from encoder_graphs.models.rewrites import Rewrites
 from encoder_graphs.models.synthetic_prompts import random_pixels
 from encoder_graphs.models.text_stack import pointwise_parts
 
@@ -48,7 +49,7 @@ def test_a_compiler_failure_warns_and_leaves_the_blocks_uncompiled():
         raise RuntimeError("no C++ compiler")
 
     with pytest.warns(UserWarning, match="no C\\+\\+ compiler"):
-        compiled = compile_blocks(blocks, warm_up)
+        compiled = compile_blocks(blocks, warm_up, Rewrites())
     assert compiled.error == "RuntimeError: no C++ compiler"
     assert compiled.stats()["blocks"] == 0
     assert all(block._compiled_call_impl is None for block in blocks)
