@@ -55,6 +55,18 @@ def test_a_compiler_failure_warns_and_leaves_the_blocks_uncompiled():
     assert all(block._compiled_call_impl is None for block in blocks)
 
 
+def test_the_undo_gives_back_a_compilation_made_before():
+    """A block the user compiled before keeps that compilation after the undo; the others none."""
+    blocks = [nn.Linear(4, 4), nn.Linear(4, 4)]
+    blocks[0].compile()
+    users = blocks[0]._compiled_call_impl
+    rewrites = Rewrites()
+    compiled = compile_blocks(blocks, lambda: None, rewrites)
+    assert compiled.blocks == 2 and blocks[0]._compiled_call_impl is not users
+    rewrites.undo()
+    assert blocks[0]._compiled_call_impl is users and "_compiled_call_impl" not in vars(blocks[1])
+
+
 @pytest.mark.parametrize("name", ["tiny-qwen2-vl", "tiny-qwen3-vl"])
 def test_compiled_decode_layers_generate_the_stock_tokens(name):
     """The decode step's layers and the prefill's MLPs and norms compiled with the encoder:
