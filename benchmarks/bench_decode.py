@@ -24,6 +24,7 @@ from encoder_graphs import DecoderGraphRunner
 from encoder_graphs.decoder.step import decode_step
 from encoder_graphs.engine.compile import compile_blocks
 from encoder_graphs.models.presets import build_model
+from encoder_graphs.models.rewrites import Rewrites
 
 BUCKETS = (1, 8, 64)
 TOP_KERNELS = 12
@@ -63,7 +64,8 @@ def measure(model, tier: int, fused: bool, compiled: bool) -> dict:
         model, max_batch_size=BUCKETS[-1], batch_sizes=BUCKETS, max_cache_len=tier, fused_step=fused
     )
     started = time.perf_counter()
-    compiled_layers = compile_blocks(runner.stack.layers, runner.warm_up) if compiled else None
+    rewrites = Rewrites()
+    compiled_layers = compile_blocks(runner.stack.layers, runner.warm_up, rewrites) if compiled else None
     runner.capture()
     setup_s = time.perf_counter() - started
     rows = {}
@@ -75,7 +77,7 @@ def measure(model, tier: int, fused: bool, compiled: bool) -> dict:
     result = {"setup_s": setup_s, "graph_memory_bytes": runner.stats()["graph_memory_bytes"], "buckets": rows}
     if compiled_layers is not None:
         result["compile"] = compiled_layers.stats()
-        compiled_layers.undo()
+    rewrites.undo()
     runner.close()
     return result
 

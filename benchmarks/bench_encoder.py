@@ -25,6 +25,7 @@ from encoder_graphs import EncoderCudaGraphManager
 from encoder_graphs.engine.compile import compile_blocks
 from encoder_graphs.models import VisionBatch, adapter_for
 from encoder_graphs.models.presets import build_model, build_vision_tower
+from encoder_graphs.models.rewrites import Rewrites
 from encoder_graphs.models.transformers_seam import (
     attention_implementation,
     register_dense_attention,
@@ -121,9 +122,10 @@ def run_internvl(preset: str, rate: float, warmup: int, iters: int) -> tuple[lis
         manager.close()
     torch.cuda.empty_cache()
     managers = {"graphs": EncoderCudaGraphManager(adapter), "graphs_off": EncoderCudaGraphManager(adapter, enabled=False)}
-    compiled = compile_blocks(adapter.repeated_blocks(), managers["graphs"].warm_up)
+    compiling = Rewrites()
+    compiled = compile_blocks(adapter.repeated_blocks(), managers["graphs"].warm_up, compiling)
     time_managers(managers, cases, timed, warmup, iters)
-    compiled.undo()
+    compiling.undo()
     rows, results = [], []
     for name, items in internvl_workloads().items():
         ms = timed[name]
@@ -212,7 +214,8 @@ def run_qwen(preset: str, rate: float, warmup: int, iters: int) -> dict:
                     lambda: tower(pixels, grid_thw=grid_thw), warmup, iters
                 )
     adapter = adapter_for(tower, attn_backend="torch")
-    adapter.align_weights()
+    rewrites = Rewrites()
+    adapter.align_weights(rewrites)
     batches = {name: VisionBatch(pixel_values=pixels, image_grid_thw=grid_thw) for name, (_, pixels, grid_thw) in cases.items()}
     uncompiled = {"graphs_uncompiled": EncoderCudaGraphManager(adapter),
                   "graphs_off_uncompiled": EncoderCudaGraphManager(adapter, enabled=False)}
@@ -221,7 +224,8 @@ def run_qwen(preset: str, rate: float, warmup: int, iters: int) -> dict:
         manager.close()
     torch.cuda.empty_cache()
     graphs = EncoderCudaGraphManager(adapter)
-    compiled = compile_blocks(adapter.repeated_blocks(), graphs.warm_up)
+    compiling = Rewrites()
+    compiled = compile_blocks(adapter.repeated_blocks(), graphs.warm_up, compiling)
     time_managers({"graphs": graphs, "graphs_off": EncoderCudaGraphManager(adapter, enabled=False)}, batches, timed,
                   warmup, iters)
     with torch.inference_mode():  # sizes never seen before: the adapter's metadata built and copied anew
@@ -229,7 +233,7 @@ def run_qwen(preset: str, rate: float, warmup: int, iters: int) -> dict:
             timed[name]["graphs_new_sizes"] = time_calls(
                 lambda: (adapter._metadata.clear(), graphs.execute(batch)), warmup, iters  # noqa: B023
             )
-    compiled.undo()
+    compiling.undo()
     rows, results = [], []
     for name, (grids, pixels, grid_thw) in cases.items():
         batch = batches[name]

@@ -5,7 +5,16 @@ The model instance's own `get_image_features` / `get_video_features` are replace
 call `EncoderCudaGraphManager.execute` and rebuild exactly the output transformers returns, so its
 `forward` and `generate` use the graphs unchanged. The instance's `generate` is replaced by one that
 hands the calls the decoder runner supports to `DecoderGraphRunner.generate` and every other call to
-the original. `disable()` puts the originals back.
+the original. Weights are padded, permuted or stacked where a faster kernel takes them so, on
+the same parameter objects. Every change is recorded on one undo stack (`models/rewrites.py`):
+`disable()`, or a failed enable, unwinds it, and meanwhile `state_dict()` (so `save_pretrained`)
+gives the stock weights.
+
+Left registered, by design: the attention functions registered with transformers under our own
+names (`encoder_graphs_*`) and the torch custom ops `encoder_graphs::*`. Both tables are
+process-wide (another model enabled in the process may be using them; a custom op cannot be
+unregistered), and nothing runs them unless a config names them or our code calls them: no
+config does after `disable()`, as none did before enable.
 """
 
 import inspect
@@ -21,8 +30,8 @@ from encoder_graphs.decoder.generation import StockOnly, runner_arguments
 from encoder_graphs.decoder.runner import DecoderGraphRunner
 from encoder_graphs.engine.compile import CompiledBlocks, compile_blocks
 from encoder_graphs.engine.manager import EncoderCudaGraphManager
-from encoder_graphs.models.patching import patch_attribute
 from encoder_graphs.models.registry import adapter_for
+from encoder_graphs.models.rewrites import Rewrites
 from encoder_graphs.models.text_stack import pointwise_parts, warm_up_parts
 from encoder_graphs.models.transformers_seam import check_version
 from encoder_graphs.protocols import ModelFamily
@@ -39,7 +48,8 @@ class EncoderGraphsHandle:
         adapter: ModelFamily,
         manager: EncoderCudaGraphManager,
         decoder: DecoderGraphRunner | None,
-        compiled: CompiledBlocks | None = None,
+        compiled: CompiledBlocks | None,
+        rewrites: Rewrites,
     ) -> None:
         self.model = model
         self.adapter = adapter
@@ -47,11 +57,7 @@ class EncoderGraphsHandle:
         self.decoder = decoder
         self.compiled = compiled
         self.generate_fallbacks: Counter = Counter()  # reason -> generate calls sent to the original
-        self._undo_patches: list[Callable[[], None]] = []
-
-    def patch(self, owner: nn.Module, name: str, replacement: Callable) -> None:
-        """Set `owner.name` on the instance, remembering what `disable()` must restore."""
-        self._undo_patches.append(patch_attribute(owner, name, replacement))
+        self._rewrites = rewrites
 
     def stats(self) -> dict:
         return {
@@ -64,18 +70,9 @@ class EncoderGraphsHandle:
         return format_graph_stats(self.stats())
 
     def disable(self) -> None:
-        """Restore every patched attribute and free the graphs."""
-        for undo in reversed(self._undo_patches):
-            undo()
-        self._undo_patches.clear()
-        if self.compiled is not None:
-            self.compiled.undo()
-        self.adapter.restore_weights()
-        self.manager.close()
-        if self.decoder is not None:
-            self.decoder.close()
-        if getattr(self.model, "_encoder_graphs", None) is self:
-            del self.model._encoder_graphs
+        """Undo every change to the model, last first, and free the graphs: each parameter is
+        the object it was, with its values, `requires_grad` and kind (`models/rewrites.py`)."""
+        self._rewrites.undo()
 
 
 def enable_cuda_graphs(
@@ -132,66 +129,65 @@ def enable_cuda_graphs(
         raise RuntimeError("encoder graphs are already enabled on this model; disable() them first")
     check_version()
     adapter = adapter_for(model, attn_backend=attn_backend)
-    manager = EncoderCudaGraphManager(
-        adapter,
-        budgets=budgets,
-        max_items=max_items,
-        max_frames=max_frames,
-        enabled=enabled,
-        log_interval_s=log_interval_s,
-        poison_pool_bytes=poison_pool_bytes,
-        choose_by_cost=choose_by_cost,
-        lazy=lazy,
-    )
-    runner = None
-    if decoder:
-        runner = DecoderGraphRunner(
-            model,
-            max_batch_size=decoder_max_batch_size,
-            batch_sizes=decoder_batch_sizes,
-            max_cache_len=decoder_max_cache_len,
-            length_tiers=decoder_length_tiers,
+    # Every change to the model and every resource holding graphs, undone last first by
+    # disable(), or here if anything raises before the handle is returned.
+    rewrites = Rewrites()
+    with rewrites.undone_on_error():
+        manager = EncoderCudaGraphManager(
+            adapter,
+            budgets=budgets,
+            max_items=max_items,
+            max_frames=max_frames,
             enabled=enabled,
-            family=adapter,
+            log_interval_s=log_interval_s,
+            poison_pool_bytes=poison_pool_bytes,
+            choose_by_cost=choose_by_cost,
             lazy=lazy,
         )
-    adapter.align_weights()  # exact; undone by disable(), or here if a capture raises
-    compiled = None
-    try:
-        if compile:
-            compiled = _compile(model, adapter, manager, runner)
+        rewrites.push(manager.close)
+        runner = None
+        if decoder:
+            runner = DecoderGraphRunner(
+                model,
+                max_batch_size=decoder_max_batch_size,
+                batch_sizes=decoder_batch_sizes,
+                max_cache_len=decoder_max_cache_len,
+                length_tiers=decoder_length_tiers,
+                enabled=enabled,
+                family=adapter,
+                lazy=lazy,
+            )
+            rewrites.push(runner.close)  # gives the stacked projections back
+        adapter.align_weights(rewrites)  # exact
+        compiled = _compile(model, adapter, manager, runner, rewrites) if compile else None
         manager.capture()
         if runner is not None:
             runner.capture()
-    except BaseException:
-        if compiled is not None:
-            compiled.undo()
-        adapter.restore_weights()
-        manager.close()
+        handle = EncoderGraphsHandle(model, adapter, manager, runner, compiled, rewrites)
+        for owner in (model, getattr(model, "model", None)):
+            if owner is None:
+                continue
+            for name in adapter.feature_methods:
+                original = getattr(owner, name, None)
+                if callable(original):
+                    rewrites.patch(owner, name, _graphed_features(handle, name, original))
         if runner is not None:
-            runner.close()
-        raise
-    handle = EncoderGraphsHandle(model, adapter, manager, runner, compiled)
-    for owner in (model, getattr(model, "model", None)):
-        if owner is None:
-            continue
-        for name in adapter.feature_methods:
-            original = getattr(owner, name, None)
-            if callable(original):
-                handle.patch(owner, name, _graphed_features(handle, name, original))
-    if runner is not None:
-        handle.patch(model, "generate", _graphed_generate(handle, runner, model.generate))
-    model._encoder_graphs = handle
+            rewrites.patch(model, "generate", _graphed_generate(handle, runner, model.generate))
+        rewrites.patch(model, "_encoder_graphs", handle)
     return handle
 
 
 def _compile(
-    model: nn.Module, adapter: ModelFamily, manager: EncoderCudaGraphManager, runner: DecoderGraphRunner | None
+    model: nn.Module,
+    adapter: ModelFamily,
+    manager: EncoderCudaGraphManager,
+    runner: DecoderGraphRunner | None,
+    rewrites: Rewrites,
 ) -> CompiledBlocks:
     """The encoder's repeated blocks and, with the decoder runner, the language model's MLPs and
     norms (its prefill) and the decode step's layers, compiled by warm-ups of each before any capture."""
     if runner is None:
-        return compile_blocks(adapter.repeated_blocks(), manager.warm_up)
+        return compile_blocks(adapter.repeated_blocks(), manager.warm_up, rewrites)
     decode_layers = runner.stack.layers if runner.stack is not None else []
 
     def warm_up() -> None:
@@ -200,7 +196,7 @@ def _compile(
         if decode_layers:
             runner.warm_up()
 
-    return compile_blocks([*adapter.repeated_blocks(), *pointwise_parts(model), *decode_layers], warm_up)
+    return compile_blocks([*adapter.repeated_blocks(), *pointwise_parts(model), *decode_layers], warm_up, rewrites)
 
 
 def _graphed_generate(handle: EncoderGraphsHandle, runner: DecoderGraphRunner, original: Callable) -> Callable:

@@ -1,4 +1,4 @@
-"""Pad a gated MLP's hidden width to a multiple of 8 with zero weights, and back.
+"""Pad a gated MLP's hidden width to a multiple of 8 with zero weights, undone on a `Rewrites`.
 
 Qwen2.5-VL's vision MLP is 3420 wide: not a multiple of 8, so cuBLAS falls back to slow
 `align2` kernels for its three GEMMs (about half the tower's time, measured on an H200). Zero rows
@@ -8,45 +8,38 @@ in gate/up and zero columns in down add exactly zero (act(0) * 0 = 0), so paddin
 import torch
 from torch import nn
 
+from encoder_graphs.models.rewrites import Rewrites, made_like
+
 ALIGNMENT = 8
 
 
-def _fit(tensor: torch.Tensor, dim: int, size: int) -> torch.Tensor:
-    """`tensor` cut, or grown with zeros, to `size` along `dim`."""
-    extra = size - tensor.shape[dim]
-    if extra <= 0:
-        return tensor.narrow(dim, 0, size).contiguous()
-    shape = list(tensor.shape)
-    shape[dim] = extra
-    return torch.cat([tensor, tensor.new_zeros(shape)], dim=dim)
+def _pad(linear: nn.Linear, name: str, dim: int, size: int, rewrites: Rewrites) -> None:
+    """`linear`'s parameter `name` grown with zeros to `size` along `dim`; its stock value is the
+    first rows (or columns) again."""
+    param = getattr(linear, name)
+    width = param.shape[dim]
+    shape = list(param.shape)
+    shape[dim] = size - width
+    with made_like(param):
+        padded = torch.cat([param.detach(), param.new_zeros(shape)], dim=dim)
+    rewrites.replace_data(linear, name, padded, stock=lambda data: data.narrow(dim, 0, width))
 
 
-def _resize(linear: nn.Linear, dim: int, size: int) -> None:
-    """Resize `linear`'s outputs (dim 0) or inputs (dim 1) to `size`."""
-    grad = linear.weight.requires_grad
-    linear.weight = nn.Parameter(_fit(linear.weight.data, dim, size), requires_grad=grad)
-    if dim == 0:
+def _pad_gated_mlp(mlp: nn.Module, width: int, rewrites: Rewrites) -> None:
+    """`gate_proj`/`up_proj` outputs and `down_proj` inputs grown to `width`."""
+    for linear in (mlp.gate_proj, mlp.up_proj):
+        _pad(linear, "weight", 0, width, rewrites)
         if linear.bias is not None:
-            linear.bias = nn.Parameter(_fit(linear.bias.data, 0, size), requires_grad=grad)
-        linear.out_features = size
-    else:
-        linear.in_features = size
+            _pad(linear, "bias", 0, width, rewrites)
+        rewrites.patch(linear, "out_features", width)
+    _pad(mlp.down_proj, "weight", 1, width, rewrites)
+    rewrites.patch(mlp.down_proj, "in_features", width)
 
 
-def set_gated_mlp_width(mlp: nn.Module, width: int) -> None:
-    """Resize `gate_proj`/`up_proj` outputs and `down_proj` inputs to `width`."""
-    _resize(mlp.gate_proj, 0, width)
-    _resize(mlp.up_proj, 0, width)
-    _resize(mlp.down_proj, 1, width)
-
-
-def align_gated_mlps(mlps: list[nn.Module]) -> int | None:
-    """Pad every MLP to the next multiple of ALIGNMENT; return the original width, or None when
-    already aligned (nothing changed)."""
+def align_gated_mlps(mlps: list[nn.Module], rewrites: Rewrites) -> None:
+    """Pad every MLP to the next multiple of ALIGNMENT (nothing where already aligned)."""
     width = mlps[0].down_proj.in_features
     aligned = -(-width // ALIGNMENT) * ALIGNMENT
-    if aligned == width:
-        return None
-    for mlp in mlps:
-        set_gated_mlp_width(mlp, aligned)
-    return width
+    if aligned != width:
+        for mlp in mlps:
+            _pad_gated_mlp(mlp, aligned, rewrites)

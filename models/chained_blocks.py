@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from encoder_graphs.models.attention import HALF_DTYPES, triton_runs
-from encoder_graphs.models.patching import patch_attribute
+from encoder_graphs.models.rewrites import Rewrites
 from encoder_graphs.models.transformers_seam import AddNorm, chained_block_forward, is_qwen2_5_vision_block
 
 Forward = Callable[..., torch.Tensor]
@@ -47,11 +47,10 @@ def chained_forwards(blocks: Sequence[nn.Module], add_norm: AddNorm) -> list[For
 def chained(blocks: Sequence[nn.Module], forwards: Sequence[Forward]) -> Iterator[None]:
     """`blocks` run `forwards` (`chained_forwards`) inside the context, their own after it. The
     same function objects each time: compiled blocks keep one set of guards."""
-    undos = []
+    rewrites = Rewrites()
     try:
         for block, forward in zip(blocks, forwards, strict=True):
-            undos.append(patch_attribute(block, "forward", forward))
+            rewrites.patch(block, "forward", forward)
         yield
     finally:
-        for undo in reversed(undos):
-            undo()
+        rewrites.undo()

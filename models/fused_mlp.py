@@ -1,8 +1,8 @@
 """A gated SiLU MLP run as `swiglu_kernel` (gate, up and SiLU in one GEMM) and its down projection.
 
 The kernel takes gate and up rows interleaved in one weight. The stock modules keep working on
-strided views of it (the same values, no second copy), until the undo gives each its own
-contiguous weight back, bit for bit as before.
+strided views of it (the same values, no second copy), until the `Rewrites` undo gives each its
+own contiguous weight back, bit for bit as before.
 """
 
 from collections.abc import Callable
@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from encoder_graphs.models.attention import refuse_gradients, triton_runs
-from encoder_graphs.models.patching import patch_attribute
-from encoder_graphs.models.stacked_linear import own_copies, plain_linears, set_parameters
+from encoder_graphs.models.rewrites import Rewrites, made_like
+from encoder_graphs.models.stacked_linear import plain_linears
 from encoder_graphs.models.transformers_seam import gated_silu_mlp_forward, is_gated_silu_mlp
 
 
@@ -38,16 +38,17 @@ def _interleave(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 GatedLinear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 
-def fuse_gated_mlp(mlp: nn.Module, gated_linear: GatedLinear) -> Callable[[], None]:
+def fuse_gated_mlp(mlp: nn.Module, gated_linear: GatedLinear, rewrites: Rewrites) -> None:
     """Run `mlp` (`fuses_gated_mlp`) through `gated_linear(x, weight, bias)` over its gate and up
-    weights interleaved (`swiglu_kernel.swiglu_linear`); returns the undo."""
+    weights interleaved (`swiglu_kernel.swiglu_linear`), until `rewrites` is undone."""
     gate, up = mlp.gate_proj, mlp.up_proj
-    # Ordinary tensors whatever mode the caller is in, as the stock weights were.
-    with torch.inference_mode(False), torch.no_grad():
+    with made_like(gate.weight):
         weight = _interleave(gate.weight, up.weight)
         bias = _interleave(gate.bias, up.bias) if gate.bias is not None else None
-        set_parameters(gate, weight[0::2], bias[0::2] if bias is not None else None)
-        set_parameters(up, weight[1::2], bias[1::2] if bias is not None else None)
+    for index, linear in enumerate((gate, up)):
+        rewrites.replace_data(linear, "weight", weight[index::2])
+        if bias is not None:
+            rewrites.replace_data(linear, "bias", bias[index::2])
 
     stock = [param for linear in (gate, up) for param in linear.parameters()]
 
@@ -55,10 +56,4 @@ def fuse_gated_mlp(mlp: nn.Module, gated_linear: GatedLinear) -> Callable[[], No
         refuse_gradients("the fused gated MLP", (x, *stock))
         return gated_linear(x, weight, bias)
 
-    undo_forward = patch_attribute(mlp, "forward", gated_silu_mlp_forward(mlp, gated))
-
-    def undo() -> None:
-        undo_forward()
-        own_copies([gate, up])
-
-    return undo
+    rewrites.patch(mlp, "forward", gated_silu_mlp_forward(mlp, gated))

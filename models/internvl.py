@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
+from encoder_graphs.models.rewrites import Rewrites
 from encoder_graphs.models.transformers_seam import attention_implementation, register_dense_attention
 from encoder_graphs.protocols import (
     CaptureInputs,
@@ -78,11 +79,8 @@ class InternVLAdapter:
         output = BaseModelOutputWithPooling(pooler_output=torch.stack(items) if items else None)
         return output if arguments.get("return_dict", True) else output.to_tuple()
 
-    def align_weights(self) -> None:
+    def align_weights(self, rewrites: Rewrites) -> None:
         """InternViT's widths (1024/4096, 3200/12800) are multiples of 8: nothing to align."""
-
-    def restore_weights(self) -> None:
-        """Nothing was aligned."""
 
     def repeated_blocks(self) -> list[nn.Module]:
         return list(self.model.vision_tower.encoder.layer)

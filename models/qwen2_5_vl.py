@@ -9,12 +9,12 @@ from functools import partial
 
 import torch
 
-from encoder_graphs.models.aligned_mlp import align_gated_mlps, set_gated_mlp_width
+from encoder_graphs.models.aligned_mlp import align_gated_mlps
 from encoder_graphs.models.attention import HALF_DTYPES, triton_runs
 from encoder_graphs.models.chained_blocks import Forward, chained, chained_forwards, chains_blocks
 from encoder_graphs.models.fused_mlp import fuse_gated_mlp, fuses_gated_mlp
-from encoder_graphs.models.patching import patch_attribute
 from encoder_graphs.models.qwen_vision import Layout, QwenVisionAdapter, pad_offsets
+from encoder_graphs.models.rewrites import Rewrites
 from encoder_graphs.models.transformers_seam import get_vision_window_index, permute_qk, window_attention_forward
 
 
@@ -29,50 +29,34 @@ class Qwen2_5_VLAdapter(QwenVisionAdapter):
     tensor_keys = (*QwenVisionAdapter.tensor_keys, "window_index", "cu_window_seqlens")
     static_keys = (*QwenVisionAdapter.static_keys, "max_window_seqlen")
 
-    _original_mlp_width: int | None = None
-    _undo_fusions: list[Callable[[], None]] | None = None
     _chained_forwards: list[Forward] | None = None  # on during the adapter's own tower calls
 
-    def align_weights(self) -> None:
+    def align_weights(self, rewrites: Rewrites) -> None:
         """Pad the blocks' MLP width (3420 in the real models) to a multiple of 8: exact, and
         cuBLAS then picks its fast kernels; the patch embedding as a GEMM; and, where Triton runs,
         the window blocks' rotary and attention in one kernel (`window_kernel`), each MLP's gate,
         up and SiLU in one GEMM (`swiglu_kernel`), and each block's last residual add with the
         next block's first norm (`chained_blocks`)."""
-        super().align_weights()
-        if self._original_mlp_width is None:
-            self._original_mlp_width = align_gated_mlps([block.mlp for block in self.visual.blocks])
-        if self._undo_fusions is None:
-            self._undo_fusions = []  # filled as it goes: a failure midway leaves what restore undoes
-            if self.fuses_windows:
-                from encoder_graphs.models.attention.window_kernel import rotary_window_attention
+        super().align_weights(rewrites)
+        align_gated_mlps([block.mlp for block in self.visual.blocks], rewrites)
+        if self.fuses_windows:
+            from encoder_graphs.models.attention.window_kernel import rotary_window_attention
 
-                # One wrapper for every window block, out of torch.compile'd code as the varlen backends.
-                attend = torch.compiler.disable(partial(rotary_window_attention, max_seqlen=self.window_rows))
-                for attention in self._window_attentions():
-                    self._undo_fusions.append(self._fuse_window(attention, attend))
-            mlps = [block.mlp for block in self.visual.blocks if fuses_gated_mlp(block.mlp)]
-            if mlps:
-                from encoder_graphs.models.swiglu_kernel import swiglu_linear
+            # One wrapper for every window block, out of torch.compile'd code as the varlen backends.
+            attend = torch.compiler.disable(partial(rotary_window_attention, max_seqlen=self.window_rows))
+            for attention in self._window_attentions():
+                self._fuse_window(attention, attend, rewrites)
+        mlps = [block.mlp for block in self.visual.blocks if fuses_gated_mlp(block.mlp)]
+        if mlps:
+            from encoder_graphs.models.swiglu_kernel import swiglu_linear
 
-                for mlp in mlps:
-                    self._undo_fusions.append(fuse_gated_mlp(mlp, swiglu_linear))
-            blocks = list(self.visual.blocks)
-            if chains_blocks(blocks, self.dtype):
-                from encoder_graphs.models.add_norm_kernel import add_rms_norm
+            for mlp in mlps:
+                fuse_gated_mlp(mlp, swiglu_linear, rewrites)
+        blocks = list(self.visual.blocks)
+        if chains_blocks(blocks, self.dtype):
+            from encoder_graphs.models.add_norm_kernel import add_rms_norm
 
-                self._chained_forwards = chained_forwards(blocks, add_rms_norm)
-
-    def restore_weights(self) -> None:
-        self._chained_forwards = None
-        for undo in reversed(self._undo_fusions or []):
-            undo()
-        self._undo_fusions = None
-        if self._original_mlp_width is not None:
-            for block in self.visual.blocks:
-                set_gated_mlp_width(block.mlp, self._original_mlp_width)
-            self._original_mlp_width = None
-        super().restore_weights()
+            rewrites.patch(self, "_chained_forwards", chained_forwards(blocks, add_rms_norm))
 
     def _run_tower(self, pixels: torch.Tensor, kwargs: dict) -> torch.Tensor:
         """The blocks chained for this call only (`chained_blocks`), where they chain."""
@@ -104,18 +88,12 @@ class Qwen2_5_VLAdapter(QwenVisionAdapter):
         full = set(self.visual.config.fullatt_block_indexes)
         return [block.attn for index, block in enumerate(self.visual.blocks) if index not in full]
 
-    def _fuse_window(self, attention: torch.nn.Module, attend: Callable[..., torch.Tensor]) -> Callable[[], None]:
-        """q and k dims interleaved by rotary pairs, the fused forward (through `attend`) on;
-        returns the undo."""
-        order = interleave_pairs(self.head_dim)
-        permute_qk(attention, order)
-        undo_forward = patch_attribute(attention, "forward", window_attention_forward(attention, attend))
-
-        def undo() -> None:
-            undo_forward()
-            permute_qk(attention, torch.argsort(order))
-
-        return undo
+    def _fuse_window(
+        self, attention: torch.nn.Module, attend: Callable[..., torch.Tensor], rewrites: Rewrites
+    ) -> None:
+        """q and k dims interleaved by rotary pairs, the fused forward (through `attend`) on."""
+        permute_qk(attention, interleave_pairs(self.head_dim), rewrites)
+        rewrites.patch(attention, "forward", window_attention_forward(attention, attend))
 
     @property
     def window_side(self) -> int:

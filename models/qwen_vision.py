@@ -8,7 +8,7 @@ sizes), capture and replay (padded to a budget's layout), so all three see the s
 """
 
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property, partial
 from typing import Any
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from encoder_graphs.models.attention import HALF_DTYPES, default_attention_backend
-from encoder_graphs.models.patching import patch_attribute
+from encoder_graphs.models.rewrites import Rewrites
 from encoder_graphs.models.transformers_seam import (
     attention_implementation,
     get_vision_cu_seqlens,
@@ -165,7 +165,6 @@ class QwenVisionAdapter:
         self.max_frames_per_item = max_frames_per_item
         self.budget_range = budget_range
         self._metadata: OrderedDict[tuple, tuple[dict[str, torch.Tensor], dict[str, int]]] = OrderedDict()
-        self._undo_patch_embed: Callable[[], None] | None = None  # set by align_weights
 
     # ----- ModelFamily: transformers' get_image_features / get_video_features, decoder inputs ---
     feature_methods = tuple(_FEATURE_ARGUMENTS)
@@ -198,19 +197,13 @@ class QwenVisionAdapter:
         return inputs
 
     # ----- weights ----------------------------------------------------------------------------
-    def align_weights(self) -> None:
+    def align_weights(self, rewrites: Rewrites) -> None:
         """The patch embedding as the GEMM it is (`linear_patch_embed`), on the same weights; a
-        family may change more (Qwen2.5-VL pads its MLP, fuses its window attention)."""
-        if self._undo_patch_embed is None:  # idempotent
-            embed = self.visual.patch_embed
-            self._undo_patch_embed = patch_attribute(embed, "forward", partial(linear_patch_embed, embed))
-
-    def restore_weights(self) -> None:
-        """Undo `align_weights`, and drop the cached metadata."""
-        if self._undo_patch_embed is not None:
-            self._undo_patch_embed()
-            self._undo_patch_embed = None
-        self._metadata.clear()
+        family may change more (Qwen2.5-VL pads its MLP, fuses its window attention). The undo
+        also drops the cached metadata."""
+        rewrites.push(self._metadata.clear)
+        embed = self.visual.patch_embed
+        rewrites.patch(embed, "forward", partial(linear_patch_embed, embed))
 
     def repeated_blocks(self) -> list[torch.nn.Module]:
         return list(self.visual.blocks)

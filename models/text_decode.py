@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from encoder_graphs.models.attention import write_and_decode
+from encoder_graphs.models.rewrites import Rewrites
 from encoder_graphs.models.stacked_linear import StackedLinear
 from encoder_graphs.models.transformers_seam import decode_rotary
 
@@ -46,14 +47,15 @@ _write_and_decode = torch.compiler.disable(write_and_decode)
 
 
 class DecodeLayer(nn.Module):
-    """One stock decoder layer's decode math over its own modules (no weights copied)."""
+    """One stock decoder layer's decode math over its own modules (no weights copied; q/k/v and
+    gate/up stacked until `rewrites` is undone)."""
 
-    def __init__(self, layer: nn.Module) -> None:
+    def __init__(self, layer: nn.Module, rewrites: Rewrites) -> None:
         super().__init__()
         self.attn = layer.self_attn
         self.mlp = layer.mlp
-        self.qkv = StackedLinear([self.attn.q_proj, self.attn.k_proj, self.attn.v_proj])
-        self.gate_up = StackedLinear([self.mlp.gate_proj, self.mlp.up_proj])
+        self.qkv = StackedLinear([self.attn.q_proj, self.attn.k_proj, self.attn.v_proj], rewrites)
+        self.gate_up = StackedLinear([self.mlp.gate_proj, self.mlp.up_proj], rewrites)
         self.input_layernorm = layer.input_layernorm
         self.post_attention_layernorm = layer.post_attention_layernorm
         self.qk_norm = hasattr(self.attn, "q_norm")
@@ -96,25 +98,20 @@ class DecodeLayer(nn.Module):
 
 
 class DecodeStack:
-    """Embedding, rotary tables, `DecodeLayer`s, final norm and LM head: one decode step."""
+    """Embedding, rotary tables, `DecodeLayer`s, final norm and LM head: one decode step, over
+    projections stacked until `rewrites` is undone."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, rewrites: Rewrites) -> None:
         self.text_model = model.get_decoder()
         self.embed = model.get_input_embeddings()
         self.lm_head = model.get_output_embeddings()
-        self.layers = [DecodeLayer(layer) for layer in self.text_model.layers]
+        self.layers = [DecodeLayer(layer, rewrites) for layer in self.text_model.layers]
 
     @staticmethod
     def supports(model: nn.Module) -> bool:
         """Whether every decoder layer of `model` is in `FUSED_LAYERS`."""
         layers = getattr(model.get_decoder(), "layers", [])
         return bool(layers) and all(type(layer).__name__ in FUSED_LAYERS for layer in layers)
-
-    def unstack(self) -> None:
-        """Give the stock projections their own weights back (the stack is spent)."""
-        for layer in self.layers:
-            layer.qkv.unstack()
-            layer.gate_up.unstack()
 
     def __call__(
         self,

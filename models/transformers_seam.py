@@ -39,6 +39,7 @@ from transformers.vision_utils import (
 from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import get_optimal_tiled_canvas as tiled_canvas
 
 from encoder_graphs.models.attention import VarlenAttention, causal_varlen_attention, get_attention_backend
+from encoder_graphs.models.rewrites import Rewrites, made_like
 
 TESTED_RANGE = ("5.17.0", "5.23.0")
 _VARLEN_PREFIX = "encoder_graphs_flash_"
@@ -162,15 +163,19 @@ def window_attention_forward(
     return forward
 
 
-def permute_qk(attention: torch.nn.Module, order: torch.Tensor) -> None:
+def permute_qk(attention: torch.nn.Module, order: torch.Tensor, rewrites: Rewrites) -> None:
     """Reorder the dims of every q and k head of Qwen2.5-VL vision attention `attention` by
-    `order` (one head's dims), in its qkv weights and bias, in place; v keeps its order. Exact,
-    and undone by the inverse order."""
+    `order` (one head's dims), in its qkv weights and bias; v keeps its order. Exact, and undone
+    (by the inverse order) with `rewrites`."""
     heads, head_dim = attention.num_heads, attention.head_dim
     qk = (torch.arange(2 * heads)[:, None] * head_dim + order[None, :]).flatten()
     rows = torch.cat([qk, torch.arange(2 * heads * head_dim, 3 * heads * head_dim)])
-    for param in (attention.qkv.weight, attention.qkv.bias):
-        param.data.copy_(param.data[rows.to(param.device)])
+    inverse = torch.argsort(rows)
+    for name in ("weight", "bias"):
+        param = getattr(attention.qkv, name)
+        with made_like(param):
+            permuted = param.detach()[rows.to(param.device)]
+        rewrites.replace_data(attention.qkv, name, permuted, stock=lambda data: data[inverse.to(data.device)])
 
 
 # 5.17.0, 5.23.0: a Qwen2.5-VL vision MLP computes `down_proj(act_fn(gate_proj(x)) * up_proj(x))`

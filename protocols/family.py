@@ -8,9 +8,12 @@ decoder runner and the command line speak only these protocols: adding a family 
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
+
+if TYPE_CHECKING:
+    from encoder_graphs.models.rewrites import Rewrites
 
 
 @runtime_checkable
@@ -31,13 +34,10 @@ class ModelFamily(Protocol):
         """What the stock `method` returns for `arguments`, built from the manager's per-item outputs."""
         ...
 
-    def align_weights(self) -> None:
+    def align_weights(self, rewrites: "Rewrites") -> None:
         """Faster kernels over the same weights, exactly: weights reshaped (padded to aligned
-        widths) or modules run as the cheaper op they equal (no-op where nothing applies)."""
-        ...
-
-    def restore_weights(self) -> None:
-        """Undo `align_weights`."""
+        widths) or modules run as the cheaper op they equal (no-op where nothing applies); every
+        change recorded on `rewrites` (`models/rewrites.py`), whose undo gives the stock model back."""
         ...
 
     def repeated_blocks(self) -> list[torch.nn.Module]:

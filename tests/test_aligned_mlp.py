@@ -4,6 +4,7 @@ from encoder_graphs import enable_cuda_graphs
 from encoder_graphs.models import Qwen2_5_VLAdapter, VisionBatch
 from encoder_graphs.models.fused_mlp import fuse_gated_mlp, fuses_gated_mlp
 from encoder_graphs.models.presets import build_model, build_vision_tower, get_config
+from encoder_graphs.models.rewrites import Rewrites
 from encoder_graphs.models.transformers_seam import is_gated_silu_mlp
 
 
@@ -16,18 +17,19 @@ def test_aligned_mlp_is_exact_and_restorable():
     adapter = Qwen2_5_VLAdapter(tower)
     grid = torch.tensor([[1, 8, 12]])
     batch = VisionBatch(pixel_values=torch.randn(96, 3 * 2 * 14 * 14), image_grid_thw=grid)
+    rewrites = Rewrites()
     with torch.inference_mode():
         reference = adapter.eager_forward(batch, "default")["embeds"]
-        adapter.align_weights()
-        adapter.align_weights()  # idempotent
+        adapter.align_weights(rewrites)
         mlp = tower.blocks[0].mlp
         assert mlp.gate_proj.weight.shape[0] % 8 == 0 == mlp.down_proj.weight.shape[1] % 8
         assert mlp.up_proj.out_features == mlp.down_proj.in_features == mlp.gate_proj.weight.shape[0]
         aligned = adapter.eager_forward(batch, "default")["embeds"]
-        adapter.restore_weights()
+        rewrites.undo()
     torch.testing.assert_close(aligned, reference, rtol=1e-5, atol=1e-6)
     after = tower.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
+    assert mlp.up_proj.out_features == mlp.down_proj.in_features == width
 
 
 def test_enable_aligns_and_disable_restores_the_weights():
@@ -55,10 +57,12 @@ def test_rotary_pairs_interleave_exactly_and_undo():
     angles = torch.rand(10, dim // 2) * 6
     cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
     before = {k: v.clone() for k, v in attention.state_dict().items()}
+    rewrites = Rewrites()
     with torch.inference_mode():
         q, k, v = attention.qkv(hidden).view(10, 3, heads, dim).unbind(1)
         order = interleave_pairs(dim)
-        permute_qk(attention, order)
+        permute_qk(attention, order, rewrites)
+        assert all(torch.equal(before[key], value) for key, value in attention.state_dict().items())  # stock
         q2, k2, v2 = attention.qkv(hidden).view(10, 3, heads, dim).unbind(1)
         torch.testing.assert_close(q2, q[..., order], rtol=0, atol=1e-6)
         torch.testing.assert_close(k2, k[..., order], rtol=0, atol=1e-6)
@@ -70,7 +74,7 @@ def test_rotary_pairs_interleave_exactly_and_undo():
         a, b = k2.unflatten(-1, (dim // 2, 2)).unbind(-1)
         k2 = torch.stack([a * c - b * s, b * c + a * s], -1).flatten(-2)
         torch.testing.assert_close(q2 @ k2.transpose(-1, -2), q @ k.transpose(-1, -2), rtol=1e-5, atol=1e-5)
-        permute_qk(attention, torch.argsort(order))
+        rewrites.undo()
     assert all(torch.equal(before[key], value) for key, value in attention.state_dict().items())
 
 
@@ -79,9 +83,10 @@ def test_window_blocks_are_fused_only_where_triton_runs():
     tower = build_vision_tower("tiny-qwen2.5-vl")
     adapter = Qwen2_5_VLAdapter(tower)
     assert not adapter.fuses_windows
-    adapter.align_weights()
+    rewrites = Rewrites()
+    adapter.align_weights(rewrites)
     assert not any("forward" in block.attn.__dict__ or "forward" in block.mlp.__dict__ for block in tower.blocks)
-    adapter.restore_weights()
+    rewrites.undo()
 
 
 def interleaved_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -97,16 +102,19 @@ def test_fused_mlp_runs_on_interleaved_views_and_is_undone_bit_for_bit():
     assert not fuses_gated_mlp(mlp), "the kernel needs a CUDA GPU"
     before = {k: v.clone() for k, v in mlp.state_dict().items()}
     x = torch.randn(7, mlp.gate_proj.in_features)
+    params = list(mlp.parameters())
+    rewrites = Rewrites()
     with torch.inference_mode():
         reference = mlp(x)
-        undo = fuse_gated_mlp(mlp, interleaved_reference)
+        fuse_gated_mlp(mlp, interleaved_reference, rewrites)
         assert "forward" in mlp.__dict__
         assert mlp.gate_proj.weight.stride(0) == 2 * mlp.gate_proj.in_features  # a view, no copy
         assert mlp.gate_proj.weight.untyped_storage().data_ptr() == mlp.up_proj.weight.untyped_storage().data_ptr()
         assert all(torch.equal(before[k], v) for k, v in mlp.state_dict().items())
         torch.testing.assert_close(mlp(x), reference, rtol=1e-5, atol=1e-6)
-        undo()
+        rewrites.undo()
         torch.testing.assert_close(mlp(x), reference, rtol=0, atol=0)
     assert "forward" not in mlp.__dict__
-    assert all(p.is_contiguous() for p in mlp.parameters())
+    assert all(p is q for p, q in zip(mlp.parameters(), params, strict=True))  # the same objects
+    assert all(p.is_contiguous() and not p.is_inference() for p in mlp.parameters())
     assert all(torch.equal(before[k], v) for k, v in mlp.state_dict().items())

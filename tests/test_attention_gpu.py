@@ -274,6 +274,7 @@ def test_fused_window_forward_matches_stock_attention():
 
     from encoder_graphs.models.attention.window_kernel import rotary_window_attention
     from encoder_graphs.models.presets import get_config
+    from encoder_graphs.models.rewrites import Rewrites
     from encoder_graphs.models.transformers_seam import permute_qk, window_attention_forward
 
     config = get_config("qwen2.5-vl-7b").vision_config
@@ -286,7 +287,7 @@ def test_fused_window_forward_matches_stock_attention():
     cos, sin, cu_seqlens = cos[:covered], sin[:covered], torch.unique_consecutive(cu_seqlens)
     with torch.no_grad():
         stock = attention(hidden, cu_seqlens=cu_seqlens, position_embeddings=(cos, sin))
-        permute_qk(attention, interleave_pairs(attention.head_dim))
+        permute_qk(attention, interleave_pairs(attention.head_dim), Rewrites())
         fused = window_attention_forward(attention, partial(rotary_window_attention, max_seqlen=64))
         for offsets in (cu_seqlens, cu_seqlens.cpu()):
             out = fused(hidden, cu_seqlens=offsets, position_embeddings=(cos, sin))

@@ -10,6 +10,7 @@ from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLRMSNorm
 from encoder_graphs.models import Qwen2_5_VLAdapter, VisionBatch
 from encoder_graphs.models.chained_blocks import chained, chained_forwards, chains_blocks
 from encoder_graphs.models.presets import build_vision_tower
+from encoder_graphs.models.rewrites import Rewrites
 from encoder_graphs.models.transformers_seam import is_qwen2_5_vision_block
 
 
@@ -63,9 +64,11 @@ def test_adapter_chains_only_its_own_calls():
     the stock blocks' outputs."""
     tower = tower_with_distinct_norms()
     adapter = Qwen2_5_VLAdapter(tower)
-    adapter.align_weights()
+    rewrites = Rewrites()
+    adapter.align_weights(rewrites)
     assert adapter._chained_forwards is None, "no GPU here"
-    adapter._chained_forwards = chained_forwards(list(tower.blocks), add_norm_reference)  # as on a GPU
+    # As align_weights does on a GPU, with the plain-torch kernel.
+    rewrites.patch(adapter, "_chained_forwards", chained_forwards(list(tower.blocks), add_norm_reference))
     pixels = torch.randn(96 + 64, 3 * 2 * 14 * 14)
     grid = torch.tensor([[1, 8, 12], [1, 8, 8]])
     widths = []
@@ -80,7 +83,7 @@ def test_adapter_chains_only_its_own_calls():
     assert not any("forward" in block.__dict__ for block in tower.blocks)
     assert [state.shape for state in stock.hidden_states] == [(160, dim)] * (len(tower.blocks) + 1)
     torch.testing.assert_close(chained_out, stock.pooler_output, rtol=1e-5, atol=1e-5)
-    adapter.restore_weights()
+    rewrites.undo()
     assert adapter._chained_forwards is None
 
 
@@ -88,6 +91,7 @@ def test_blocks_are_chained_only_where_triton_runs():
     tower = build_vision_tower("tiny-qwen2.5-vl", dtype=torch.bfloat16)
     assert not chains_blocks(list(tower.blocks), torch.bfloat16), "no GPU here"
     adapter = Qwen2_5_VLAdapter(tower)
-    adapter.align_weights()
+    rewrites = Rewrites()
+    adapter.align_weights(rewrites)
     assert adapter._chained_forwards is None
-    adapter.restore_weights()
+    rewrites.undo()

@@ -11,6 +11,7 @@ from torch import nn
 from encoder_graphs import enable_cuda_graphs
 from encoder_graphs.engine.compile import compile_blocks
 from encoder_graphs.models.presets import build_model
+from encoder_graphs.models.rewrites import Rewrites
 from encoder_graphs.models.synthetic_prompts import random_pixels
 from encoder_graphs.models.text_stack import pointwise_parts
 
@@ -48,10 +49,22 @@ def test_a_compiler_failure_warns_and_leaves_the_blocks_uncompiled():
         raise RuntimeError("no C++ compiler")
 
     with pytest.warns(UserWarning, match="no C\\+\\+ compiler"):
-        compiled = compile_blocks(blocks, warm_up)
+        compiled = compile_blocks(blocks, warm_up, Rewrites())
     assert compiled.error == "RuntimeError: no C++ compiler"
     assert compiled.stats()["blocks"] == 0
     assert all(block._compiled_call_impl is None for block in blocks)
+
+
+def test_the_undo_gives_back_a_compilation_made_before():
+    """A block the user compiled before keeps that compilation after the undo; the others none."""
+    blocks = [nn.Linear(4, 4), nn.Linear(4, 4)]
+    blocks[0].compile()
+    users = blocks[0]._compiled_call_impl
+    rewrites = Rewrites()
+    compiled = compile_blocks(blocks, lambda: None, rewrites)
+    assert compiled.blocks == 2 and blocks[0]._compiled_call_impl is not users
+    rewrites.undo()
+    assert blocks[0]._compiled_call_impl is users and "_compiled_call_impl" not in vars(blocks[1])
 
 
 @pytest.mark.parametrize("name", ["tiny-qwen2-vl", "tiny-qwen3-vl"])

@@ -16,6 +16,7 @@ from encoder_graphs import EncoderCudaGraphManager, enable_cuda_graphs
 from encoder_graphs.models import VisionBatch, adapter_for, supported_architectures
 from encoder_graphs.models.presets import build_model
 from encoder_graphs.models.qwen_vision import pad_offsets
+from encoder_graphs.models.rewrites import Rewrites
 from encoder_graphs.models.synthetic_prompts import left_pad, mm_token_type_ids, random_pixels, vision_span
 from encoder_graphs.protocols import SupportsEncoderCudaGraph
 
@@ -266,25 +267,26 @@ def test_random_mixes_equal_model_features(model):
 
 def test_patch_embedding_runs_as_a_gemm_until_restored(model):
     """`align_weights` runs the stock Conv3d patch embedding as the GEMM it equals (same weights);
-    `restore_weights` gives the module its own forward back."""
+    the undo gives the module its own forward back."""
     embed = model.model.visual.patch_embed
     adapter = adapter_for(model)
     config = model.config.vision_config
     pixels = torch.randn(40, config.in_channels * config.temporal_patch_size * config.patch_size**2)
+    rewrites = Rewrites()
     with torch.inference_mode():
         stock = embed(pixels)
-        adapter.align_weights()
+        adapter.align_weights(rewrites)
         assert "forward" in embed.__dict__
         gemm = embed(pixels)
-        adapter.restore_weights()
+        rewrites.undo()
     assert "forward" not in embed.__dict__
     torch.testing.assert_close(gemm, stock, rtol=1e-5, atol=1e-5)
     assert stock.abs().max() > 0.1  # the test means something
     hook = embed.forward  # an instance forward set before (as accelerate's hooks are) comes back
     embed.forward = hook
-    adapter.align_weights()
-    adapter.align_weights()  # idempotent
-    adapter.restore_weights()
+    adapter.align_weights(rewrites)
+    rewrites.undo()
+    rewrites.undo()  # each change is undone once
     assert embed.__dict__.pop("forward") is hook
 
 

@@ -21,6 +21,7 @@ from encoder_graphs import EncoderCudaGraphManager, enable_cuda_graphs
 from encoder_graphs.engine.compile import compile_blocks
 from encoder_graphs.models import VisionBatch, adapter_for
 from encoder_graphs.models.presets import build_model, build_vision_tower
+from encoder_graphs.models.rewrites import Rewrites
 from encoder_graphs.models.synthetic_prompts import left_pad, mm_token_type_ids, random_pixels, vision_span
 from encoder_graphs.packing import BudgetCosts
 
@@ -116,7 +117,8 @@ def test_graphs_match_stock_tower_over_random_calls(pool, backend):
     adapter = adapter_for(tower, attn_backend=backend)
     attention, mlp = tower.blocks[0].attn, tower.blocks[0].mlp  # a window block in Qwen2.5-VL
     weights = {key: value.clone() for key, value in tower.blocks[0].state_dict().items()}
-    adapter.align_weights()  # as enable_cuda_graphs does
+    rewrites = Rewrites()
+    adapter.align_weights(rewrites)  # as enable_cuda_graphs does
     fused = name.startswith("qwen2.5") and backend == "torch"
     assert getattr(adapter, "fuses_windows", False) == fused
     assert ("forward" in attention.__dict__) == fused
@@ -137,7 +139,7 @@ def test_graphs_match_stock_tower_over_random_calls(pool, backend):
         worst, stats = run_random_calls(manager, name, backend, items, CALLS[name])
     finally:
         manager.close()
-        adapter.restore_weights()
+        rewrites.undo()
     assert "forward" not in attention.__dict__ and "forward" not in mlp.__dict__
     assert getattr(adapter, "_chained_forwards", None) is None
     assert not any("forward" in block.__dict__ for block in tower.blocks)
@@ -158,7 +160,8 @@ def test_compiled_blocks_in_graphs_and_cost_choice_match_stock_tower(pool):
     if name not in COMPILED_PRESETS:
         pytest.skip(f"compiled towers are checked on {COMPILED_PRESETS}")
     adapter = adapter_for(tower, attn_backend="torch")
-    adapter.align_weights()  # as enable_cuda_graphs does
+    rewrites = Rewrites()
+    adapter.align_weights(rewrites)  # as enable_cuda_graphs does
     manager = EncoderCudaGraphManager(
         adapter, budgets=BUDGETS, max_items=MAX_ITEMS, max_frames=MAX_FRAMES, poison_pool_bytes=256 << 20
     )
@@ -166,9 +169,9 @@ def test_compiled_blocks_in_graphs_and_cost_choice_match_stock_tower(pool):
     # compile block by block up to dynamo's limit and leave the blocks past it eager: fail instead.
     torch._dynamo.utils.counters.clear()
     with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
-        compiled = compile_blocks(adapter.repeated_blocks(), manager.warm_up)
+        compiled = compile_blocks(adapter.repeated_blocks(), manager.warm_up, rewrites)
         try:
-            assert compiled.error is None and len(compiled.blocks) == len(tower.blocks), compiled.error
+            assert compiled.error is None and compiled.blocks == len(tower.blocks), compiled.error
             manager.capture()
             assert sorted(manager.graphs["default"]) == BUDGETS, manager.failed_budgets
             assert sorted(manager.costs["default"].replay_ms) == BUDGETS
@@ -178,9 +181,8 @@ def test_compiled_blocks_in_graphs_and_cost_choice_match_stock_tower(pool):
             manager.reset_stats()
             worst_graphs, graphs = run_random_calls(manager, name, "compiled, graphs", items, CALLS[name] // 2)
         finally:
-            compiled.undo()
             manager.close()
-            adapter.restore_weights()
+            rewrites.undo()
     graphs_compiled = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     assert graphs["graph_items"] == graphs["items"], graphs["paths"]
     print(f"{name} compiled in {compiled.seconds:.1f} s ({graphs_compiled} graphs): {by_cost['items']} items by cost, "

@@ -6,6 +6,7 @@ from test_attention_gpu import relative_error
 
 from encoder_graphs.models.fused_mlp import fuse_gated_mlp, fuses_gated_mlp
 from encoder_graphs.models.presets import build_vision_tower
+from encoder_graphs.models.rewrites import Rewrites
 
 pytestmark = [
     pytest.mark.gpu,
@@ -85,10 +86,11 @@ def test_fused_stock_mlp_matches_and_refuses_gradients():
     with torch.inference_mode():
         stock = mlp(x.bfloat16())
     assert fuses_gated_mlp(mlp)
-    undo = fuse_gated_mlp(mlp, swiglu_linear)
+    rewrites = Rewrites()
+    fuse_gated_mlp(mlp, swiglu_linear, rewrites)
     with torch.inference_mode():
         fused = mlp(x.bfloat16())
     assert relative_error(fused, exact) <= relative_error(stock, exact) * 1.1
     with pytest.raises(RuntimeError, match="no backward"):
         mlp(x.bfloat16())  # grad mode on, weights that want gradients
-    undo()
+    rewrites.undo()

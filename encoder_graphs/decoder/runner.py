@@ -27,6 +27,7 @@ from encoder_graphs.decoder.stats import DecodeCounters
 from encoder_graphs.decoder.step import decode_step, packed_prefill, prefill
 from encoder_graphs.engine.capture import GraphCapture, unavailable_reason
 from encoder_graphs.models.registry import family_class
+from encoder_graphs.models.rewrites import Rewrites
 from encoder_graphs.models.text_decode import DecodeStack
 from encoder_graphs.models.transformers_seam import generation_position_ids, static_rope
 from encoder_graphs.packing import smallest_fitting_budget
@@ -112,8 +113,6 @@ class DecoderGraphRunner:
             raise ValueError("decoder graphs support full-attention layers only (no sliding window)")
         self.family = family if family is not None else family_class(model)
         known = DecodeStack.supports(model)  # whether models/text_decode.py knows its decoder layers
-        # The step through `DecodeLayer`s (False: the model's own forward).
-        self.stack = DecodeStack(model) if fused_step and known else None
         # Prefill over the packed prompts for the same decoders (False: left-padded, as generate).
         self.packed_prefill = packed_prefill and known
         self._dims = TextDims.of(model)
@@ -126,6 +125,13 @@ class DecoderGraphRunner:
         self._capture = GraphCapture(self.device, "decoder")
         self.captured = False
         self.reset_stats()
+        # The step through `DecodeLayer`s (None: the model's own forward), whose stacked weights
+        # `close()` gives back; last, so that nothing after it can fail and leave them stacked.
+        self._rewrites = Rewrites()
+        self.stack = None
+        if fused_step and known:
+            with self._rewrites.undone_on_error():
+                self.stack = DecodeStack(model, self._rewrites)
 
     # ----- buffers -------------------------------------------------------------------------
     def _buffers(self, rows: int, max_cache_len: int) -> DecodeBuffers:
@@ -380,11 +386,10 @@ class DecoderGraphRunner:
     def close(self) -> None:
         """Free the graphs, their pool and the static buffers; give the stacked projections of the
         fused step their own weights back (later steps run through the model's forward)."""
-        if self.stack is not None:
-            self.stack.unstack()
-            self.stack = None
         self.graphs.clear()
         self._caches.clear()
         self._static = None
         self._capture.pool = None
         self.captured = False
+        self.stack = None
+        self._rewrites.undo()

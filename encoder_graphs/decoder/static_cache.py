@@ -12,7 +12,9 @@ from transformers import AttentionInterface
 from encoder_graphs.models.attention import decode_attention
 from encoder_graphs.models.transformers_seam import Cache, CacheLayerMixin
 
-DECODE_ATTENTION = "static_kv_decode"  # no "flash" in the name: transformers treats those specially
+# Our prefix, as every name we register: another library's registration is never overwritten.
+# No "flash" in the name: transformers treats those specially.
+DECODE_ATTENTION = "encoder_graphs_static_kv_decode"
 
 
 def static_decode_attention(

@@ -8,46 +8,48 @@ compiled code (the seam registers its backends `torch.compiler.disable`d): its h
 `max_seqlen` differs per budget, and a probe that compiled through it recompiled per budget until
 dynamo's limit of 8 left later blocks uncompiled (H200, 2026-11-22). Dense attention of one shape
 per tile (InternViT's stock sdpa) is compiled in. While compiled, every call of the blocks runs
-the compiled code, stock-only calls (per-layer outputs) included; `undo` ends that.
+the compiled code, stock-only calls (per-layer outputs) included; the `Rewrites` undo ends that.
 """
 
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from torch import nn
+
+from encoder_graphs.models.rewrites import Rewrites
 
 
 @dataclass
 class CompiledBlocks:
-    """Blocks compiled in place; `seconds` spent compiling (the warm-up), `error` if it failed
-    (the blocks then run uncompiled)."""
+    """How many blocks were compiled in place (0 after a failure), `seconds` spent compiling
+    (the warm-up), `error` if it failed (the blocks then run uncompiled)."""
 
-    blocks: list[nn.Module] = field(default_factory=list)
+    blocks: int = 0
     seconds: float = 0.0
     error: str | None = None
 
-    def undo(self) -> None:
-        for block in self.blocks:
-            block._compiled_call_impl = None  # what nn.Module.compile() set; torch 2.11, 2.13
-        self.blocks = []
-
     def stats(self) -> dict:
-        return {"blocks": len(self.blocks), "seconds": self.seconds, "error": self.error}
+        return {"blocks": self.blocks, "seconds": self.seconds, "error": self.error}
 
 
-def compile_blocks(blocks: Sequence[nn.Module], warm_up: Callable[[], None]) -> CompiledBlocks:
-    """Compile `blocks` in place and run `warm_up` (which must call them) to compile now, before
-    any capture. A compiler failure is reported in the result and the blocks stay uncompiled."""
-    compiled = CompiledBlocks(list(blocks))
-    for block in compiled.blocks:
+def compile_blocks(blocks: Sequence[nn.Module], warm_up: Callable[[], None], rewrites: Rewrites) -> CompiledBlocks:
+    """Compile `blocks` in place, until `rewrites` is undone, and run `warm_up` (which must call
+    them) to compile now, before any capture. A compiler failure is reported in the result and
+    the blocks stay uncompiled."""
+    compiled = CompiledBlocks(len(blocks))
+    own = Rewrites()
+    rewrites.push(own.undo)
+    for block in blocks:
+        own.keep(block, "_compiled_call_impl")  # what nn.Module.compile() sets; torch 2.11, 2.13
         block.compile(dynamic=True)
     started = time.perf_counter()
     try:
         warm_up()
     except Exception as error:  # noqa: BLE001 (inductor or a missing compiler: run uncompiled)
-        compiled.undo()
+        own.undo()
+        compiled.blocks = 0
         compiled.error = f"{type(error).__name__}: {error}"[:300]
         warnings.warn(f"torch.compile of the encoder blocks failed; they run uncompiled: {compiled.error}", stacklevel=2)
     compiled.seconds = time.perf_counter() - started
