@@ -5,6 +5,8 @@ import os
 import string
 from dataclasses import dataclass, field
 
+from encoder_graphs.app.names import as_text
+
 DEFAULT_PROMPT = "Describe this in one sentence."
 # What a prompt template may name: the file's name without its extension, its folder's name, and
 # the image's size in pixels (a video's frame size as decoded).
@@ -63,8 +65,9 @@ class CaptionConfig:
             raise ValueError(f"the prompt names {names}; it may use {', '.join('{' + f + '}' for f in PROMPT_FIELDS)}")
 
     def prompt_for(self, name: str, folder: str, width: int, height: int) -> str:
-        """The prompt of one file: the template with its fields filled in."""
-        return self.prompt.format(name=name, folder=folder, width=width, height=height)
+        """The prompt of one file: the template with its fields filled in (a name's bytes that are
+        not UTF-8 as U+FFFD: the tokenizer takes text only)."""
+        return self.prompt.format(name=as_text(name), folder=as_text(folder), width=width, height=height)
 
     def text(self, caption: str) -> str:
         """The caption with the prefix and suffix around it."""

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from encoder_graphs.app.media import media_kind
-from encoder_graphs.app.results import ResultsFile, path_key, read_records
+from encoder_graphs.app.results import ResultsFile, path_key, read_records, record_path
 
 METADATA_FILE = "metadata.jsonl"
 
@@ -94,7 +94,7 @@ def latest_records(results_path: Path) -> dict[str, dict]:
     latest: dict[str, dict] = {}
     if results_path.exists():
         for record in read_records(results_path):
-            latest[path_key(record["path"])] = record
+            latest[path_key(record_path(record))] = record
     return latest
 
 
@@ -111,7 +111,6 @@ def write_hf_metadata(results_path: Path, roots: Sequence[Path]) -> list[Path]:
             if "text" in record and Path(record["path"]).is_relative_to(root) and Path(record["path"]).exists()
         ]
         if rows:
-            # ASCII escapes: file names that are not valid UTF-8 stay writable, the JSON stays valid.
             lines = "".join(json.dumps(row) + "\n" for row in sorted(rows, key=lambda r: r["file_name"]))
             write_atomically(root / METADATA_FILE, lines)
             written.append(root / METADATA_FILE)

@@ -10,6 +10,9 @@ error.
 
 One run at a time per results file: `ResultsFile` holds the exclusive lock of `lock.py` on
 `<out>.lock` from construction to `close()` (or the end of a `with` block).
+
+Every line is valid UTF-8 JSON: a path that is not UTF-8 is written with U+FFFD for its bad bytes,
+and `path_bytes` holds it exactly (`names.escaped`); `record_path` gives it back.
 """
 
 import contextlib
@@ -19,11 +22,17 @@ import os
 from pathlib import Path
 
 from encoder_graphs.app.lock import FileLock, HeldElsewhere, LockHolder
+from encoder_graphs.app.names import as_text, escaped, is_text, unescaped
 
 
 def path_key(path: str | Path) -> str:
     """The identity of an input file across runs, whatever the working directory."""
     return os.path.realpath(path)
+
+
+def record_path(record: dict) -> str:
+    """The exact path of the file a record describes."""
+    return unescaped(record["path_bytes"]) if "path_bytes" in record else record["path"]
 
 
 class ResultsLocked(Exception):
@@ -135,9 +144,8 @@ class ResultsFile:
             return
         if self.closed:
             raise ValueError(f"{self.path} is closed: its lock is no longer held")
-        # ASCII escapes keep undecodable file names (surrogates) writable and the file valid UTF-8.
-        payload = "".join(json.dumps(record) + "\n" for record in records)
-        with open(self.path, "a", encoding="ascii") as handle:
+        payload = b"".join(json.dumps(_json_ready(record)).encode() + b"\n" for record in records)
+        with open(self.path, "ab") as handle:
             handle.write(payload)
             handle.flush()
             os.fsync(handle.fileno())
@@ -146,7 +154,7 @@ class ResultsFile:
 
     def _mark(self, record: dict) -> None:
         """Record `record` as the latest of its path: a caption clears an earlier error and vice versa."""
-        key = path_key(record["path"])
+        key = path_key(record_path(record))
         self.done.add(key)
         if "error" in record:
             self.failed.add(key)
@@ -160,6 +168,25 @@ def read_records(path: str | Path) -> list[dict]:
         return [record for line in handle if (record := _parse(line)) is not None]
 
 
+def _json_ready(record: dict) -> dict:
+    """`record` as valid UTF-8 JSON holds it: bad bytes of names as U+FFFD (in the path, the
+    prompt, an error message), the exact path in `path_bytes` where it differs."""
+    ready = _as_text(record)
+    if not is_text(record["path"]):
+        ready["path_bytes"] = escaped(record["path"])
+    return ready
+
+
+def _as_text(value: object) -> object:
+    if isinstance(value, str):
+        return as_text(value)
+    if isinstance(value, dict):
+        return {key: _as_text(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_as_text(item) for item in value]
+    return value
+
+
 def _parse(line: bytes) -> dict | None:
     if not line.endswith(b"\n"):
         return None
@@ -168,5 +195,7 @@ def _parse(line: bytes) -> dict | None:
     except (UnicodeDecodeError, json.JSONDecodeError):
         return None
     if not isinstance(record, dict) or not isinstance(record.get("path"), str):
+        return None
+    if not isinstance(record.get("path_bytes", ""), str):
         return None
     return record
