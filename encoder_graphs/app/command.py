@@ -28,6 +28,9 @@ if TYPE_CHECKING:
     from encoder_graphs.protocols import CaptionInputs
 
 RESUME_HINT = "rerun the same command to resume"
+# An interrupted torchrun job: how long rank 0 waits for the other ranks' last batches (torchrun
+# kills its processes 30 s after a Ctrl-C; the merge must end before).
+INTERRUPTED_WAIT_S = 15.0
 STARTED = time.perf_counter()  # the command's start, for the statistics' times (imports after it are counted)
 
 
@@ -52,13 +55,19 @@ def caption(args: argparse.Namespace) -> int:
         default_model_dir()
     plan = make_plan(args, job_from_env())
     with plan.results:  # rank 0 (or the only process) holds the lock on --out until the run ends
-        if not plan.todo:
+        if plan.todo:
+            status = run(args, plan)
+        else:
             failed = sum(plan.results.is_failed(f.path) for f in plan.files)
             where = f"{args.out}" + (" or have sidecars" if plan.sidecars.enabled else "")
             print(f"nothing to do: all {len(plan.files)} files are already in {where} ({failed} of them as errors)")
             write_metadata(args, plan)
-            return exit_status(plan)
-        return run(args, plan)
+            status = exit_status(plan)
+    if plan.job.distributed and status == EXIT_FAILURES:
+        # torchrun reports any status but 0 of a process as the job's crash, with a traceback: a job
+        # that finished says what failed in its report, and --retry-failed tries those files again.
+        return EXIT_OK
+    return status
 
 
 def make_plan(args: argparse.Namespace, job: Job) -> Plan:
@@ -99,12 +108,13 @@ def make_plan(args: argparse.Namespace, job: Job) -> Plan:
 
 
 def open_results(args: argparse.Namespace, job: Job) -> "ResultsFile":
-    """`--out` with what it and any part files hold; locked by rank 0 (or the only process)."""
+    """`--out` with what it holds, once the part files a killed torchrun job left are merged into
+    it (by rank 0, or the only process, which holds the lock; the other ranks then read it)."""
     from encoder_graphs.app.distributed import part_paths
     from encoder_graphs.app.results import ResultsFile, ResultsLocked
 
     if job.rank != 0:
-        job.wait_for("opened", 1)  # rank 0 has the lock and has repaired a cut last line
+        job.wait_for("opened", 1)  # rank 0 has the lock, a cut last line repaired and the parts merged
     try:
         results = ResultsFile(args.out, retry_failed=args.retry_failed, lock=job.rank == 0)
     except ResultsLocked as error:
@@ -114,8 +124,14 @@ def open_results(args: argparse.Namespace, job: Job) -> "ResultsFile":
     if results.repaired_bytes:
         print(f"encoder-graphs: dropped a half-written last line ({results.repaired_bytes} bytes) of {args.out}",
               file=sys.stderr)
-    for part in part_paths(results.path):  # left by a killed torchrun job
-        results.include(part)
+    if job.rank == 0 and (parts := part_paths(results.path)):
+        try:
+            merged = results.merge(parts)
+        except (ResultsLocked, OSError) as error:
+            results.close()
+            raise UsageError(f"cannot merge the part files beside --out {args.out}: {error}") from error
+        print(f"encoder-graphs: merged {merged} records from the {len(parts)} part files an earlier torchrun job "
+              f"left beside {args.out}", file=sys.stderr)
     if job.distributed and job.rank == 0:
         job.store.add("opened", 1)
     return results
@@ -159,7 +175,7 @@ def check_outputs(args: argparse.Namespace, roots: list[Path], files: "list[Medi
 
 def run(args: argparse.Namespace, plan: Plan) -> int:
     from encoder_graphs.app.loading import load_model, pick_device
-    from encoder_graphs.report import format_run_stats
+    from encoder_graphs.report import format_graph_stats, format_run_stats
 
     device = pick_device(args.device, plan.job.local_rank)
     print(f"encoder-graphs: loading model {args.model or '(embedded tiny default)'} on {device} ...", file=sys.stderr)
@@ -169,14 +185,17 @@ def run(args: argparse.Namespace, plan: Plan) -> int:
         import torch
 
         torch.manual_seed(args.seed)
-    summary, graph_stats, graph_table = caption_files(args, plan, model, inputs, device)
+    summary, graph_stats = caption_files(args, plan, model, inputs, device)
     summary["load_s"] = loaded - STARTED
     if summary["first_records_s"] is not None:
         summary["first_caption_after_load_s"] = summary["setup_s"] + summary["first_records_s"]
-    if plan.job.distributed and (summary := finish_job(plan, summary)) is None:
-        return EXIT_OK  # rank 0 merges the parts and reports for the job
+    if plan.job.distributed:
+        job_stats = finish_job(plan, summary, graph_stats)
+        if job_stats is None:
+            return EXIT_OK  # rank 0 merges the parts and reports for the job
+        summary, graph_stats = job_stats
     print(format_run_stats(summary))
-    print(graph_table)
+    print(format_graph_stats(graph_stats))
     write_metadata(args, plan)
     if args.stats_json is not None:
         payload = {"pipeline": summary, **graph_stats, "model": args.model or "default", "device": str(device)}
@@ -188,23 +207,27 @@ def run(args: argparse.Namespace, plan: Plan) -> int:
     return exit_status(plan)
 
 
-def finish_job(plan: Plan, summary: dict) -> dict | None:
+def finish_job(plan: Plan, summary: dict, graph_stats: dict) -> tuple[dict, dict] | None:
     """Every rank's statistics to rank 0, which merges the part files into `--out` (each path
-    once: the ranks claimed disjoint chunks) and returns the job's statistics; None elsewhere."""
-    from encoder_graphs.app.distributed import combined_stats, gather_stats, part_paths
-    from encoder_graphs.app.results import read_records
+    once: the ranks claimed disjoint chunks) and returns the job's run and graph statistics; None
+    elsewhere. Interrupted, rank 0 waits a while only: the other ranks stop after their batch, and
+    torchrun kills what is left 30 s after a Ctrl-C. The parts of ranks that did not report wait for
+    the next run to merge them."""
+    from encoder_graphs.app.distributed import gather_stats, part_path
+    from encoder_graphs.app.jobstats import combined_graph_stats, combined_stats
 
-    ranks = gather_stats(plan.job, summary)
+    patience_s = INTERRUPTED_WAIT_S if summary["interrupted"] else None
+    ranks = gather_stats(plan.job, {"run": summary, "graphs": graph_stats}, patience_s)
     if ranks is None:
         return None
-    for part in part_paths(plan.results.path):
-        plan.results.append(read_records(part))
-        part.unlink()
-    return combined_stats(ranks)
+    parts = [part_path(plan.results.path, rank) for rank in ranks]
+    plan.results.merge([part for part in parts if part.exists()])
+    job_summary = combined_stats({rank: stats["run"] for rank, stats in ranks.items()})
+    return job_summary, combined_graph_stats([stats["graphs"] for stats in ranks.values()])
 
 
 def write_metadata(args: argparse.Namespace, plan: Plan) -> None:
-    if args.hf_metadata:
+    if args.hf_metadata and plan.job.rank == 0:  # rank 0 alone: the other ranks would race it
         from encoder_graphs.app.outputs import write_hf_metadata
 
         for path in write_hf_metadata(plan.results.path, plan.roots):
@@ -213,7 +236,7 @@ def write_metadata(args: argparse.Namespace, plan: Plan) -> None:
 
 def caption_files(
     args: argparse.Namespace, plan: Plan, model: "PreTrainedModel", inputs: "CaptionInputs", device: "torch.device"
-) -> tuple[dict, dict, str]:
+) -> tuple[dict, dict]:
     """Enable the graphs, caption the files still to do, disable them: the run's and the graphs'
     statistics."""
     from encoder_graphs import enable_cuda_graphs
@@ -270,7 +293,7 @@ def caption_files(
         with stop_on_interrupt() as stop:
             stats = captioner.run(files, outputs, stop)
     finally:
-        graph_stats, graph_table = handle.stats(), handle.format_stats()
+        graph_stats = handle.stats()
         handle.disable()
         if writer is not plan.results:
             writer.close()
@@ -289,7 +312,7 @@ def caption_files(
         import torch
 
         summary["peak_gpu_memory_bytes"] = torch.cuda.max_memory_allocated(device)
-    return summary, graph_stats, graph_table
+    return summary, graph_stats
 
 
 def wants_compile(args: argparse.Namespace, plan: Plan, device: "torch.device") -> bool:

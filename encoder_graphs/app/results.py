@@ -19,6 +19,7 @@ import contextlib
 import errno
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 from encoder_graphs.app.lock import FileLock, HeldElsewhere, LockHolder
@@ -128,29 +129,52 @@ class ResultsFile:
         key = path_key(path)
         return key in self.done and not (self.retry_failed and key in self.failed)
 
-    def include(self, path: str | Path) -> None:
-        """Count the records of another results file too (a torchrun rank's part), after ours."""
-        if Path(path).exists():
-            for record in read_records(path):
-                self._mark(record)
-
     def is_failed(self, path: str | Path) -> bool:
         """The latest record of `path` is an error."""
         return path_key(path) in self.failed
 
     def append(self, records: list[dict]) -> None:
         """Write `records` and make them durable before returning."""
-        if not records:
+        self._write(b"".join(json.dumps(_json_ready(record)).encode() + b"\n" for record in records))
+        for record in records:
+            self._mark(record)
+
+    def merge(self, parts: Sequence[Path]) -> int:
+        """Append the records of `parts` (torchrun ranks' files) that this file does not hold yet,
+        then remove the parts; how many were appended. A merge that a kill cut short is finished by
+        the next one: the lines it copied already are found here byte for byte, so no record is
+        written twice. Each part's lock is taken first, so a rank still writing it is not robbed."""
+        locks = [FileLock(part) for part in parts]
+        try:
+            for lock, part in zip(locks, parts):
+                try:
+                    lock.acquire()
+                except HeldElsewhere as error:
+                    raise ResultsLocked(part, error.holder) from None
+            missing = dict.fromkeys(line for part in parts for line in _record_lines(part))
+            if missing and self.path.exists():
+                with open(self.path, "rb") as handle:
+                    for line in handle:
+                        missing.pop(line, None)
+            self._write(b"".join(missing))
+            for line in missing:
+                self._mark(_parse(line))
+            for part in parts:
+                part.unlink()
+        finally:
+            for lock in locks:
+                lock.release()
+        return len(missing)
+
+    def _write(self, payload: bytes) -> None:
+        if not payload:
             return
         if self.closed:
             raise ValueError(f"{self.path} is closed: its lock is no longer held")
-        payload = b"".join(json.dumps(_json_ready(record)).encode() + b"\n" for record in records)
         with open(self.path, "ab") as handle:
             handle.write(payload)
             handle.flush()
             os.fsync(handle.fileno())
-        for record in records:
-            self._mark(record)
 
     def _mark(self, record: dict) -> None:
         """Record `record` as the latest of its path: a caption clears an earlier error and vice versa."""
@@ -166,6 +190,12 @@ def read_records(path: str | Path) -> list[dict]:
     """Every complete, well-formed record in a results file."""
     with open(path, "rb") as handle:
         return [record for line in handle if (record := _parse(line)) is not None]
+
+
+def _record_lines(path: Path) -> list[bytes]:
+    """The lines of the complete, well-formed records in a results file, as written."""
+    with open(path, "rb") as handle:
+        return [line for line in handle if _parse(line) is not None]
 
 
 def _json_ready(record: dict) -> dict:
