@@ -99,8 +99,9 @@ def make_plan(args: argparse.Namespace, job: Job) -> Plan:
         raise UsageError(str(error)) from error
     check_outputs(args, roots, files, sidecars)
     results = open_results(args, job)
-    if job.rank == 0 and sidecars.enabled and (written := sidecars.backfill(results.path, [f.path for f in files])):
-        print(f"encoder-graphs: wrote {written} sidecars from captions already in {args.out}", file=sys.stderr)
+    if job.rank == 0 and sidecars.enabled:
+        if written := sidecars.backfill(results.path, [f.path for f in files], config.text):
+            print(f"encoder-graphs: wrote {written} sidecars from captions already in {args.out}", file=sys.stderr)
     todo = [f for f in files if not results.is_done(f.path) and not sidecars.skips(f.path)]
     if job.distributed:  # every rank must hold the same list before any starts writing parts
         job.barrier("planned")

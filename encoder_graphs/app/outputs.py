@@ -46,15 +46,16 @@ class SidecarPolicy:
                 clashes.append((first, file))
         return clashes
 
-    def backfill(self, results_path: Path, files: Sequence[Path]) -> int:
+    def backfill(self, results_path: Path, files: Sequence[Path], text: Callable[[str], str]) -> int:
         """Write the sidecars of files the results already caption (an earlier run without
-        `--sidecar`, or one killed between its record and its sidecars); how many."""
-        texts = {key: record["text"] for key, record in latest_records(results_path).items() if "text" in record}
+        `--sidecar`, or one killed between its record and its sidecars), each caption with this
+        run's prefix and suffix (`text`); with `overwrite` also those whose sidecar exists. How many."""
+        captions = {key: record["caption"] for key, record in latest_records(results_path).items() if "caption" in record}
         written = 0
         for file in files:
-            text = texts.get(path_key(file))
-            if text is not None and (self.overwrite or not self.path(file).exists()):
-                write_atomically(self.path(file), text + "\n")
+            caption = captions.get(path_key(file))
+            if caption is not None and (self.overwrite or not self.path(file).exists()):
+                write_atomically(self.path(file), text(caption) + "\n")
                 written += 1
         return written
 
