@@ -228,11 +228,17 @@ def finish_job(plan: Plan, summary: dict, graph_stats: dict) -> tuple[dict, dict
 
 
 def write_metadata(args: argparse.Namespace, plan: Plan) -> None:
-    if args.hf_metadata and plan.job.rank == 0:  # rank 0 alone: the other ranks would race it
-        from encoder_graphs.app.outputs import write_hf_metadata
+    if not args.hf_metadata or plan.job.rank != 0:
+        return
+    from encoder_graphs.app.metadata import write_hf_metadata
+    from encoder_graphs.app.names import as_text
 
-        for path in write_hf_metadata(plan.results.path, plan.roots):
-            print(f"wrote {path}")
+    written, left_out = write_hf_metadata(plan.results.path, plan.roots, plan.files, plan.sidecars)
+    for path in written:
+        print(f"wrote {path}")
+    if left_out:
+        print(f"encoder-graphs: metadata.jsonl has no row for {len(left_out)} images whose names are not UTF-8, "
+              f"which a JSON file_name cannot name (rename them), e.g. {as_text(str(left_out[0]))}", file=sys.stderr)
 
 
 def caption_files(

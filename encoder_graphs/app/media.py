@@ -36,6 +36,7 @@ class MediaFile:
     path: Path
     kind: str  # "image" | "video" | "folder" (one that could not be listed: `load` raises)
     reason: str = field(default="", compare=False)  # why a "folder" could not be listed
+    aliases: tuple[Path, ...] = field(default=(), compare=False)  # its other names the walk found (symlinks to it)
 
 
 class VideoFrames(list):
@@ -86,12 +87,13 @@ def discover(paths: list[str | Path], *, include_hidden: bool = False) -> list[M
     Paths are made absolute (symlinks kept): a results file written from one working directory
     resumes from any other. Raises FileNotFoundError for a path that does not exist; files of other
     types are skipped. Symlinked folders are followed, each real folder walked once (so a link to
-    an ancestor cannot loop) and each real file listed once (`path_key`). Hidden files and folders
+    an ancestor cannot loop) and each real file listed once (`path_key`), its other names as
+    `aliases` (each gets its row in metadata.jsonl). Hidden files and folders
     (name starting with ".") are skipped unless `include_hidden`; a path given in `paths` is always
     used. A folder that cannot be listed is not dropped silently: it is listed as a
     `MediaFile(kind="folder")`, which `load` reports as an "unreadable" `MediaError`.
     """
-    found: dict[str, MediaFile] = {}
+    found: dict[str, dict[Path, tuple[str, str]]] = {}  # path_key -> {name: (kind, reason)}, first name first
     visited: set[tuple[int, int]] = set()  # (st_dev, st_ino) of every folder walked
     for root in map(Path, paths):
         if not root.exists() and not root.is_symlink():
@@ -100,8 +102,12 @@ def discover(paths: list[str | Path], *, include_hidden: bool = False) -> list[M
         for path, reason in candidates:
             kind = "folder" if reason is not None else media_kind(path)
             if kind is not None:
-                found.setdefault(path_key(path), MediaFile(Path(os.path.abspath(path)), kind, reason or ""))
-    return sorted(found.values(), key=lambda f: str(f.path))
+                found.setdefault(path_key(path), {}).setdefault(Path(os.path.abspath(path)), (kind, reason or ""))
+    files = []
+    for names in found.values():
+        first, *others = names
+        files.append(MediaFile(first, *names[first], aliases=tuple(others)))
+    return sorted(files, key=lambda f: str(f.path))
 
 
 def _walk(root: Path, visited: set[tuple[int, int]], include_hidden: bool) -> list[tuple[Path, str | None]]:

@@ -1,8 +1,7 @@
-"""Where captions go: the JSONL results (the run's record, resumable), caption sidecars beside the
-files, and `metadata.jsonl` per root folder (the layout the `datasets` imagefolder loader reads).
-Also the checks that every output can be written, made before any model loads."""
+"""Where captions go: the JSONL results (the run's record, resumable) and caption sidecars beside
+the files (`metadata.jsonl`: `metadata.py`). Also the checks that every output can be written,
+made before any model loads."""
 
-import json
 import os
 import tempfile
 from collections.abc import Callable, Sequence
@@ -97,25 +96,6 @@ def latest_records(results_path: Path) -> dict[str, dict]:
         for record in read_records(results_path):
             latest[path_key(record_path(record))] = record
     return latest
-
-
-def write_hf_metadata(results_path: Path, roots: Sequence[Path]) -> list[Path]:
-    """`metadata.jsonl` (file_name relative to the folder, text) in each root folder, from every
-    caption the results file holds for files under it that still exist (the latest record of a
-    path wins)."""
-    latest = latest_records(results_path)
-    written = []
-    for root in (r for r in roots if r.is_dir()):
-        rows = [
-            {"file_name": os.path.relpath(record["path"], root), "text": record["text"]}
-            for record in latest.values()
-            if "text" in record and Path(record["path"]).is_relative_to(root) and Path(record["path"]).exists()
-        ]
-        if rows:
-            lines = "".join(json.dumps(row) + "\n" for row in sorted(rows, key=lambda r: r["file_name"]))
-            write_atomically(root / METADATA_FILE, lines)
-            written.append(root / METADATA_FILE)
-    return written
 
 
 def write_atomically(path: Path, text: str) -> None:
