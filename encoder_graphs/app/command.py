@@ -31,6 +31,9 @@ if TYPE_CHECKING:
     from encoder_graphs.protocols import CaptionInputs
 
 RESUME_HINT = "rerun the same command to resume"
+# An interrupted torchrun job: how long rank 0 waits for the other ranks' last batches (torchrun
+# kills its processes 30 s after a Ctrl-C; the merge must end before).
+INTERRUPTED_WAIT_S = 15.0
 STARTED = time.perf_counter()  # the command's start, for the statistics' times (imports after it are counted)
 
 
@@ -55,7 +58,9 @@ def caption(args: argparse.Namespace) -> int:
         default_model_dir()
     plan = make_plan(args, job_from_env())
     with plan.results:  # rank 0 (or the only process) holds the lock on --out until the run ends
-        if not plan.todo:
+        if plan.todo:
+            status = run(args, plan)
+        else:
             failed = sum(plan.results.is_failed(f.path) for f in plan.files)
             where = printable(args.out) + (" or have sidecars" if plan.sidecars.enabled else "")
             print(f"nothing to do: all {len(plan.files)} files are already in {where} ({failed} of them as errors)")
@@ -63,8 +68,12 @@ def caption(args: argparse.Namespace) -> int:
             if plan.job.rank == 0:
                 files = len(plan.files)
                 write_stats_json(args, {"pipeline": {"files": files, "skipped": files, "succeeded": 0, "failed": 0}})
-            return exit_status(plan)
-        return run(args, plan)
+            status = exit_status(plan)
+    if plan.job.distributed and status == EXIT_FAILURES:
+        # torchrun reports any status but 0 of a process as the job's crash, with a traceback: a job
+        # that finished says what failed in its report, and --retry-failed tries those files again.
+        return EXIT_OK
+    return status
 
 
 def make_plan(args: argparse.Namespace, job: Job) -> Plan:
@@ -101,7 +110,7 @@ def make_plan(args: argparse.Namespace, job: Job) -> Plan:
     check_outputs(args, roots, files, sidecars)
     results = open_results(args, job)
     if job.rank == 0:
-        tidy_outputs(args, roots, files, sidecars, results)
+        tidy_outputs(args, roots, files, sidecars, results, config.text)
     todo = [f for f in files if not results.is_done(f.path) and not sidecars.skips(f.path)]
     if job.distributed:  # every rank must hold the same list before any starts writing parts
         job.barrier("planned")
@@ -133,12 +142,13 @@ def check_attention_backend(name: str | None) -> None:
 
 
 def open_results(args: argparse.Namespace, job: Job) -> "ResultsFile":
-    """`--out` with what it and any part files hold; locked by rank 0 (or the only process)."""
+    """`--out` with what it holds, once the part files a killed torchrun job left are merged into
+    it (by rank 0, or the only process, which holds the lock; the other ranks then read it)."""
     from encoder_graphs.app.distributed import part_paths
     from encoder_graphs.app.results import NotResultsFile, ResultsFile, ResultsLocked
 
     if job.rank != 0:
-        job.wait_for("opened", 1)  # rank 0 has the lock and has repaired a cut last line
+        job.wait_for("opened", 1)  # rank 0 has the lock, a cut last line repaired and the parts merged
     try:
         # The file the user named (checked), through their symlink: the lock opens no symlink.
         results = ResultsFile(os.path.realpath(args.out), retry_failed=args.retry_failed, lock=job.rank == 0)
@@ -149,8 +159,14 @@ def open_results(args: argparse.Namespace, job: Job) -> "ResultsFile":
     if results.repaired_bytes:
         print(f"encoder-graphs: dropped a half-written last line ({results.repaired_bytes} bytes) of "
               f"{printable(args.out)}", file=sys.stderr)
-    for part in part_paths(results.path):  # left by a killed torchrun job
-        results.include(part)
+    if job.rank == 0 and (parts := part_paths(results.path)):
+        try:
+            merged = results.merge(parts)
+        except (ResultsLocked, OSError) as error:
+            results.close()
+            raise UsageError(f"cannot merge the part files beside --out {printable(args.out)}: {error}") from error
+        print(f"encoder-graphs: merged {merged} records from the {len(parts)} part files an earlier torchrun job "
+              f"left beside {printable(args.out)}", file=sys.stderr)
     if job.distributed and job.rank == 0:
         job.store.add("opened", 1)
     return results
@@ -200,11 +216,11 @@ def check_outputs(args: argparse.Namespace, roots: list[Path], files: "list[Medi
 
 def tidy_outputs(
     args: argparse.Namespace, roots: list[Path], files: "list[MediaFile]", sidecars: SidecarPolicy,
-    results: "ResultsFile",
+    results: "ResultsFile", text: Callable[[str], str],
 ) -> None:
     """Before the plan (rank 0): the temporaries killed runs left beside this run's outputs
-    removed, and the sidecars of files the results caption already written (one that cannot be
-    is its file's error record)."""
+    removed, and the sidecars of files the results caption already written, each caption with
+    this run's prefix and suffix (`text`; one that cannot be written is its file's error record)."""
     from encoder_graphs.app.outputs import remove_stale_temporaries
 
     media = [name for f in files if f.kind != "folder" for name in f.names]
@@ -215,7 +231,7 @@ def tidy_outputs(
         print(f"encoder-graphs: removed {removed} temporary files a killed run left", file=sys.stderr)
     if not sidecars.enabled:
         return
-    written, errors = sidecars.backfill(results.path, media)
+    written, errors = sidecars.backfill(results.path, media, text)
     results.append(errors)
     if written:
         print(f"encoder-graphs: wrote {written} sidecars from captions already in {printable(args.out)}", file=sys.stderr)
@@ -243,7 +259,7 @@ def write_output(path: Path, text: str) -> None:
 
 def run(args: argparse.Namespace, plan: Plan) -> int:
     from encoder_graphs.app.loading import load_model, open_model, pick_device
-    from encoder_graphs.report import format_run_stats
+    from encoder_graphs.report import format_graph_stats, format_run_stats
 
     device = pick_device(args.device, plan.job.local_rank)
     source = open_model(args.model, max_tiles=args.max_tiles, max_image_tokens=args.max_image_tokens)
@@ -253,14 +269,17 @@ def run(args: argparse.Namespace, plan: Plan) -> int:
     print(f"encoder-graphs: loading model {name} on {device} ...", file=sys.stderr)
     model = load_model(source, device)
     loaded = time.perf_counter()  # the weights are on the device
-    summary, graph_stats, graph_table = caption_files(args, plan, model, source.inputs, device, limits, longest)
+    summary, graph_stats = caption_files(args, plan, model, source.inputs, device, limits, longest)
     summary["load_s"] = loaded - STARTED
     if summary["first_records_s"] is not None:
         summary["first_caption_after_load_s"] = summary["setup_s"] + summary["first_records_s"]
-    if plan.job.distributed and (summary := finish_job(plan, summary)) is None:
-        return EXIT_OK  # rank 0 merges the parts and reports for the job
+    if plan.job.distributed:
+        job_stats = finish_job(plan, summary, graph_stats)
+        if job_stats is None:
+            return EXIT_OK  # rank 0 merges the parts and reports for the job
+        summary, graph_stats = job_stats
     print(format_run_stats(summary))
-    print(graph_table)
+    print(format_graph_stats(graph_stats))
     write_metadata(args, plan)
     write_stats_json(args, {"pipeline": summary, **graph_stats, "device": str(device)})
     if summary["interrupted"]:
@@ -269,31 +288,40 @@ def run(args: argparse.Namespace, plan: Plan) -> int:
     return exit_status(plan)
 
 
-def finish_job(plan: Plan, summary: dict) -> dict | None:
+def finish_job(plan: Plan, summary: dict, graph_stats: dict) -> tuple[dict, dict] | None:
     """Every rank's statistics to rank 0, which merges the part files into `--out` (each path
-    once: the ranks claimed disjoint chunks) and returns the job's statistics; None elsewhere."""
-    from encoder_graphs.app.distributed import combined_stats, gather_stats, part_paths
-    from encoder_graphs.app.results import read_records
+    once: the ranks claimed disjoint chunks) and returns the job's run and graph statistics; None
+    elsewhere. Interrupted, rank 0 waits a while only: the other ranks stop after their batch, and
+    torchrun kills what is left 30 s after a Ctrl-C. The parts of ranks that did not report wait for
+    the next run to merge them."""
+    from encoder_graphs.app.distributed import gather_stats, part_path
+    from encoder_graphs.app.jobstats import combined_graph_stats, combined_stats
 
-    ranks = gather_stats(plan.job, summary)
+    patience_s = INTERRUPTED_WAIT_S if summary["interrupted"] else None
+    ranks = gather_stats(plan.job, {"run": summary, "graphs": graph_stats}, patience_s)
     if ranks is None:
         return None
-    for part in part_paths(plan.results.path):
-        plan.results.append(read_records(part))
-        part.unlink()
-    return combined_stats(ranks)
+    parts = [part_path(plan.results.path, rank) for rank in ranks]
+    plan.results.merge([part for part in parts if part.exists()])
+    job_summary = combined_stats({rank: stats["run"] for rank, stats in ranks.items()})
+    return job_summary, combined_graph_stats([stats["graphs"] for stats in ranks.values()])
 
 
 def write_metadata(args: argparse.Namespace, plan: Plan) -> None:
-    if args.hf_metadata:
-        from encoder_graphs.app.outputs import write_hf_metadata
+    if not args.hf_metadata or plan.job.rank != 0:
+        return
+    from encoder_graphs.app.metadata import write_hf_metadata
+    from encoder_graphs.app.names import as_text
 
-        try:
-            written = write_hf_metadata(plan.results.path, plan.roots)
-        except OSError as error:
-            raise OutputError(error.filename or METADATA_FILE, error) from error
-        for path in written:
-            print(f"wrote {printable(path)}")
+    try:
+        written, left_out = write_hf_metadata(plan.results.path, plan.roots, plan.files, plan.sidecars)
+    except OSError as error:
+        raise OutputError(error.filename or METADATA_FILE, error) from error
+    for path in written:
+        print(f"wrote {printable(path)}")
+    if left_out:
+        print(f"encoder-graphs: metadata.jsonl has no row for {len(left_out)} images whose names are not UTF-8, "
+              f"which a JSON file_name cannot name (rename them), e.g. {as_text(str(left_out[0]))}", file=sys.stderr)
 
 
 def write_stats_json(args: argparse.Namespace, payload: dict) -> None:
@@ -311,7 +339,7 @@ def caption_files(
     device: "torch.device",
     limits: "LoadLimits",
     longest: int,
-) -> tuple[dict, dict, str]:
+) -> tuple[dict, dict]:
     """Enable the graphs, caption the files still to do, disable them: the run's and the graphs'
     statistics. `longest`: the longest sequence (`check_length`), which sizes the decoder's
     cache, its length tiers and the batch."""
@@ -364,7 +392,7 @@ def caption_files(
         with stop_on_interrupt() as stop:
             stats = captioner.run(files, outputs, stop)
     finally:
-        graph_stats, graph_table = handle.stats(), handle.format_stats()
+        graph_stats = handle.stats()
         handle.disable()
         if writer is not plan.results:
             writer.close()
@@ -385,7 +413,7 @@ def caption_files(
         import torch
 
         summary["peak_gpu_memory_bytes"] = torch.cuda.max_memory_allocated(device)
-    return summary, graph_stats, graph_table
+    return summary, graph_stats
 
 
 def wants_compile(args: argparse.Namespace, plan: Plan, device: "torch.device") -> bool:

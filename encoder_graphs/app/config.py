@@ -7,6 +7,8 @@ import re
 import string
 from dataclasses import dataclass, field
 
+from encoder_graphs.app.names import as_text
+
 DEFAULT_PROMPT = "Describe this in one sentence."
 # What a prompt template may name: the file's name without its extension, its folder's name, and
 # the image's size in pixels (a video's frame size as decoded).
@@ -61,8 +63,9 @@ class CaptionConfig:
         check_template(self.prompt)
 
     def prompt_for(self, name: str, folder: str, width: int, height: int) -> str:
-        """The prompt of one file: the template with its fields filled in."""
-        return self.prompt.format(name=name, folder=folder, width=width, height=height)
+        """The prompt of one file: the template with its fields filled in (a name's bytes that are
+        not UTF-8 as U+FFFD: the tokenizer takes text only)."""
+        return self.prompt.format(name=as_text(name), folder=as_text(folder), width=width, height=height)
 
     def seed_for(self, name: str) -> int:
         """The sampling seed of the file at `name` (its path within its root): from the run's seed

@@ -5,14 +5,14 @@ first, as `load_balance` orders them); each rank claims the next chunk (a quarte
 atomic counter on torchrun's own store, so a slow rank simply takes fewer. Each rank
 appends its records to its own part file beside `--out` (`captions.jsonl.part1`); at the end rank
 0 merges every part into `--out` and removes them. Rank 0 holds the lock on `--out` for the job.
-A rerun reads `--out` and any parts a killed run left, so nothing is lost or done twice.
+Any later run (torchrun or not) first merges the parts a killed job left, so nothing is lost or
+done twice.
 """
 
 import json
 import os
 import time
 import warnings
-from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -38,10 +38,15 @@ class Job:
     def distributed(self) -> bool:
         return self.world_size > 1
 
-    def wait_for(self, key: str, count: int) -> None:
-        """Until `count` ranks have added to `key` (a barrier that needs no collective backend)."""
+    def wait_for(self, key: str, count: int, patience_s: float | None = None) -> bool:
+        """Until `count` ranks have added to `key` (a barrier that needs no collective backend), or
+        at most `patience_s`; whether they have."""
+        deadline = None if patience_s is None else time.monotonic() + patience_s
         while int(self.store.add(key, 0)) < count:
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
             time.sleep(POLL_S)
+        return True
 
     def barrier(self, key: str) -> None:
         """Until every rank has reached this point."""
@@ -107,40 +112,13 @@ def claimed(job: Job, files: Sequence[MediaFile], chunk: int) -> Iterator[MediaF
         yield from files[start : start + chunk]
 
 
-def gather_stats(job: Job, stats: dict) -> list[dict] | None:
-    """Publish this rank's statistics; rank 0 waits for every rank's and gets them all."""
+def gather_stats(job: Job, stats: dict, patience_s: float | None = None) -> dict[int, dict] | None:
+    """Publish this rank's statistics; rank 0 gets those of every rank that published them within
+    `patience_s` (None: all, however long), by rank."""
     job.store.set(f"stats/{job.rank}", json.dumps(stats, default=str))
     job.store.add("finished", 1)
     if job.rank != 0:
         return None
-    job.wait_for("finished", job.world_size)
-    return [json.loads(job.store.get(f"stats/{rank}")) for rank in range(job.world_size)]
-
-
-def combined_stats(ranks: list[dict]) -> dict:
-    """One run's statistics from every rank's: sums, the slowest rank's wall time, throughput."""
-    from encoder_graphs.app.runstats import padding_pct  # torch: not at import (the CLI's fast paths)
-
-    wall_s = max(r["wall_s"] for r in ranks)
-    done = sum(r["succeeded"] + r["failed"] for r in ranks)
-    counts = ("succeeded", "failed", "generated_tokens", "batches", "retried_batches", "sidecars", "sidecar_errors",
-              "input_wait_s", "prompt_tokens", "padded_prompt_tokens")
-    combined = {key: sum(r[key] for r in ranks) for key in counts}
-    for key in ("by_kind", "failures"):
-        combined[key] = dict(sum((Counter(r[key]) for r in ranks), Counter()))
-    busiest = max(ranks, key=lambda r: r["succeeded"] + r["failed"])  # its latencies stand for the job's
-    return {
-        **busiest,
-        **combined,
-        "wall_s": wall_s,
-        "items_per_s": done / wall_s if wall_s else 0.0,
-        "tokens_per_s": combined["generated_tokens"] / wall_s if wall_s else 0.0,
-        "prompt_padding_pct": padding_pct(combined["prompt_tokens"], combined["padded_prompt_tokens"]),
-        "interrupted": any(r["interrupted"] for r in ranks),
-        "world_size": len(ranks),
-        "ranks": [
-            {"rank": i, "files": r["succeeded"] + r["failed"], "items_per_s": r["items_per_s"],
-             "idle_s": wall_s - r["wall_s"] + r["input_wait_s"]}
-            for i, r in enumerate(ranks)
-        ],
-    }
+    job.wait_for("finished", job.world_size, patience_s)
+    keys = {rank: f"stats/{rank}" for rank in range(job.world_size)}
+    return {rank: json.loads(job.store.get(key)) for rank, key in keys.items() if job.store.check([key])}

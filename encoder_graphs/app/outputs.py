@@ -1,8 +1,7 @@
-"""Where captions go: the JSONL results (the run's record, resumable), caption sidecars beside the
-files, and `metadata.jsonl` per root folder (the layout the `datasets` imagefolder loader reads).
-Files are written whole through a temporary renamed into place, never through a symlink; a
-sidecar that cannot be written is an error record of its file. Also the check that every output
-can be written, made before any model loads."""
+"""Where captions go: the JSONL results (the run's record, resumable) and caption sidecars beside
+the files (`metadata.jsonl`: `metadata.py`). Files are written whole through a temporary renamed
+into place, never through a symlink; a sidecar that cannot be written is an error record of its
+file. Also the checks that every output can be written, made before any model loads."""
 
 import contextlib
 import errno
@@ -20,7 +19,7 @@ from pathlib import Path
 
 from encoder_graphs.app.lock import OPEN_FLAGS
 from encoder_graphs.app.media import media_kind
-from encoder_graphs.app.results import ResultsFile, path_key, read_records
+from encoder_graphs.app.results import ResultsFile, path_key, read_records, record_path
 
 METADATA_FILE = "metadata.jsonl"
 NAME_MAX = 255  # bytes in a file name (ext4, xfs, btrfs, tmpfs, NFS)
@@ -63,18 +62,23 @@ class SidecarPolicy:
                 clashes.append((first, file))
         return clashes
 
-    def backfill(self, results_path: Path, files: Sequence[Path]) -> tuple[int, list[dict]]:
+    def backfill(
+        self, results_path: Path, files: Sequence[Path], text: Callable[[str], str]
+    ) -> tuple[int, list[dict]]:
         """Write the sidecars of files the results already caption (an earlier run without
-        `--sidecar`, or one killed between its record and its sidecars): how many, and the error
-        records of those that could not be written."""
+        `--sidecar`, or one killed between its record and its sidecars), each caption with this
+        run's prefix and suffix (`text`); with `overwrite` also those whose sidecar exists. How
+        many, and the error records of those that could not be written."""
         latest = latest_records(results_path)
         written, errors = 0, []
         for file in files:
             record = latest.get(path_key(file))
-            if record is None or "text" not in record or (not self.overwrite and os.path.isfile(self.path(file))):
+            if record is None or "caption" not in record:
+                continue
+            if not self.overwrite and os.path.isfile(self.path(file)):
                 continue
             try:
-                written += self.write(file, record["text"])
+                written += self.write(file, text(record["caption"]))
             except OSError as error:
                 errors.append(sidecar_error(record, error))
         return written, errors
@@ -140,28 +144,8 @@ def latest_records(results_path: Path) -> dict[str, dict]:
     latest: dict[str, dict] = {}
     if results_path.exists():
         for record in read_records(results_path):
-            latest[path_key(record["path"])] = record
+            latest[path_key(record_path(record))] = record
     return latest
-
-
-def write_hf_metadata(results_path: Path, roots: Sequence[Path]) -> list[Path]:
-    """`metadata.jsonl` (file_name relative to the folder, text) in each root folder, from every
-    caption the results file holds for files under it that still exist (the latest record of a
-    path wins)."""
-    latest = latest_records(results_path)
-    written = []
-    for root in (r for r in roots if r.is_dir()):
-        rows = [
-            {"file_name": os.path.relpath(record["path"], root), "text": record["text"]}
-            for record in latest.values()
-            if "text" in record and Path(record["path"]).is_relative_to(root) and Path(record["path"]).exists()
-        ]
-        if rows:
-            # ASCII escapes: file names that are not valid UTF-8 stay writable, the JSON stays valid.
-            lines = "".join(json.dumps(row) + "\n" for row in sorted(rows, key=lambda r: r["file_name"]))
-            write_atomically(root / METADATA_FILE, lines)
-            written.append(root / METADATA_FILE)
-    return written
 
 
 def write_atomically(path: Path, text: str, *, replace: bool = True) -> bool:

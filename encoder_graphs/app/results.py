@@ -12,15 +12,20 @@ One run at a time per results file: `ResultsFile` holds the exclusive lock of `l
 file itself (any name of it) from construction to `close()` (or the end of a `with` block), and
 writes through that lock's descriptor. A file that does not begin with a record is not a results
 file: it is refused, never cut or appended to.
+
+Every line is valid UTF-8 JSON: a path that is not UTF-8 is written with U+FFFD for its bad bytes,
+and `path_bytes` holds it exactly (`names.escaped`); `record_path` gives it back.
 """
 
 import contextlib
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 from encoder_graphs.app.errors import OutputError
 from encoder_graphs.app.lock import FileLock, HeldElsewhere, LockFileError, LockHolder
+from encoder_graphs.app.names import as_text, escaped, is_text, unescaped
 
 RECORD_START = b'{"path": '  # how every record we write begins (the path is its first key)
 
@@ -28,6 +33,11 @@ RECORD_START = b'{"path": '  # how every record we write begins (the path is its
 def path_key(path: str | Path) -> str:
     """The identity of an input file across runs, whatever the working directory."""
     return os.path.realpath(path)
+
+
+def record_path(record: dict) -> str:
+    """The exact path of the file a record describes."""
+    return unescaped(record["path_bytes"]) if "path_bytes" in record else record["path"]
 
 
 class ResultsLocked(Exception):
@@ -129,12 +139,6 @@ class ResultsFile:
         key = path_key(path)
         return key in self.done and not (self.retry_failed and key in self.failed)
 
-    def include(self, path: str | Path) -> None:
-        """Count the records of another results file too (a torchrun rank's part), after ours."""
-        if Path(path).exists():
-            for record in read_records(path):
-                self._mark(record)
-
     def is_failed(self, path: str | Path) -> bool:
         """The latest record of `path` is an error."""
         return path_key(path) in self.failed
@@ -142,28 +146,59 @@ class ResultsFile:
     def append(self, records: list[dict]) -> None:
         """Write `records` and make them durable before returning; `OutputError` when they cannot
         be (the file is left as it was)."""
-        if not records:
-            return
-        if self.closed:
-            raise ValueError(f"{self.path} is closed: its lock is no longer held")
-        # ASCII escapes keep undecodable file names (surrogates) writable and the file valid UTF-8.
-        payload = memoryview("".join(json.dumps(record) + "\n" for record in records).encode("ascii"))
-        fd = self._lock.fd
-        end = os.lseek(fd, 0, os.SEEK_END)
-        try:
-            while payload:
-                payload = payload[os.write(fd, payload) :]
-            os.fsync(fd)
-        except OSError as error:  # disk full, file too large: the file as it was, no half line
-            with contextlib.suppress(OSError):
-                os.ftruncate(fd, end)
-            raise OutputError(self.path, error) from error
+        self._write(b"".join(json.dumps(_json_ready(record)).encode() + b"\n" for record in records))
         for record in records:
             self._mark(record)
 
+    def merge(self, parts: Sequence[Path]) -> int:
+        """Append the records of `parts` (torchrun ranks' files) that this file does not hold yet,
+        then remove the parts; how many were appended. A merge that a kill cut short is finished by
+        the next one: the lines it copied already are found here byte for byte, so no record is
+        written twice. Each part's lock is taken first, so a rank still writing it is not robbed."""
+        locks = [FileLock(part) for part in parts]
+        try:
+            for lock, part in zip(locks, parts):
+                try:
+                    lock.acquire()
+                except HeldElsewhere as error:
+                    raise ResultsLocked(part, error.holder) from None
+            missing = dict.fromkeys(line for part in parts for line in _record_lines(part))
+            if missing and self.path.exists():
+                with open(self.path, "rb") as handle:
+                    for line in handle:
+                        missing.pop(line, None)
+            self._write(b"".join(missing))
+            for line in missing:
+                self._mark(_parse(line))
+            for part in parts:
+                part.unlink()
+        finally:
+            for lock in locks:
+                lock.release()
+        return len(missing)
+
+    def _write(self, payload: bytes) -> None:
+        """`payload` appended through the lock's descriptor and made durable; `OutputError` when
+        it cannot be (disk full, file too large), the file cut back as it was: no half line."""
+        if not payload:
+            return
+        if self.closed:
+            raise ValueError(f"{self.path} is closed: its lock is no longer held")
+        fd = self._lock.fd
+        end = os.lseek(fd, 0, os.SEEK_END)
+        remaining = memoryview(payload)
+        try:
+            while remaining:
+                remaining = remaining[os.write(fd, remaining) :]
+            os.fsync(fd)
+        except OSError as error:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, end)
+            raise OutputError(self.path, error) from error
+
     def _mark(self, record: dict) -> None:
         """Record `record` as the latest of its path: a caption clears an earlier error and vice versa."""
-        key = path_key(record["path"])
+        key = path_key(record_path(record))
         self.done.add(key)
         if "error" in record:
             self.failed.add(key)
@@ -177,6 +212,31 @@ def read_records(path: str | Path) -> list[dict]:
         return [record for line in handle if (record := _parse(line)) is not None]
 
 
+def _record_lines(path: Path) -> list[bytes]:
+    """The lines of the complete, well-formed records in a results file, as written."""
+    with open(path, "rb") as handle:
+        return [line for line in handle if _parse(line) is not None]
+
+
+def _json_ready(record: dict) -> dict:
+    """`record` as valid UTF-8 JSON holds it: bad bytes of names as U+FFFD (in the path, the
+    prompt, an error message), the exact path in `path_bytes` where it differs."""
+    ready = _as_text(record)
+    if not is_text(record["path"]):
+        ready["path_bytes"] = escaped(record["path"])
+    return ready
+
+
+def _as_text(value: object) -> object:
+    if isinstance(value, str):
+        return as_text(value)
+    if isinstance(value, dict):
+        return {key: _as_text(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_as_text(item) for item in value]
+    return value
+
+
 def _parse(line: bytes) -> dict | None:
     if not line.endswith(b"\n"):
         return None
@@ -185,5 +245,7 @@ def _parse(line: bytes) -> dict | None:
     except (UnicodeDecodeError, json.JSONDecodeError):
         return None
     if not isinstance(record, dict) or not isinstance(record.get("path"), str):
+        return None
+    if not isinstance(record.get("path_bytes", ""), str):
         return None
     return record

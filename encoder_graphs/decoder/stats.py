@@ -44,6 +44,8 @@ class DecodeCounters:
             "replays_per_bucket": dict(sorted(self.replays.items())),
             "replays_per_tier": dict(sorted(self.tier_replays.items())),
             "steps_per_tier": dict(sorted(self.steps_per_tier.items())),
+            "real_lanes": self.real_lanes,
+            "padded_lanes": self.padded_lanes,
             "lane_waste_pct": 100.0 * (1 - self.real_lanes / self.padded_lanes) if self.padded_lanes else 0.0,
             "decode_ms_per_step": self.timer.summary(),
         }
