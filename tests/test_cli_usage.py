@@ -29,20 +29,7 @@ from encoder_graphs.models.default_model import default_model_dir
 from encoder_graphs.models.presets import PRESETS, get_config
 from encoder_graphs.models.qwen_inputs import QwenVLInputs
 
-FAST = ["--max-new-tokens", "3", "--quiet"]
-
-
-def images(folder: Path, count: int, prefix: str = "img") -> list[Path]:
-    folder.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for index in range(count):
-        paths.append(folder / f"{prefix}{index:02d}.png")
-        Image.new("RGB", (40 + 8 * index, 56), (30 * index, 80, 160)).save(paths[-1])
-    return paths
-
-
-def records(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
+from test_dataset_tool import FAST, images, records
 
 
 @pytest.fixture

@@ -211,11 +211,15 @@ def _even_int(text: str) -> int:
     return value
 
 
-def _non_negative_float(text: str) -> float:
+def _number(text: str) -> float:
     try:
-        value = float(text)
+        return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+
+
+def _non_negative_float(text: str) -> float:
+    value = _number(text)
     if not 0 <= value < math.inf:
         raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
     return value
@@ -223,10 +227,7 @@ def _non_negative_float(text: str) -> float:
 
 def _probability(text: str) -> float:
     """A number in (0, 1]."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    value = _number(text)
     if not 0 < value <= 1:
         raise argparse.ArgumentTypeError(f"expected a number above 0 and at most 1, got {text!r}")
     return value

@@ -20,8 +20,8 @@ def combined_stats(ranks: dict[int, dict]) -> dict:
     runs = list(ranks.values())
     wall_s = max(r["wall_s"] for r in runs)
     done = sum(r["succeeded"] + r["failed"] for r in runs)
-    counts = ("succeeded", "failed", "generated_tokens", "batches", "retried_batches", "sidecars", "input_wait_s",
-              "prompt_tokens", "padded_prompt_tokens")
+    counts = ("succeeded", "failed", "generated_tokens", "batches", "retried_batches", "sidecars", "sidecar_errors",
+              "input_wait_s", "prompt_tokens", "padded_prompt_tokens")
     combined = {key: sum(r[key] for r in runs) for key in counts}
     for key in ("by_kind", "failures"):
         combined[key] = dict(sum((Counter(r[key]) for r in runs), Counter()))
