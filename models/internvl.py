@@ -40,6 +40,8 @@ class InternVLAdapter:
     the vision tower and the projector). Budgets count tiles; the graph input is the tile pixels."""
 
     feature_methods = ("get_image_features",)
+    # The tiles, and how get_image_features reads them (consumed by the prefill with them).
+    generate_inputs = ("pixel_values", "vision_feature_layer", "vision_feature_select_strategy")
 
     def __init__(
         self,

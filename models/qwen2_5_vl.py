@@ -28,6 +28,8 @@ def interleave_pairs(head_dim: int) -> torch.Tensor:
 class Qwen2_5_VLAdapter(QwenVisionAdapter):
     tensor_keys = (*QwenVisionAdapter.tensor_keys, "window_index", "cu_window_seqlens")
     static_keys = (*QwenVisionAdapter.static_keys, "max_window_seqlen")
+    # Seconds per temporal patch of each video: M-RoPE spaces its temporal positions by them.
+    generate_inputs = (*QwenVisionAdapter.generate_inputs, "second_per_grid_ts")
 
     _original_mlp_width: int | None = None
     _undo_fusions: list[Callable[[], None]] | None = None

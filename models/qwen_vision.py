@@ -169,6 +169,8 @@ class QwenVisionAdapter:
 
     # ----- ModelFamily: transformers' get_image_features / get_video_features, decoder inputs ---
     feature_methods = tuple(_FEATURE_ARGUMENTS)
+    # The images, the videos, and their token types, which M-RoPE reads.
+    generate_inputs = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "mm_token_type_ids")
 
     def feature_inputs(self, method: str, arguments: dict) -> VisionBatch | None:
         """A VisionBatch for `get_*_features`; None when the call asks for per-layer outputs,

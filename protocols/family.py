@@ -20,6 +20,11 @@ class ModelFamily(Protocol):
 
     # The model methods that encode images or videos (patched on the instance, restored by disable()).
     feature_methods: tuple[str, ...]
+    # The model inputs of `generate` besides input_ids and attention_mask that the decoder runner
+    # hands to its prefill, the model's own forward, which consumes them whole (the decode steps
+    # need none): images, videos and what their positions are computed from. A call with any
+    # other input goes to the stock `generate`.
+    generate_inputs: tuple[str, ...]
 
     def feature_inputs(self, method: str, arguments: dict[str, Any]) -> Any | None:
         """The manager's inputs for one call of `method` (`arguments` by the stock method's
