@@ -90,9 +90,8 @@ class InternVLAdapter:
         return list(self.model.vision_tower.encoder.layer)
 
     @classmethod
-    def decoder_inputs(cls, config: Any, input_ids: torch.Tensor, inputs: dict) -> dict:
-        """InternVL's language model takes plain 1-D positions and no token types: nothing to add."""
-        return inputs
+    def check_decoder_inputs(cls, inputs: dict) -> None:
+        """InternVL's language model takes plain 1-D positions and no token types: nothing to check."""
 
     # ----- the encoder -----------------------------------------------------------------------
     def _features(self, pixels: torch.Tensor) -> torch.Tensor:

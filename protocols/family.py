@@ -53,9 +53,10 @@ class ModelFamily(Protocol):
         ...
 
     @classmethod
-    def decoder_inputs(cls, config: Any, input_ids: torch.Tensor, inputs: dict[str, Any]) -> dict[str, Any]:
-        """`inputs` completed with what the model's forward needs that a caller may leave out
-        (e.g. Qwen-VL's token types); called before the prefill."""
+    def check_decoder_inputs(cls, inputs: dict[str, Any]) -> None:
+        """Warn (once a process) where a `generate` call's model inputs lack what the processors
+        return and the stock model needs to place the images as they meant (Qwen-VL: the token
+        types M-RoPE reads). The call still runs as the stock `generate` would run it."""
         ...
 
 

@@ -83,7 +83,7 @@ class _Tokens:
 class DecoderGraphRunner:
     """`generate` for a Hugging Face vision-language model: the model's own prefill, then decode
     steps replayed from CUDA graphs per (batch bucket, length tier), or run eagerly over the same
-    buffers. `family` adds the model inputs its prefill needs (default: the registered family of
+    buffers. `family` checks the model inputs of a call (default: the registered family of
     `model`, if any)."""
 
     def __init__(
@@ -240,7 +240,7 @@ class DecoderGraphRunner:
         tokens = _Tokens(batch, max_new_tokens, eos_ids, self._pad_id(pad_token_id, eos_ids), self.device)
         sample = partial(select_next_tokens, params=params, generator=generator)
         with torch.inference_mode():
-            inputs = self._model_inputs(input_ids, model_inputs)
+            inputs = self._model_inputs(model_inputs)
             # Packed only when left-padded: generate reads the last column's logits, a pad's elsewhere.
             packed = self.packed_prefill and bool(mask[:, -1].all())
             prefilled = (packed_prefill if packed else prefill)(self.model, input_ids, mask, inputs)
@@ -336,11 +336,11 @@ class DecoderGraphRunner:
             return "capture() not called"
         return f"capture of batch {bucket}, tier {tier} failed"
 
-    def _model_inputs(self, input_ids: torch.Tensor, model_inputs: dict) -> dict:
+    def _model_inputs(self, model_inputs: dict) -> dict:
         inputs = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in model_inputs.items()}
-        if self.family is None:
-            return inputs
-        return self.family.decoder_inputs(self.model.config, input_ids, inputs)
+        if self.family is not None:
+            self.family.check_decoder_inputs(inputs)
+        return inputs
 
     def _pad_id(self, pad_token_id: int | None, eos_ids: list[int]) -> int:
         if pad_token_id is None:
