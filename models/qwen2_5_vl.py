@@ -13,6 +13,7 @@ from encoder_graphs.models.aligned_mlp import align_gated_mlps, set_gated_mlp_wi
 from encoder_graphs.models.attention import HALF_DTYPES, triton_runs
 from encoder_graphs.models.chained_blocks import Forward, chained, chained_forwards, chains_blocks
 from encoder_graphs.models.fused_mlp import fuse_gated_mlp, fuses_gated_mlp
+from encoder_graphs.models.kernel_inputs import check_segments
 from encoder_graphs.models.patching import patch_attribute
 from encoder_graphs.models.qwen_vision import Layout, QwenVisionAdapter, pad_offsets
 from encoder_graphs.models.transformers_seam import get_vision_window_index, permute_qk, window_attention_forward
@@ -164,5 +165,9 @@ class Qwen2_5_VLAdapter(QwenVisionAdapter):
                 cu_window_seqlens, layout.windows + 1, layout.rows, self.window_rows
             )
             static["max_window_seqlen"] = self.window_rows
+        # The windows' bound, which the fused kernel and a captured graph take as given, checked
+        # on the host where the offsets are built (cached with them: once per sizes and layout).
+        rows = layout.rows if layout is not None else int(cu_window_seqlens[-1])
+        check_segments(cu_window_seqlens, self.window_rows, rows)
         tensors["window_index"] = window_index
         tensors["cu_window_seqlens"] = cu_window_seqlens

@@ -323,6 +323,9 @@ class DecoderGraphRunner:
         """The smallest length tier holding `needed_slots`; past the last one (a route's own longer
         buffers), all of the route's slots."""
         tier = smallest_fitting_budget(self.config.length_tiers, needed_slots) or route.buffers.max_cache_len
+        slots = min(tier, route.buffers.max_cache_len)
+        if needed_slots > slots:  # the step writes slot needed_slots - 1: the decode kernel trusts it to fit
+            raise RuntimeError(f"a decode step needs {needed_slots} cache slots, its tier holds {slots}")
         graph = self.graphs.get((route.rows, tier)) if route.eager_reason is None else None
         if graph is not None:
             return _Tier(tier, graph, None, None)
