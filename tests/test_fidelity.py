@@ -41,6 +41,7 @@ def test_in_fp32_every_step_agrees_for_stock_and_ours(checkpoint):
     assert graphs["generate_fallbacks"] == {}  # every key of the caption inputs is one the graphs take
     assert graphs["decode_steps"] == workload.new_tokens - 1  # one generate call, through the runner
     assert graphs["encoder_items"] > 0  # the features came through the encoder manager
+    assert result["missed_targets"] is None  # bf16's targets: fp32's reference is the stock output itself
 
 
 def test_a_token_that_is_not_the_argmax_is_caught(checkpoint):
