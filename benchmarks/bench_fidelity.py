@@ -86,6 +86,7 @@ def main() -> None:
         results[family] = {"preset": presets[family], **measure(model, inputs, workload, ours)}
         del model
         gc.collect()
+        torch._dynamo.reset()  # the next family compiles afresh, as in a process of its own
         if on_cuda:
             torch.cuda.empty_cache()
         print(f"{family}: seconds {results[family]['seconds']}", flush=True)

@@ -31,6 +31,8 @@ def test_in_fp32_every_step_agrees_for_stock_and_ours(checkpoint):
     steps = (len(workload.images) + 1) * workload.new_tokens
     assert [item["kind"] for item in result["items"]] == ["image"] * len(workload.images) + ["video"]
     assert len(set(result["prompt_tokens"])) > 1  # prompts of different lengths: left padding is exercised
+    batch, _ = prompt_batch(inputs, workload, CPU, torch.float32)
+    assert batch["attention_mask"][:, -1].all() and not batch["attention_mask"][:, 0].all()
     for name in (STOCK, "ours"):
         variant = result["variants"][name]
         assert (variant["agree"], variant["steps"], variant["worst_margin"]) == (steps, steps, 0.0), name

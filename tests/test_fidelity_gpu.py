@@ -32,6 +32,7 @@ def test_ours_meets_the_fidelity_targets(family):
         del model
         gc.collect()
         torch.cuda.empty_cache()
+        torch._dynamo.reset()  # the next family compiles afresh, as in a process of its own
     print(f"\n{family} ({FAMILIES[family]}): " + json.dumps({**result, "items": len(result["items"])}, indent=1))
     for name, variant in result["variants"].items():
         graphs = variant.get("graphs")
