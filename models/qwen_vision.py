@@ -202,7 +202,7 @@ class QwenVisionAdapter:
             warnings.warn(
                 "generate() got images or videos without mm_token_type_ids: as in stock transformers, their "
                 "tokens get text positions instead of M-RoPE's; pass the processor's mm_token_type_ids",
-                stacklevel=4,
+                stacklevel=5,  # the caller of the graphed model.generate
             )
 
     # ----- weights ----------------------------------------------------------------------------
