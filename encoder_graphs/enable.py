@@ -115,9 +115,10 @@ def enable_cuda_graphs(
     `model.generate` reads its settings as transformers does (arguments > a `generation_config`
     argument > `model.generation_config` > transformers' defaults). Calls with greedy or
     temperature / top-p sampling, `max_new_tokens`, EOS / pad ids, an attention mask and the
-    model's image / video inputs go to the decoder graphs. Any setting that would change the
-    tokens and that the runner does not implement sends the call to the original `generate`,
-    counted by reason in `stats()["generate_fallbacks"]`: beams, streamers, logits processors or
+    model's image / video inputs go to the decoder graphs. Any setting, argument or model input
+    not known to be handled (an allow-list, `decoder/generation.py`: a setting a later
+    transformers adds goes to stock too) sends the call to the original `generate`, counted by
+    reason in `stats()["generate_fallbacks"]`: beams, streamers, logits processors or
     stopping criteria, scores or dicts in the output, no `max_new_tokens`, and (when sampling)
     top-k, which transformers sets to 50 by default, so pass `top_k=0` to sample through the
     graphs. Real Qwen-VL checkpoints ship `repetition_penalty=1.05` in their generation config:

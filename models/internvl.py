@@ -41,6 +41,8 @@ class InternVLAdapter:
     the vision tower and the projector). Budgets count tiles; the graph input is the tile pixels."""
 
     feature_methods = ("get_image_features",)
+    # The tiles, and how get_image_features reads them (consumed by the prefill with them).
+    generate_inputs = ("pixel_values", "vision_feature_layer", "vision_feature_select_strategy")
 
     def __init__(
         self,
@@ -86,9 +88,8 @@ class InternVLAdapter:
         return list(self.model.vision_tower.encoder.layer)
 
     @classmethod
-    def decoder_inputs(cls, config: Any, input_ids: torch.Tensor, inputs: dict) -> dict:
-        """InternVL's language model takes plain 1-D positions and no token types: nothing to add."""
-        return inputs
+    def check_decoder_inputs(cls, inputs: dict) -> None:
+        """InternVL's language model takes plain 1-D positions and no token types: nothing to check."""
 
     # ----- the encoder -----------------------------------------------------------------------
     def _features(self, pixels: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,7 @@ from encoder_graphs.models.aligned_mlp import align_gated_mlps
 from encoder_graphs.models.attention import HALF_DTYPES, triton_runs
 from encoder_graphs.models.chained_blocks import Forward, chained, chained_forwards, chains_blocks
 from encoder_graphs.models.fused_mlp import fuse_gated_mlp, fuses_gated_mlp
+from encoder_graphs.models.kernel_inputs import check_segments
 from encoder_graphs.models.qwen_vision import Layout, QwenVisionAdapter, pad_offsets
 from encoder_graphs.models.rewrites import Rewrites
 from encoder_graphs.models.transformers_seam import get_vision_window_index, permute_qk, window_attention_forward
@@ -28,6 +29,8 @@ def interleave_pairs(head_dim: int) -> torch.Tensor:
 class Qwen2_5_VLAdapter(QwenVisionAdapter):
     tensor_keys = (*QwenVisionAdapter.tensor_keys, "window_index", "cu_window_seqlens")
     static_keys = (*QwenVisionAdapter.static_keys, "max_window_seqlen")
+    # Seconds per temporal patch of each video: M-RoPE spaces its temporal positions by them.
+    generate_inputs = (*QwenVisionAdapter.generate_inputs, "second_per_grid_ts")
 
     _chained_forwards: list[Forward] | None = None  # on during the adapter's own tower calls
 
@@ -140,5 +143,9 @@ class Qwen2_5_VLAdapter(QwenVisionAdapter):
                 cu_window_seqlens, layout.windows + 1, layout.rows, self.window_rows
             )
             static["max_window_seqlen"] = self.window_rows
+        # The windows' bound, which the fused kernel and a captured graph take as given, checked
+        # on the host where the offsets are built (cached with them: once per sizes and layout).
+        rows = layout.rows if layout is not None else int(cu_window_seqlens[-1])
+        check_segments(cu_window_seqlens, self.window_rows, rows)
         tensors["window_index"] = window_index
         tensors["cu_window_seqlens"] = cu_window_seqlens

@@ -7,6 +7,7 @@ forward as the precomputed kwargs transformers accepts. `metadata` serves eager 
 sizes), capture and replay (padded to a budget's layout), so all three see the same values.
 """
 
+import warnings
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -46,6 +47,7 @@ _FEATURE_ARGUMENTS = {
     "get_image_features": ("pixel_values", "image_grid_thw"),
     "get_video_features": ("pixel_values_videos", "video_grid_thw"),
 }
+_warned: list[str] = []  # warnings given once a process
 
 
 @dataclass(eq=False)
@@ -168,6 +170,8 @@ class QwenVisionAdapter:
 
     # ----- ModelFamily: transformers' get_image_features / get_video_features, decoder inputs ---
     feature_methods = tuple(_FEATURE_ARGUMENTS)
+    # The images, the videos, and their token types, which M-RoPE reads.
+    generate_inputs = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "mm_token_type_ids")
 
     def feature_inputs(self, method: str, arguments: dict) -> VisionBatch | None:
         """A VisionBatch for `get_*_features`; None when the call asks for per-layer outputs,
@@ -187,14 +191,18 @@ class QwenVisionAdapter:
         return BaseModelOutputWithPooling(pooler_output=tuple(items))
 
     @classmethod
-    def decoder_inputs(cls, config: Any, input_ids: torch.Tensor, inputs: dict) -> dict:
-        """Adds `mm_token_type_ids` (0 text, 1 image, 2 video, as the Qwen-VL processors return
-        them) when a multimodal call lacks them: Qwen-VL's rotary index needs them."""
+    def check_decoder_inputs(cls, inputs: dict) -> None:
+        """Without `mm_token_type_ids` (0 text, 1 image, 2 video: the Qwen-VL processors return
+        them) stock transformers gives vision tokens text positions, and so does the runner;
+        say so once."""
         multimodal = inputs.get("image_grid_thw") is not None or inputs.get("video_grid_thw") is not None
-        if multimodal and inputs.get("mm_token_type_ids") is None:
-            types = (input_ids == config.image_token_id).long() + 2 * (input_ids == config.video_token_id).long()
-            inputs = {**inputs, "mm_token_type_ids": types}
-        return inputs
+        if multimodal and inputs.get("mm_token_type_ids") is None and not _warned:
+            _warned.append("mm_token_type_ids")
+            warnings.warn(
+                "generate() got images or videos without mm_token_type_ids: as in stock transformers, their "
+                "tokens get text positions instead of M-RoPE's; pass the processor's mm_token_type_ids",
+                stacklevel=5,  # the caller of the graphed model.generate
+            )
 
     # ----- weights ----------------------------------------------------------------------------
     def align_weights(self, rewrites: Rewrites) -> None:

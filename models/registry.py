@@ -106,7 +106,7 @@ def _find(model: nn.Module) -> tuple[Family, nn.Module] | None:
 
 
 def family_class(model: nn.Module) -> type | None:
-    """The adapter class of `model`'s family (its `decoder_inputs`), or None when unregistered."""
+    """The adapter class of `model`'s family (its `generate_inputs` and `check_decoder_inputs`), or None when unregistered."""
     found = _find(model)
     return found[0].adapter if found is not None else None
 

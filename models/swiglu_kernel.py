@@ -17,6 +17,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from encoder_graphs.models.attention import HALF_DTYPES
+from encoder_graphs.models.kernel_inputs import check_swiglu_inputs
 
 
 @triton.jit
@@ -104,6 +105,8 @@ def swiglu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     """SiLU(x W_gate^T + b_gate) * (x W_up^T + b_up) for `weight` [2 x width, in] (and `bias`)
     with gate and up rows interleaved (`fits_swiglu_kernel`); x [..., in] of the same dtype.
     A custom op: compiled code calls it without a graph break. No host sync: capturable. No
-    backward (`fused_mlp` refuses calls that want one)."""
+    backward (`fused_mlp` refuses calls that want one). Raises ValueError for shapes, dtypes or
+    layouts the kernel does not take (`check_swiglu_inputs`)."""
+    check_swiglu_inputs(x, weight, bias)
     out = torch.ops.encoder_graphs.swiglu_linear(x.reshape(-1, x.shape[-1]), weight, bias)
     return out.reshape(*x.shape[:-1], out.shape[-1])

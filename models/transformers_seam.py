@@ -5,15 +5,24 @@ transformers release is checked (and, where needed, mended) here. Each entry say
 it was checked on; `TESTED_RANGE` is the range CI runs (both ends) and `pyproject.toml` allows.
 """
 
+import inspect
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import cache
 from typing import Any
 
 import torch
 import transformers
 from packaging.version import Version
-from transformers import AttentionInterface, DynamicCache, GenerationConfig, PretrainedConfig, PreTrainedModel
+from transformers import (
+    AttentionInterface,
+    DynamicCache,
+    GenerationConfig,
+    GenerationMixin,
+    PretrainedConfig,
+    PreTrainedModel,
+)
 
 # 5.17.0, 5.23.0: what `ACT2FN["silu"]` builds (not an nn.SiLU).
 from transformers.activations import SiLUActivation
@@ -59,7 +68,9 @@ __all__ = [
     "dynamic_cache",
     "from_config",
     "gated_silu_mlp_forward",
+    "generate_arguments",
     "generation_position_ids",
+    "generation_settings",
     "get_vision_cu_seqlens",
     "get_vision_interpolation_indices_and_weights",
     "get_vision_position_ids",
@@ -326,6 +337,27 @@ def prepare_generation_config(
     config, model_kwargs = model._prepare_generation_config(generation_config, **kwargs)
     model._validate_model_kwargs(dict(model_kwargs))
     return config, model_kwargs
+
+
+# 5.17.0, 5.23.0: `generate` pops these from its **kwargs itself (assisted generation's tokenizers).
+_GENERATE_POPPED_KWARGS = ("tokenizer", "assistant_tokenizer")
+
+
+@cache
+def generate_arguments() -> tuple[str, ...]:
+    """The arguments of `generate` besides `inputs`, `generation_config`, settings and model
+    inputs (logits processors, stopping criteria, streamers, assistants ...): every one of them
+    is only the stock `generate`'s to implement."""
+    parameters = inspect.signature(GenerationMixin.generate).parameters.values()
+    named = [p.name for p in parameters if p.kind is p.POSITIONAL_OR_KEYWORD or p.kind is p.KEYWORD_ONLY]
+    return (*(name for name in named if name not in ("self", "inputs", "generation_config")), *_GENERATE_POPPED_KWARGS)
+
+
+@cache
+def generation_settings() -> tuple[str, ...]:
+    """The settings the running transformers defines: a `GenerationConfig`'s public attributes."""
+    names = vars(GenerationConfig())
+    return tuple(name for name in names if not name.startswith("_") and name != "transformers_version")
 
 
 # 5.17.0, 5.23.0: the position ids `generate` gives the first forward (M-RoPE for Qwen-VL),

@@ -23,6 +23,11 @@ class ModelFamily(Protocol):
 
     # The model methods that encode images or videos (patched on the instance, restored by disable()).
     feature_methods: tuple[str, ...]
+    # The model inputs of `generate` besides input_ids and attention_mask that the decoder runner
+    # hands to its prefill, the model's own forward, which consumes them whole (the decode steps
+    # need none): images, videos and what their positions are computed from. A call with any
+    # other input goes to the stock `generate`.
+    generate_inputs: tuple[str, ...]
 
     def feature_inputs(self, method: str, arguments: dict[str, Any]) -> Any | None:
         """The manager's inputs for one call of `method` (`arguments` by the stock method's
@@ -48,9 +53,10 @@ class ModelFamily(Protocol):
         ...
 
     @classmethod
-    def decoder_inputs(cls, config: Any, input_ids: torch.Tensor, inputs: dict[str, Any]) -> dict[str, Any]:
-        """`inputs` completed with what the model's forward needs that a caller may leave out
-        (e.g. Qwen-VL's token types); called before the prefill."""
+    def check_decoder_inputs(cls, inputs: dict[str, Any]) -> None:
+        """Warn (once a process) where a `generate` call's model inputs lack what the processors
+        return and the stock model needs to place the images as they meant (Qwen-VL: the token
+        types M-RoPE reads). The call still runs as the stock `generate` would run it."""
         ...
 
 

@@ -3,6 +3,7 @@
 reloaded for real."""
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from encoder_graphs.decoder.buffers import DecoderGraphConfig, default_buckets, 
 from encoder_graphs.decoder.runner import DecoderGraphRunner
 from encoder_graphs.decoder.static_cache import static_decode_attention
 from encoder_graphs.decoder.step import packed_prefill, prefill
+from encoder_graphs.models import qwen_vision
 from encoder_graphs.models.presets import PRESETS, build_model
 from encoder_graphs.models.synthetic_prompts import (
     image_prompt,
@@ -100,7 +102,7 @@ def test_packed_prefill_equals_padded_prefill(model):
         batch = dict(inputs)
         ids, mask = batch.pop("input_ids"), batch.pop("attention_mask")
         with torch.inference_mode():
-            prefilled = (packed_prefill if packed else prefill)(model, ids, mask, runner._model_inputs(ids, batch))
+            prefilled = (packed_prefill if packed else prefill)(model, ids, mask, runner._model_inputs(batch))
             store = runner.static_buffers().store
             store.load_prefill(prefilled.key_values, prefilled.slots)
         stores.append((prefilled, store))
@@ -169,12 +171,27 @@ def test_decode_steps_read_only_their_length_tier(model):
     assert not torch.equal(poisoned_generate(whole_cache), expected)  # the poison is seen when read
 
 
-def test_mm_token_type_ids_derived_when_missing(model):
-    inputs = make_batch(model.config, grids=[(1, 4, 4), (1, 8, 6)], seed=3)
-    expected = hf_generate(model, inputs)
-    inputs.pop("mm_token_type_ids")
-    got = runner_generate(DecoderGraphRunner(model, max_batch_size=2, max_cache_len=96), inputs)
-    assert torch.equal(got, expected)
+def test_without_mm_token_type_ids_tokens_are_stocks_and_a_warning_says_so(model, monkeypatch):
+    """Stock transformers gives vision tokens text positions when a call lacks the token types:
+    so does the runner (it adds none), and it says so once."""
+    monkeypatch.setattr(qwen_vision, "_warned", [])
+    model = copy.deepcopy(model)
+    with torch.no_grad():  # sharper attention: positions decide the tiny model's tokens
+        for layer in model.get_decoder().layers:
+            layer.self_attn.q_proj.weight.mul_(10)
+            layer.self_attn.k_proj.weight.mul_(10)
+    typed = make_batch(model.config, grids=[(1, 4, 4), (1, 8, 6)], seed=3)
+    untyped = {key: value for key, value in typed.items() if key != "mm_token_type_ids"}
+    expected = {"typed": hf_generate(model, typed), "untyped": hf_generate(model, untyped)}
+    assert not torch.equal(expected["typed"], expected["untyped"])  # the types change stock's tokens
+    runner = DecoderGraphRunner(model, max_batch_size=2, max_cache_len=96)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert torch.equal(runner_generate(runner, typed), expected["typed"])
+        for _ in range(2):
+            assert torch.equal(runner_generate(runner, untyped), expected["untyped"])
+    said = [str(w.message) for w in caught if "mm_token_type_ids" in str(w.message)]
+    assert len(said) == 1 and "text positions" in said[0]
 
 
 def test_eager_attention_matches_generate(tmp_path):

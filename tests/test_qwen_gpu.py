@@ -1,21 +1,25 @@
 """Real-size Qwen-VL vision towers on CUDA (bf16, random weights): graph replays vs stock eager.
 
 For each preset a pool of items (odd-sized images up to ~1000 px, videos of 2-16 frames) is
-encoded once, item by item, by the stock transformers tower (its default attention): the
-reference. Then random calls, each a random handful of pool items, go through the manager with
-graphs captured into a NaN-poisoned pool, and with every input buffer filled with NaN / huge
-integers after capture, so stale or uncovered rows would show. Every item of every call must be
-finite and match its reference within bf16 tolerance.
+encoded once, item by item, by the stock transformers tower (its default attention) in bf16 and
+by the same tower cast to fp32: the reference, and the stock bf16 tower's own error against it.
+Then random calls, each a random handful of pool items, go through the manager with graphs
+captured into a NaN-poisoned pool, and with every input buffer filled with NaN / huge integers
+after capture, so stale or uncovered rows would show. Every item of every call must be finite
+and within 1.5x the stock bf16 tower's error against fp32 on that item (the tolerance bf16
+itself sets: tests/fidelity.py).
 
 Runtime: CALLS random calls per preset and backend (fewer for qwen2-vl-2b, whose 32 full-attention
 layers make its large budgets the slowest), one reference pass per pool item.
 """
 
+import copy
 import importlib.util
 import random
 
 import pytest
 import torch
+from fidelity import assert_encoder_within_stock_error, relative_error
 
 from encoder_graphs import EncoderCudaGraphManager, enable_cuda_graphs
 from encoder_graphs.engine.compile import compile_blocks
@@ -45,11 +49,6 @@ BUDGETS = [128, 512, 2048, 8192]
 MAX_ITEMS, MAX_FRAMES = 8, 32
 POOL_IMAGES, POOL_VIDEOS = 28, 8
 MAX_PIXELS = 1024 * 1024
-# bf16 through 24-32 random layers, FA2 vs the stock per-frame SDPA: relative L2 error per item.
-# The aligned weights (the patch embedding as a GEMM) round differently from the stock Conv3d, and
-# random layers amplify that: worst item 2.37e-2 unaligned, 2.75e-2 aligned (2.85e-2 compiled) on
-# qwen2.5-vl-7b, the windows through FA2 or the fused kernel alike (H200, 2026-11-22).
-REL_TOL = 3e-2
 
 
 def smart_grid(height: int, width: int, frames: int, config) -> tuple[int, int, int]:
@@ -71,9 +70,11 @@ def stock_item(tower, pixels: torch.Tensor, grid: tuple[int, int, int]) -> torch
 
 @pytest.fixture(scope="module", params=PRESETS)
 def pool(request):
-    """(tower, items): items are (is_video, grid, pixels, reference) built once per preset."""
+    """(tower, items): items are (is_video, grid, pixels, (fp32 reference, the stock bf16
+    tower's error against it)) built once per preset."""
     name = request.param
     tower = build_vision_tower(name, dtype=torch.bfloat16, device="cuda", seed=0)
+    fp32_tower = copy.deepcopy(tower).float()
     config = tower.config
     rng = random.Random(0)
     shapes = [(False, 1, rng.randint(28, 1000), rng.randint(28, 1000)) for _ in range(POOL_IMAGES)]
@@ -88,7 +89,9 @@ def pool(request):
         for is_video, frames, height, width in shapes:
             grid = smart_grid(height, width, frames, config)
             pixels = random_pixels(config, [grid], generator).to(torch.bfloat16)
-            items.append((is_video, grid, pixels, stock_item(tower, pixels, grid)))
+            fp32 = stock_item(fp32_tower, pixels.float(), grid)
+            items.append((is_video, grid, pixels, (fp32, relative_error(stock_item(tower, pixels, grid), fp32))))
+    del fp32_tower
     yield name, tower, items
     del tower, items
     torch.cuda.empty_cache()
@@ -105,10 +108,6 @@ def make_call(items: list, chosen: list[int]) -> VisionBatch:
         return pixels, torch.tensor([g for _, g, _, _ in group], device="cuda")
 
     return VisionBatch(*part(images), *part(videos)), images + videos
-
-
-def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got.float() - want.float()).norm() / want.float().norm()).item()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -146,7 +145,7 @@ def test_graphs_match_stock_tower_over_random_calls(pool, backend):
     assert all(torch.equal(weights[key], value) for key, value in tower.blocks[0].state_dict().items())
     assert stats["graph_items"] == stats["items"], stats["paths"]
     assert stats["paths"]["default"]["hits"] > 0
-    print(f"{name} {backend}: {stats['items']} items, worst rel err {worst:.2e}")
+    print(f"{name} {backend}: {stats['items']} items, worst error against fp32 {worst:.2f}x stock bf16's")
 
 
 # Compiling a real-size tower costs tens of seconds: two towers of different blocks are checked.
@@ -186,14 +185,14 @@ def test_compiled_blocks_in_graphs_and_cost_choice_match_stock_tower(pool):
     graphs_compiled = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     assert graphs["graph_items"] == graphs["items"], graphs["paths"]
     print(f"{name} compiled in {compiled.seconds:.1f} s ({graphs_compiled} graphs): {by_cost['items']} items by cost, "
-          f"worst rel err "
-          f"{worst:.2e}, misses {by_cost['paths']['default']['miss_reasons']}, costs "
-          f"{by_cost['budget_costs_ms']['default']}; all graphed: worst rel err {worst_graphs:.2e}")
+          f"worst error against fp32 {worst:.2f}x stock bf16's, misses {by_cost['paths']['default']['miss_reasons']}, "
+          f"costs {by_cost['budget_costs_ms']['default']}; all graphed: {worst_graphs:.2f}x")
 
 
 def run_random_calls(manager, name: str, label: str, items: list, count: int) -> tuple[float, dict]:
     """`count` random calls of pool items (small, large, small first: stale rows must not leak);
-    every output checked against its stock reference. The worst relative error, the stats."""
+    every output checked against its fp32 reference, within 1.5x the stock bf16 tower's error.
+    The worst ratio of ours' error to stock's, the stats."""
     rng = random.Random(1)
     small = min(range(len(items)), key=lambda i: items[i][1][1] * items[i][1][2])
     large = [i for i in range(len(items)) if not items[i][0]][-2]  # the 1000x1000 image
@@ -205,12 +204,9 @@ def run_random_calls(manager, name: str, label: str, items: list, count: int) ->
             batch, ordered = make_call(items, chosen)
             outputs = manager.execute(batch)
             assert len(outputs) == len(ordered)
-            for got, (_, grid, _, want) in zip(outputs, ordered):
-                assert got.shape == want.shape, (name, grid)
-                assert torch.isfinite(got).all(), (name, grid)
-                error = relative_error(got, want)
-                worst = max(worst, error)
-                assert error < REL_TOL, (name, label, grid, error)
+            for got, (_, grid, _, (fp32, stock_error)) in zip(outputs, ordered):
+                ratio = assert_encoder_within_stock_error(got, fp32, stock_error, f"{name} {label} {grid}")
+                worst = max(worst, ratio)
     return worst, manager.stats()
 
 
@@ -229,16 +225,17 @@ def test_enable_cuda_graphs_on_cuda_keeps_generation(name):
     inputs["mm_token_type_ids"] = mm_token_type_ids(inputs["input_ids"], config)
     inputs = {key: value.cuda() for key, value in inputs.items()}
     inputs.update(pixel_values=pixels, image_grid_thw=torch.tensor(grids, device="cuda"))
+    fp32_model = copy.deepcopy(model).float()
     with torch.inference_mode():
+        fp32 = fp32_model.get_image_features(pixels.float(), inputs["image_grid_thw"]).pooler_output
         stock = model.get_image_features(pixels, inputs["image_grid_thw"]).pooler_output
         handle = enable_cuda_graphs(model, budgets=[64, 256], poison_pool_bytes=16 << 20, choose_by_cost=False)
         ours = model.get_image_features(pixels, inputs["image_grid_thw"]).pooler_output
         generated = model.generate(**inputs, max_new_tokens=4, do_sample=False)
         stats = handle.stats()["encoder"]
         handle.disable()
-    for got, want in zip(ours, stock):
-        assert torch.isfinite(got).all()
-        assert relative_error(got, want) < REL_TOL
+    for got, want, reference in zip(ours, stock, fp32, strict=True):
+        assert_encoder_within_stock_error(got, reference, relative_error(want, reference), name)
     assert stats["graph_items"] == stats["items"] == 2 * len(grids)
     assert generated.shape[1] == inputs["input_ids"].shape[1] + 4
     assert "get_image_features" not in model.model.__dict__

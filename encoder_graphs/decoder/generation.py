@@ -1,83 +1,94 @@
 """Which `generate` calls the decoder graphs can answer, with the settings read as transformers
 reads them: arguments > a `generation_config` argument > `model.generation_config` > defaults.
 
-The runner implements greedy and temperature / top-p sampling with EOS and pad ids. Any other
-setting that would change the tokens (a repetition penalty, top-k, beams, logits processors,
-streamers, scores in the output ...) sends the call to the stock `generate`, with the reason.
+The runner implements greedy and temperature / top-p sampling with EOS and pad ids. The settings,
+arguments and model inputs it handles are listed here (an allow-list): anything else set, a
+setting that a later transformers adds included, sends the call to the stock `generate`, with
+the reason.
 """
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from transformers import GenerationConfig
 
-from encoder_graphs.models.transformers_seam import GenerationMode, prepare_generation_config
-
-# generate() arguments that only the stock loop implements.
-_STOCK_ARGUMENTS = (
-    "logits_processor",
-    "stopping_criteria",
-    "prefix_allowed_tokens_fn",
-    "synced_gpus",
-    "assistant_model",
-    "streamer",
-    "negative_prompt_ids",
-    "negative_prompt_attention_mask",
-    "custom_generate",
-    "tokenizer",
-    "assistant_tokenizer",
+from encoder_graphs.models.registry import family_class
+from encoder_graphs.models.transformers_seam import (
+    GenerationMode,
+    generate_arguments,
+    generation_settings,
+    prepare_generation_config,
 )
-# Model inputs the runner builds itself (positions, cache) or cannot take.
-_STOCK_INPUTS = ("past_key_values", "inputs_embeds", "position_ids", "cache_position", "logits_to_keep")
 
-
-def _unset_or(value: Any, inactive: tuple) -> bool:
-    return value is None or value in inactive
-
-
-# Settings that change the tokens, and when each is active (the conditions transformers uses to add
-# its logits processor or stopping criterion). `renormalize_logits` is absent: a log-softmax keeps
-# both the argmax and the sampling distribution.
-_SETTINGS: dict[str, Callable[[GenerationConfig], bool]] = {
-    "num_return_sequences": lambda c: not _unset_or(c.num_return_sequences, (1,)),
-    "repetition_penalty": lambda c: not _unset_or(c.repetition_penalty, (1.0,)),
-    "encoder_repetition_penalty": lambda c: not _unset_or(c.encoder_repetition_penalty, (1.0,)),
-    "no_repeat_ngram_size": lambda c: (c.no_repeat_ngram_size or 0) > 0,
-    "encoder_no_repeat_ngram_size": lambda c: (c.encoder_no_repeat_ngram_size or 0) > 0,
-    "bad_words_ids": lambda c: c.bad_words_ids is not None,
-    "sequence_bias": lambda c: c.sequence_bias is not None,
-    "guidance_scale": lambda c: not _unset_or(c.guidance_scale, (1.0,)),
-    "min_length": lambda c: (c.min_length or 0) > 0,
-    "min_new_tokens": lambda c: (c.min_new_tokens or 0) > 0,
-    "forced_bos_token_id": lambda c: c.forced_bos_token_id is not None,
-    "forced_eos_token_id": lambda c: c.forced_eos_token_id is not None,
-    "remove_invalid_values": lambda c: bool(c.remove_invalid_values),
-    "exponential_decay_length_penalty": lambda c: c.exponential_decay_length_penalty is not None,
-    "suppress_tokens": lambda c: c.suppress_tokens is not None,
-    "begin_suppress_tokens": lambda c: c.begin_suppress_tokens is not None,
-    "watermarking_config": lambda c: c.watermarking_config is not None,
-    "max_time": lambda c: c.max_time is not None,
-    "stop_strings": lambda c: c.stop_strings is not None,
-    "output_scores": lambda c: bool(c.output_scores),
-    "output_logits": lambda c: bool(c.output_logits),
-    "output_attentions": lambda c: bool(c.output_attentions),
-    "output_hidden_states": lambda c: bool(c.output_hidden_states),
-    "return_dict_in_generate": lambda c: bool(c.return_dict_in_generate),
-    "use_cache": lambda c: c.use_cache is False,
-    "cache_implementation": lambda c: c.cache_implementation is not None,
-    "prefill_chunk_size": lambda c: c.prefill_chunk_size is not None,
+ANY = None  # any value: the runner implements the setting, or it cannot change the runner's tokens
+# Each setting the runner handles: ANY, or the values at which transformers adds nothing for it
+# (no logits processor, no stopping criterion). A setting of the running transformers that is
+# not listed here sends a call to the stock generate whenever it is set (not None).
+_HANDLED: dict[str, tuple | None] = {
+    # Implemented by the runner.
+    "max_new_tokens": ANY,
+    "do_sample": ANY,
+    "eos_token_id": ANY,
+    "pad_token_id": ANY,
+    # No effect on the runner's tokens: max_new_tokens (required) wins over max_length; a BOS id
+    # only starts an empty prompt and a decoder start id an encoder-decoder; compile settings
+    # apply to a static cache's forward (a cache_implementation, which goes to stock); a
+    # log-softmax keeps the argmax and the sampling distribution.
+    "max_length": ANY,
+    "bos_token_id": ANY,
+    "decoder_start_token_id": ANY,
+    "compile_config": ANY,
+    "disable_compile": ANY,
+    "renormalize_logits": ANY,
+    # Read only by generation modes other than greedy and sampling, which go to stock by mode.
+    "num_beams": ANY,
+    "num_beam_groups": ANY,
+    "early_stopping": ANY,
+    "length_penalty": ANY,
+    "diversity_penalty": ANY,
+    "penalty_alpha": ANY,
+    "low_memory": ANY,
+    "num_assistant_tokens": ANY,
+    "num_assistant_tokens_schedule": ANY,
+    "assistant_confidence_threshold": ANY,
+    "assistant_lookbehind": ANY,
+    "target_lookbehind": ANY,
+    "max_matching_ngram_size": ANY,
+    "is_assistant": ANY,
+    # Inactive at these values.
+    "use_cache": (True,),
+    "num_return_sequences": (1,),
+    "min_length": (0,),
+    "min_new_tokens": (0,),
+    "repetition_penalty": (1.0,),
+    "encoder_repetition_penalty": (1.0,),
+    "no_repeat_ngram_size": (0,),
+    "encoder_no_repeat_ngram_size": (0,),
+    "guidance_scale": (1.0,),
+    "remove_invalid_values": (False,),
+    "token_healing": (False,),
+    "output_attentions": (False,),
+    "output_hidden_states": (False,),
+    "output_scores": (False,),
+    "output_logits": (False,),
+    "return_dict_in_generate": (False,),
 }
-# Warpers transformers applies only when sampling. Its default top_k is 50: sampling reaches the
-# graphs only with top_k=0 (or None) given explicitly.
-_SAMPLING_SETTINGS: dict[str, Callable[[GenerationConfig], bool]] = {
-    "top_k": lambda c: not _unset_or(c.top_k, (0,)),
-    "top_h": lambda c: c.top_h is not None,
-    "min_p": lambda c: c.min_p is not None,
-    "typical_p": lambda c: not _unset_or(c.typical_p, (1.0,)),
-    "epsilon_cutoff": lambda c: 0.0 < (c.epsilon_cutoff or 0.0) < 1.0,
-    "eta_cutoff": lambda c: 0.0 < (c.eta_cutoff or 0.0) < 1.0,
+# Warpers transformers applies only when sampling (greedy ignores them), and what the runner
+# handles of them then. Its default top_k is 50: sampling reaches the graphs only with top_k=0
+# (or None) given explicitly.
+_SAMPLING: dict[str, tuple | None] = {
+    "temperature": ANY,
+    "top_p": ANY,
+    "top_k": (0,),
+    "typical_p": (1.0,),
+    "epsilon_cutoff": (0.0,),
+    "eta_cutoff": (0.0,),
+    "min_p": (),
+    "top_h": (),
 }
+# Model inputs the runner builds or takes itself; a family adds those its prefill consumes.
+_RUNNER_INPUTS = ("input_ids", "attention_mask")
 
 
 class StockOnly(Exception):
@@ -92,25 +103,26 @@ def runner_arguments(
 ) -> dict[str, Any]:
     """Keyword arguments of `DecoderGraphRunner.generate` for `model.generate(inputs,
     generation_config, **kwargs)`. Raises StockOnly when only the stock `generate` can answer."""
-    for name in _STOCK_ARGUMENTS:
+    for name in generate_arguments():
         if _is_set(kwargs.get(name)):
             raise StockOnly(f"argument {name}")
-    kwargs = {name: value for name, value in kwargs.items() if name not in _STOCK_ARGUMENTS}
+    kwargs = {name: value for name, value in kwargs.items() if name not in generate_arguments()}
     config, model_inputs = prepare_generation_config(model, generation_config, kwargs)
 
     mode = config.get_generation_mode()
     if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
         raise StockOnly(f"generation mode {mode.value}")
-    settings = {**_SETTINGS, **(_SAMPLING_SETTINGS if config.do_sample else {})}
-    for name, active in settings.items():
-        if active(config):
-            raise StockOnly(f"{name}={getattr(config, name)!r}")
+    unhandled = unhandled_setting(config)
+    if unhandled is not None:
+        raise StockOnly(unhandled)
     if config.max_new_tokens is None:
         raise StockOnly("max_new_tokens not set")
 
     model_inputs = {name: value for name, value in model_inputs.items() if value is not None}
-    for name in _STOCK_INPUTS:
-        if name in model_inputs:
+    family = family_class(model)
+    known = (*_RUNNER_INPUTS, *(family.generate_inputs if family is not None else ()))
+    for name in model_inputs:
+        if name not in known:
             raise StockOnly(f"input {name}")
     if inputs is not None and "input_ids" in model_inputs:
         raise StockOnly("both inputs and input_ids")
@@ -131,6 +143,25 @@ def runner_arguments(
         **(sampling if config.do_sample else {}),
         **model_inputs,
     }
+
+
+def unhandled_setting(config: GenerationConfig) -> str | None:
+    """`name=value` of the first setting of `config` the runner does not handle, or None.
+    Settings the running transformers does not define (a checkpoint's own extra keys) are
+    ignored, as transformers ignores them."""
+    for name in generation_settings():
+        value = getattr(config, name, None)
+        if value is None:
+            continue
+        if name in _SAMPLING:
+            if not config.do_sample:
+                continue
+            allowed = _SAMPLING[name]
+        else:
+            allowed = _HANDLED.get(name, ())
+        if allowed is not ANY and value not in allowed:
+            return f"{name}={value!r}"
+    return None
 
 
 def _is_set(value: Any) -> bool:

@@ -84,7 +84,7 @@ class _Tokens:
 class DecoderGraphRunner:
     """`generate` for a Hugging Face vision-language model: the model's own prefill, then decode
     steps replayed from CUDA graphs per (batch bucket, length tier), or run eagerly over the same
-    buffers. `family` adds the model inputs its prefill needs (default: the registered family of
+    buffers. `family` checks the model inputs of a call (default: the registered family of
     `model`, if any)."""
 
     def __init__(
@@ -250,7 +250,7 @@ class DecoderGraphRunner:
         tokens = _Tokens(batch, max_new_tokens, eos_ids, self._pad_id(pad_token_id, eos_ids), self.device)
         sample = partial(select_next_tokens, params=params, generator=generator)
         with torch.inference_mode():
-            inputs = self._model_inputs(input_ids, model_inputs)
+            inputs = self._model_inputs(model_inputs)
             # Packed only when left-padded: generate reads the last column's logits, a pad's elsewhere.
             packed = self.packed_prefill and bool(mask[:, -1].all())
             prefilled = (packed_prefill if packed else prefill)(self.model, input_ids, mask, inputs)
@@ -333,6 +333,9 @@ class DecoderGraphRunner:
         """The smallest length tier holding `needed_slots`; past the last one (a route's own longer
         buffers), all of the route's slots."""
         tier = smallest_fitting_budget(self.config.length_tiers, needed_slots) or route.buffers.max_cache_len
+        slots = min(tier, route.buffers.max_cache_len)
+        if needed_slots > slots:  # the step writes slot needed_slots - 1: the decode kernel trusts it to fit
+            raise RuntimeError(f"a decode step needs {needed_slots} cache slots, its tier holds {slots}")
         graph = self.graphs.get((route.rows, tier)) if route.eager_reason is None else None
         if graph is not None:
             return _Tier(tier, graph, None, None)
@@ -346,11 +349,11 @@ class DecoderGraphRunner:
             return "capture() not called"
         return f"capture of batch {bucket}, tier {tier} failed"
 
-    def _model_inputs(self, input_ids: torch.Tensor, model_inputs: dict) -> dict:
+    def _model_inputs(self, model_inputs: dict) -> dict:
         inputs = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in model_inputs.items()}
-        if self.family is None:
-            return inputs
-        return self.family.decoder_inputs(self.model.config, input_ids, inputs)
+        if self.family is not None:
+            self.family.check_decoder_inputs(inputs)
+        return inputs
 
     def _pad_id(self, pad_token_id: int | None, eos_ids: list[int]) -> int:
         if pad_token_id is None:

@@ -59,10 +59,20 @@ def refuse_gradients(what: str, tensors: Iterable[torch.Tensor]) -> None:
                            "or restore the stock modules first")
 
 
+# The GPUs (compute capabilities) this package's Triton kernels passed their tests on: Hopper,
+# H100 and H200 (sm90). Ampere, Ada and Blackwell never ran them (nor the swiglu GEMM's TMA path,
+# which needs Hopper): there the torch paths run, until the GPU tests pass on one and it joins.
+TESTED_CAPABILITIES = frozenset({(9, 0)})
+
+
+def kernels_tested_on(capability: tuple[int, int]) -> bool:
+    return tuple(capability) in TESTED_CAPABILITIES
+
+
 def triton_runs(device: torch.device) -> bool:
-    """Whether this package's Triton kernels run on `device`: Triton present, a CUDA GPU of
-    Ampere or newer."""
-    return _TRITON and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 8
+    """Whether this package's Triton kernels run on `device`: Triton present, a CUDA GPU of a
+    capability they were tested on (`TESTED_CAPABILITIES`)."""
+    return _TRITON and device.type == "cuda" and kernels_tested_on(torch.cuda.get_device_capability(device))
 
 
 def torch_varlen_attention(
@@ -162,7 +172,7 @@ def decode_attention(
 
 
 def fits_decode_kernel(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> bool:
-    """Whether `decode_kernel` takes these (on a CUDA GPU of Ampere or newer): head_dim a power of
+    """Whether `decode_kernel` takes these (on a GPU where `triton_runs`): head_dim a power of
     two from 16 to 256, whole groups of query heads per KV head, one dtype, cache rows contiguous
     in head_dim (keys and values alike), a bool mask contiguous along the slots."""
     dim, heads, kv_heads = query.shape[-1], query.shape[1], keys.shape[1]
@@ -192,7 +202,7 @@ def write_and_decode(
     values [batch, kv_heads, slots, dim], then `decode_attention` over the slots `mask` [batch,
     slots] allows (the caller allows `slot`, as `decode_step` does). On CUDA one split-KV Triton
     kernel pair does both (`decode_kernel`); elsewhere (the CPU, no Triton, odd head widths, GPUs
-    before Ampere) index_copy and sdpa."""
+    the kernels were not tested on) index_copy and sdpa."""
     if triton_runs(query.device) and fits_decode_kernel(query, keys, values, mask):
         from encoder_graphs.models.attention import decode_kernel
 

@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from encoder_graphs.models.kernel_inputs import check_decode_inputs
+
 BLOCK_N = 64  # slots per tile
 
 
@@ -113,7 +115,10 @@ def write_and_attend(
 ) -> torch.Tensor:
     """query [batch, heads, 1, dim]; key, value [batch, kv_heads, 1, dim], written at `slot` of
     keys, values [batch, kv_heads, slots, dim] (same strides); mask bool [batch, slots], True =
-    attend (the slot itself is attended whatever the mask says there). Returns [batch, 1, heads, dim]."""
+    attend (the slot itself is attended whatever the mask says there). Returns [batch, 1, heads, dim].
+    Raises ValueError for arguments the kernels do not take (`check_decode_inputs`); `slot` below
+    `slots` is the caller's to keep (the runner checks each step's on the host)."""
+    check_decode_inputs(query, key, value, keys, values, slot, mask)
     batch, heads, _, dim = query.shape
     kv_heads, slots = keys.shape[1], keys.shape[2]
     group = heads // kv_heads

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from encoder_graphs.models.attention import refuse_gradients
+from encoder_graphs.models.kernel_inputs import check_window_inputs
 
 MAX_ROWS = 64  # longer segments need more registers than a program holds
 PROGRAMS_PER_SM = 4  # with 4 heads a program; 2 to 16 measured the same
@@ -146,15 +147,16 @@ def rotary_window_attention(
     `max_seqlen` rows, see `fits_window_kernel`). q, k [rows, heads, head_dim] with each
     head's dims interleaved by rotary pairs, rotated here by `cos`, `sin` [rows, head_dim] (the
     halves alike, as transformers builds them; pair i takes column i); v in its own order.
-    Half precision, any row and head strides, head dims contiguous. Returns [rows, heads,
-    head_dim]; rows that no segment covers are zero. No host sync: capturable."""
-    rows, heads, head_dim = q.shape
+    Half precision, any row and head strides, head dims contiguous (`check_window_inputs`).
+    Offsets on the device are trusted to keep within `max_seqlen` (their builder checks them on
+    the host, as `Qwen2_5_VLAdapter` does). Returns [rows, heads, head_dim]; rows that no segment
+    covers are zero. No host sync: capturable."""
     refuse_gradients("rotary window attention", (q, k, v))
+    check_window_inputs(q, k, v, cos, sin, cu_seqlens, max_seqlen)  # CPU offsets: their segments too
+    rows, heads, head_dim = q.shape
     if not fits_window_kernel(head_dim, max_seqlen):
         raise ValueError(f"window attention takes segments of at most {MAX_ROWS} rows (got {max_seqlen}) "
                          f"and a head dim of two power-of-two parts of at least 16 (got {head_dim})")
-    if any(x.stride(-1) != 1 for x in (q, k, v, cos, sin)) or cos.stride() != sin.stride():
-        raise ValueError("window attention takes head dims contiguous, and cos and sin of one layout")
     cu_seqlens = cu_seqlens.to(q.device)  # the stock tower builds it on grid_thw's, maybe the CPU
     out = torch.empty_like(v, memory_format=torch.contiguous_format)
     first, rest = _head_parts(head_dim)

@@ -1,0 +1,106 @@
+"""Fidelity of generation through the graphs to the stock model, per family: the table of issue 24.
+
+For each family's preset (real-size language model, random weights, bf16) and its processor-style
+inputs (three images of different sizes and a video, one prompt each, left padded), 48 greedy
+tokens per prompt by the stock `generate`, by ours (`enable_cuda_graphs`) and by ours with
+`compile=True`; each token checked against the stock model's own forward over the prompt and the
+tokens before it (teacher forcing): the steps that agree, the worst margin below that forward's
+top logit; and each item's encoder output against an fp32 reference, stock bf16's beside ours.
+Targets: ours agrees at no fewer steps than stock's generate less 2% of the steps, worst margin at
+most 1.5x stock's, encoder error at most 1.5x stock bf16's (tests/fidelity.py, shared with
+tests/test_fidelity_gpu.py).
+    python3 benchmarks/bench_fidelity.py [--family qwen2.5-vl] [--quick] [--json out.json]
+    python3 benchmarks/bench_fidelity.py --device cpu   # smoke run: tiny presets, fp32, uncompiled
+"""
+
+import argparse
+import gc
+import sys
+from pathlib import Path
+
+import torch
+from timing import environment, markdown_table, write_json
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the measure, shared with the tests
+from fidelity import FAMILIES, OURS, STOCK, TINY_FAMILIES, WORKLOADS, measure  # noqa: E402
+
+from encoder_graphs.app.loading import load_model  # noqa: E402
+
+
+
+def agreement_table(results: dict[str, dict]) -> str:
+    ways = list(next(iter(results.values()))["variants"])
+    header = ["model", "steps", *(f"agree: {way}" for way in ways), "worst margin: " + " / ".join(ways), "targets"]
+    rows = []
+    for family, result in results.items():
+        variants = result["variants"]
+        rows.append([
+            f"{family} ({result['preset']})",
+            str(variants[STOCK]["steps"]),
+            *(str(variants[way]["agree"]) for way in ways),
+            " / ".join(f"{variants[way]['worst_margin']:.3g}" for way in ways),
+            _targets(result["missed_targets"]),
+        ])
+    return markdown_table(header, rows)
+
+
+def _targets(missed: list[str] | None) -> str:
+    if missed is None:
+        return "- (fp32: the targets are bf16's)"
+    return f"{len(missed)} missed" if missed else "met"
+
+
+def encoder_table(results: dict[str, dict]) -> str:
+    ways = list(next(iter(results.values()))["variants"])
+    header = ["model", "item", "vision tokens", *(f"error vs fp32: {way}" for way in ways), "worst ratio to stock"]
+    rows = []
+    for family, result in results.items():
+        variants = result["variants"]
+        for index, item in enumerate(result["items"]):
+            errors = [variants[way]["encoder_errors"][index] for way in ways]
+            rows.append([
+                family,
+                f"{item['kind']} {item['size'][0]}x{item['size'][1]}",
+                str(item["vision_tokens"]),
+                *(f"{error:.3e}" for error in errors),
+                f"{max(errors[1:]) / errors[0]:.2f}x" if errors[0] else "-",
+            ])
+    return markdown_table(header, rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--family", choices=sorted(FAMILIES), help="one family (default: all four)")
+    parser.add_argument("--quick", action="store_true", help="smaller images and video (all four in a few minutes)")
+    parser.add_argument("--device", default="cuda", help="cpu: a smoke run of the tiny presets, fp32, uncompiled")
+    parser.add_argument("--json", help="write results here")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    on_cuda = device.type == "cuda"
+    size = ("quick" if args.quick else "full") if on_cuda else "tiny"
+    workload, presets = WORKLOADS[size], FAMILIES if on_cuda else TINY_FAMILIES
+    ours = OURS if on_cuda else {"ours": OURS["ours"]}
+    results = {}
+    for family in [args.family] if args.family else list(presets):
+        model, inputs = load_model(presets[family], device)
+        results[family] = {"preset": presets[family], **measure(model, inputs, workload, ours)}
+        del model
+        gc.collect()
+        torch._dynamo.reset()  # the next family compiles afresh, as in a process of its own
+        if on_cuda:
+            torch.cuda.empty_cache()
+        print(f"{family}: seconds {results[family]['seconds']}", flush=True)
+    env = environment()
+    prompts = len(workload.images) + 1
+    dtype = next(iter(results.values()))["dtype"]
+    print(f"\nfidelity, {dtype}, random weights, {prompts} prompts x {workload.new_tokens} greedy tokens | {env}")
+    print(agreement_table(results))
+    print(encoder_table(results))
+    for family, result in results.items():
+        for line in result["missed_targets"] or []:
+            print(f"missed: {family} {line}")
+    write_json(args.json, {"environment": env, "workload": size, "results": results})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""The fidelity measure (tests/fidelity.py) on the CPU: tiny checkpoints of each family, fp32,
+saved and loaded as the caption command loads them. In fp32 the graphed generate's tokens are the
+stock model's own argmax at every step, as the stock generate's are: 100% agreement, no margin,
+encoder outputs equal to the fp32 reference. A token changed by hand is caught."""
+
+import pytest
+import torch
+from fidelity import OURS, STOCK, TINY_FAMILIES, WORKLOADS, measure, missed_targets, prompt_batch, teacher_forced
+
+from encoder_graphs.app.loading import load_model
+from encoder_graphs.models.preset_files import write_preset_files
+from encoder_graphs.models.presets import build_model
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module", params=sorted(TINY_FAMILIES))
+def checkpoint(request, tmp_path_factory):
+    """(family, model, caption inputs) of a tiny checkpoint: preset files plus saved weights."""
+    directory = tmp_path_factory.mktemp(request.param)
+    write_preset_files(TINY_FAMILIES[request.param], directory)
+    build_model(TINY_FAMILIES[request.param], seed=1).save_pretrained(directory)
+    model, inputs = load_model(str(directory), CPU)
+    return request.param, model, inputs
+
+
+def test_in_fp32_every_step_agrees_for_stock_and_ours(checkpoint):
+    family, model, inputs = checkpoint
+    workload = WORKLOADS["tiny"]
+    result = measure(model, inputs, workload, ours={"ours": OURS["ours"]})
+    steps = (len(workload.images) + 1) * workload.new_tokens
+    assert [item["kind"] for item in result["items"]] == ["image"] * len(workload.images) + ["video"]
+    assert len(set(result["prompt_tokens"])) > 1  # prompts of different lengths: left padding is exercised
+    batch, _ = prompt_batch(inputs, workload, CPU, torch.float32)
+    assert batch["attention_mask"][:, -1].all() and not batch["attention_mask"][:, 0].all()
+    for name in (STOCK, "ours"):
+        variant = result["variants"][name]
+        assert (variant["agree"], variant["steps"], variant["worst_margin"]) == (steps, steps, 0.0), name
+        assert variant["first_disagreement"] == [workload.new_tokens] * (len(workload.images) + 1)
+        assert len(variant["encoder_errors"]) == len(result["items"])
+        assert max(variant["encoder_errors"]) < 1e-5, (name, variant["encoder_errors"])
+    graphs = result["variants"]["ours"]["graphs"]
+    assert graphs["generate_fallbacks"] == {}  # every key of the caption inputs is one the graphs take
+    assert graphs["decode_steps"] == workload.new_tokens - 1  # one generate call, through the runner
+    assert graphs["encoder_items"] > 0  # the features came through the encoder manager
+    assert result["missed_targets"] is None  # bf16's targets: fp32's reference is the stock output itself
+
+
+def test_a_token_that_is_not_the_argmax_is_caught(checkpoint):
+    family, model, inputs = checkpoint
+    workload = WORKLOADS["tiny"]
+    batch, _ = prompt_batch(inputs, workload, CPU, torch.float32)
+    if family != "internvl":
+        assert "mm_token_type_ids" in batch  # the caption inputs pass Qwen-VL's token types
+    with torch.inference_mode():
+        tokens = model.generate(**batch, do_sample=False, max_new_tokens=6, eos_token_id=10**6, pad_token_id=0)
+    tokens = tokens[:, batch["input_ids"].shape[1] :].clone()
+    assert teacher_forced(model, batch, tokens)["agree"] == tokens.numel()
+    changed = tokens.clone()
+    changed[1, 3] = (changed[1, 3] + 1) % model.config.get_text_config().vocab_size
+    checked = teacher_forced(model, batch, changed)
+    # Row 1 parts at step 3 (later steps see another prefix and may part too); other rows agree.
+    assert checked["first_disagreement"] == [6, 3, 6] and checked["worst_margin"] > 0
+    assert checked["agree"] <= tokens.numel() - 1
+
+
+def test_targets_as_the_issue_states_them():
+    """Agreement within 2% of the steps of stock's generate, worst margin within 1.5x stock's (or
+    one bf16 step of the top logit), each item's encoder error within 1.5x stock bf16's."""
+
+    def result(agree, margin, errors, stock=(180, 0.08, [0.02, 0.03])):
+        variant = lambda a, m, e: {"agree": a, "steps": 192, "worst_margin": m, "logit_step": 0.0156, "encoder_errors": e}
+        items = [{"kind": "image", "vision_tokens": 64}, {"kind": "video", "vision_tokens": 96}]
+        return {"variants": {STOCK: variant(*stock[:2], stock[2]), "ours": variant(agree, margin, errors)}, "items": items}
+
+    assert missed_targets(result(177, 0.12, [0.03, 0.045])) == []  # 180 - 3.84 = 176.16 steps, 1.5x each
+    missed = missed_targets(result(176, 0.121, [0.031, 0.01]))
+    assert len(missed) == 3 and "176 of 192" in missed[0] and "0.121" in missed[1] and "image 0" in missed[2]
+    assert missed_targets(result(192, 0.0156, [0.0, 0.0], stock=(192, 0.0, [0.01, 0.01]))) == []  # bf16's own step
+    assert len(missed_targets(result(192, 0.02, [0.0, 0.0], stock=(192, 0.0, [0.01, 0.01])))) == 1

@@ -1,0 +1,45 @@
+"""The fidelity targets on a GPU, one family a test (tests/fidelity.py says what is measured):
+real-size language models with random weights, bf16, the "quick" workload (three images of
+different sizes and a video, left padded, 48 greedy tokens each), through the model's own
+processor-style inputs. Ours and ours compiled against the stock `generate` and the stock
+model's own forward; each item's encoder output against fp32.
+
+    python3 -m pytest -q -s tests/test_fidelity_gpu.py          # about a minute a family (H100)
+"""
+
+import gc
+import json
+
+import pytest
+import torch
+from fidelity import FAMILIES, WORKLOADS, measure
+
+from encoder_graphs.app.loading import load_model
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_ours_meets_the_fidelity_targets(family):
+    model, inputs = load_model(FAMILIES[family], torch.device("cuda"))
+    try:
+        assert model.dtype == torch.bfloat16
+        result = measure(model, inputs, WORKLOADS["quick"])
+    finally:
+        del model
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch._dynamo.reset()  # the next family compiles afresh, as in a process of its own
+    print(f"\n{family} ({FAMILIES[family]}): " + json.dumps({**result, "items": len(result["items"])}, indent=1))
+    for name, variant in result["variants"].items():
+        graphs = variant.get("graphs")
+        if graphs is not None:  # ours: every call and step through the graphs, nothing sent to stock
+            assert graphs["generate_fallbacks"] == {} and graphs["compile_error"] is None, (name, graphs)
+            assert graphs["decode_graph_steps"] == graphs["decode_steps"] > 0, (name, graphs)
+            assert graphs["encoder_graph_items"] == graphs["encoder_items"] > 0, (name, graphs)
+    stock = result["variants"]["stock"]
+    assert stock["agree"] > 0.8 * stock["steps"]  # random weights, yet the stock generate mostly agrees
+    assert not result["missed_targets"], "\n".join(result["missed_targets"])
