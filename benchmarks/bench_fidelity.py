@@ -24,7 +24,7 @@ from timing import environment, markdown_table, write_json
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the measure, shared with the tests
 from fidelity import FAMILIES, OURS, STOCK, TINY_FAMILIES, WORKLOADS, measure  # noqa: E402
 
-from encoder_graphs.app.loading import load_model  # noqa: E402
+from encoder_graphs.app.loading import load_model, open_model  # noqa: E402
 
 
 
@@ -82,7 +82,8 @@ def main() -> None:
     ours = OURS if on_cuda else {"ours": OURS["ours"]}
     results = {}
     for family in [args.family] if args.family else list(presets):
-        model, inputs = load_model(presets[family], device)
+        source = open_model(presets[family])
+        model, inputs = load_model(source, device), source.inputs
         results[family] = {"preset": presets[family], **measure(model, inputs, workload, ours)}
         del model
         gc.collect()

@@ -7,7 +7,7 @@ import pytest
 import torch
 from fidelity import OURS, STOCK, TINY_FAMILIES, WORKLOADS, measure, missed_targets, prompt_batch, teacher_forced
 
-from encoder_graphs.app.loading import load_model
+from encoder_graphs.app.loading import load_model, open_model
 from encoder_graphs.models.preset_files import write_preset_files
 from encoder_graphs.models.presets import build_model
 
@@ -20,7 +20,8 @@ def checkpoint(request, tmp_path_factory):
     directory = tmp_path_factory.mktemp(request.param)
     write_preset_files(TINY_FAMILIES[request.param], directory)
     build_model(TINY_FAMILIES[request.param], seed=1).save_pretrained(directory)
-    model, inputs = load_model(str(directory), CPU)
+    source = open_model(str(directory))
+    model, inputs = load_model(source, CPU), source.inputs
     return request.param, model, inputs
 
 

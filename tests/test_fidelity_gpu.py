@@ -14,7 +14,7 @@ import pytest
 import torch
 from fidelity import FAMILIES, WORKLOADS, measure
 
-from encoder_graphs.app.loading import load_model
+from encoder_graphs.app.loading import load_model, open_model
 
 pytestmark = [
     pytest.mark.gpu,
@@ -24,7 +24,8 @@ pytestmark = [
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_ours_meets_the_fidelity_targets(family):
-    model, inputs = load_model(FAMILIES[family], torch.device("cuda"))
+    source = open_model(FAMILIES[family])
+    model, inputs = load_model(source, torch.device("cuda")), source.inputs
     try:
         assert model.dtype == torch.bfloat16
         result = measure(model, inputs, WORKLOADS["quick"])
