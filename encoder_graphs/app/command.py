@@ -111,7 +111,9 @@ def make_plan(args: argparse.Namespace, job: Job) -> Plan:
     results = open_results(args, job)
     if job.rank == 0:
         tidy_outputs(args, roots, files, sidecars, results, config.text)
-    todo = [f for f in files if not results.is_done(f.path) and not sidecars.skips(f.path)]
+    if job.distributed and job.rank == 0:  # the other ranks read --out once rank 0 is done writing it
+        job.store.add("opened", 1)
+    todo = [f for f in files if not results.is_done(f.path) and not all(map(sidecars.skips, f.names))]
     if job.distributed:  # every rank must hold the same list before any starts writing parts
         job.barrier("planned")
     return Plan(roots, files, todo, config, sidecars, results, job)
@@ -148,7 +150,7 @@ def open_results(args: argparse.Namespace, job: Job) -> "ResultsFile":
     from encoder_graphs.app.results import NotResultsFile, ResultsFile, ResultsLocked
 
     if job.rank != 0:
-        job.wait_for("opened", 1)  # rank 0 has the lock, a cut last line repaired and the parts merged
+        job.wait_for("opened", 1)  # rank 0 has the lock, a cut last line repaired, parts merged, sidecars backfilled
     try:
         # The file the user named (checked), through their symlink: the lock opens no symlink.
         results = ResultsFile(os.path.realpath(args.out), retry_failed=args.retry_failed, lock=job.rank == 0)
@@ -162,13 +164,11 @@ def open_results(args: argparse.Namespace, job: Job) -> "ResultsFile":
     if job.rank == 0 and (parts := part_paths(results.path)):
         try:
             merged = results.merge(parts)
-        except (ResultsLocked, OSError) as error:
+        except (ResultsLocked, NotResultsFile, OSError) as error:
             results.close()
             raise UsageError(f"cannot merge the part files beside --out {printable(args.out)}: {error}") from error
         print(f"encoder-graphs: merged {merged} records from the {len(parts)} part files an earlier torchrun job "
               f"left beside {printable(args.out)}", file=sys.stderr)
-    if job.distributed and job.rank == 0:
-        job.store.add("opened", 1)
     return results
 
 
@@ -209,7 +209,10 @@ def check_outputs(args: argparse.Namespace, roots: list[Path], files: "list[Medi
             "rename one or caption them apart"
         )
     metadata = [("--hf-metadata", root / METADATA_FILE) for root in roots if args.hf_metadata and root.is_dir()]
-    check_targets(metadata + named, roots, [f.path for f in files if f.kind != "folder"], sidecars)
+    for flag, path in metadata:
+        if (problem := special_file(path)) is not None:
+            raise UsageError(f"cannot use {flag} {path}: {problem}")
+    check_targets(metadata + named, roots, [n for f in files if f.kind != "folder" for n in f.names], sidecars)
     if args.stats_json is not None and (problem := not_our_stats(args.stats_json)) is not None:
         raise UsageError(f"cannot use --stats-json {args.stats_json}: {problem}")
 
@@ -240,7 +243,7 @@ def tidy_outputs(
 
 def report_sidecar_errors(errors: list[str]) -> None:
     if errors:
-        print(f"encoder-graphs: {len(errors)} sidecars could not be written ({errors[0]}); their files are "
+        print(f"encoder-graphs: {len(errors)} sidecars could not be written ({printable(errors[0])}); their files are "
               "recorded as errors", file=sys.stderr)
 
 
@@ -311,7 +314,6 @@ def write_metadata(args: argparse.Namespace, plan: Plan) -> None:
     if not args.hf_metadata or plan.job.rank != 0:
         return
     from encoder_graphs.app.metadata import write_hf_metadata
-    from encoder_graphs.app.names import as_text
 
     try:
         written, left_out = write_hf_metadata(plan.results.path, plan.roots, plan.files, plan.sidecars)
@@ -321,7 +323,7 @@ def write_metadata(args: argparse.Namespace, plan: Plan) -> None:
         print(f"wrote {printable(path)}")
     if left_out:
         print(f"encoder-graphs: metadata.jsonl has no row for {len(left_out)} images whose names are not UTF-8, "
-              f"which a JSON file_name cannot name (rename them), e.g. {as_text(str(left_out[0]))}", file=sys.stderr)
+              f"which a JSON file_name cannot name (rename them), e.g. {printable(left_out[0])}", file=sys.stderr)
 
 
 def write_stats_json(args: argparse.Namespace, payload: dict) -> None:
@@ -510,5 +512,5 @@ def stop_on_interrupt() -> Iterator[Callable[[], bool]]:
 def exit_status(plan: Plan) -> int:
     """0 when every file now has a caption (or a sidecar); failures recorded by an earlier run
     count too."""
-    failed = any(plan.results.is_failed(f.path) and not plan.sidecars.skips(f.path) for f in plan.files)
+    failed = any(plan.results.is_failed(f.path) and not all(map(plan.sidecars.skips, f.names)) for f in plan.files)
     return EXIT_FAILURES if failed else EXIT_OK

@@ -7,7 +7,7 @@ import re
 import string
 from dataclasses import dataclass, field
 
-from encoder_graphs.app.names import as_text
+from encoder_graphs.app.names import as_text, is_text
 
 DEFAULT_PROMPT = "Describe this in one sentence."
 # What a prompt template may name: the file's name without its extension, its folder's name, and
@@ -61,6 +61,9 @@ class CaptionConfig:
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         check_template(self.prompt)
+        for flag, text in (("--prompt", self.prompt), ("--prefix", self.prefix), ("--suffix", self.suffix)):
+            if not is_text(text):  # bytes a shell passed that are not UTF-8: no file or model takes them
+                raise ValueError(f"{flag} is not valid UTF-8 text")
 
     def prompt_for(self, name: str, folder: str, width: int, height: int) -> str:
         """The prompt of one file: the template with its fields filled in (a name's bytes that are

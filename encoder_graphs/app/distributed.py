@@ -83,13 +83,17 @@ def by_cost(files: Sequence[MediaFile]) -> list[MediaFile]:
     """Largest first: videos, then images by pixels read from their headers."""
     from PIL import Image
 
+    from encoder_graphs.app.media import open_regular
+
     def cost(file: MediaFile) -> int:
         if file.kind != "image":
             return 1 << 62
+        if file.reason:  # refused by the walk: never opened
+            return 0
         try:
             with warnings.catch_warnings():  # a header read; `load` judges sizes
                 warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-                with Image.open(file.path) as image:
+                with open_regular(file.path) as handle, Image.open(handle) as image:
                     return image.width * image.height
         except Exception:  # noqa: BLE001 (a bad file costs nothing here; loading will report it)
             return 0

@@ -301,7 +301,7 @@ def load_image(path: Path, limits: LoadLimits) -> Image.Image:
     """Decoded as small as the limits allow: a JPEG reduced inside its decoder, other formats box
     reduced right after decoding, before any conversion (a float copy of a 16-bit bitmap is four
     times its size); turned upright by its EXIF orientation."""
-    with _open_regular(path) as handle:
+    with open_regular(path) as handle:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", Image.DecompressionBombWarning)
@@ -367,7 +367,7 @@ def load_video(path: Path, limits: LoadLimits) -> VideoFrames:
     stride = 1
     decoded = 0
     fps = None
-    with _open_regular(path) as handle:
+    with open_regular(path) as handle:
         try:
             with av.open(handle) as container:
                 if not container.streams.video:
@@ -413,7 +413,7 @@ def fit(image: Image.Image, max_pixels: int | None, min_side: int) -> Image.Imag
     return image.resize(size, Image.Resampling.BICUBIC, reducing_gap=None if scale > 1 else 3.0)
 
 
-def _open_regular(path: Path) -> BinaryIO:
+def open_regular(path: Path) -> BinaryIO:
     """`path` opened for reading, once it is known to be a regular file. A FIFO, device or socket
     is never opened: opening a FIFO waits for a writer (a run would hang, Ctrl-C too), and opening
     a device can act on it. O_NONBLOCK keeps a FIFO swapped in after the check from blocking the

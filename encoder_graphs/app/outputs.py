@@ -87,7 +87,7 @@ def sidecar_error(record: dict, error: OSError) -> dict:
     """The record saying that the sidecar of `record`'s file could not be written. Appended after
     the caption's, it is the file's latest: the file counts as failed, and `--retry-failed`
     captions it again."""
-    identity = {key: record[key] for key in ("path", "relative_path", "kind", "model") if key in record}
+    identity = {key: record[key] for key in ("path", "path_bytes", "relative_path", "kind", "model") if key in record}
     message = f"cannot write the sidecar {error.filename}: {error.strerror}"
     return {**identity, "error_kind": "sidecar", "error": message}
 
@@ -139,11 +139,14 @@ class Outputs:
 
 
 def latest_records(results_path: Path) -> dict[str, dict]:
-    """The latest record of every path in a results file, by path identity."""
+    """The latest record of every path in a results file, by path identity. A sidecar that could
+    not be written leaves the caption before it standing: its error record is not counted here
+    (it marks the file failed in `ResultsFile`, so that a rerun writes the sidecar)."""
     latest: dict[str, dict] = {}
     if results_path.exists():
         for record in read_records(results_path):
-            latest[path_key(record_path(record))] = record
+            if record.get("error_kind") != "sidecar":
+                latest[path_key(record_path(record))] = record
     return latest
 
 

@@ -122,8 +122,7 @@ class ResultsFile:
             return
         data = self.path.read_bytes()
         lines = data.splitlines(keepends=True)
-        # Ours begins with a record, or (killed in its first append) with the start of one.
-        if lines and _parse(lines[0]) is None and not (len(lines) == 1 and RECORD_START.startswith(lines[0][:9])):
+        if not _ours(lines):
             raise NotResultsFile(self.path)
         # Only an unterminated last line is a kill's; only the lock holder cuts it.
         if lines and not lines[-1].endswith(b"\n") and not self.closed:
@@ -162,7 +161,7 @@ class ResultsFile:
                     lock.acquire()
                 except HeldElsewhere as error:
                     raise ResultsLocked(part, error.holder) from None
-            missing = dict.fromkeys(line for part in parts for line in _record_lines(part))
+            missing = dict.fromkeys(line for part in parts for line in _record_lines(part))  # NotResultsFile
             if missing and self.path.exists():
                 with open(self.path, "rb") as handle:
                     for line in handle:
@@ -213,9 +212,19 @@ def read_records(path: str | Path) -> list[dict]:
 
 
 def _record_lines(path: Path) -> list[bytes]:
-    """The lines of the complete, well-formed records in a results file, as written."""
+    """The lines of the complete, well-formed records in a results file, as written;
+    `NotResultsFile` for a file that is not one (a part is removed once merged: never another's)."""
     with open(path, "rb") as handle:
-        return [line for line in handle if _parse(line) is not None]
+        lines = handle.readlines()
+    if not _ours(lines):
+        raise NotResultsFile(path)
+    return [line for line in lines if _parse(line) is not None]
+
+
+def _ours(lines: list[bytes]) -> bool:
+    """A results file of ours begins with a record, or (killed in its first append) with the
+    start of one."""
+    return not lines or _parse(lines[0]) is not None or (len(lines) == 1 and RECORD_START.startswith(lines[0][:9]))
 
 
 def _json_ready(record: dict) -> dict:
