@@ -18,9 +18,10 @@ from transformers import AutoTokenizer, Qwen2VLForConditionalGeneration
 
 from encoder_graphs.app.cli import build_parser, main
 from encoder_graphs.app.config import DEFAULT_IMAGE_TOKENS, CaptionConfig
-from encoder_graphs.app.media import SAMPLES_DIR, LoadLimits, discover
+from encoder_graphs.app.media import SAMPLES_DIR, LoadLimits
 from encoder_graphs.app.pipeline import Captioner, Pending, RunStats, longest_sequence
 from encoder_graphs.app.results import ResultsFile, read_records
+from encoder_graphs.app.walk import discover
 from encoder_graphs.models.default_model import SPECIAL_TOKENS, default_model_dir
 from encoder_graphs.models.qwen_inputs import QwenVLInputs
 

@@ -14,22 +14,22 @@ import pytest
 import torch
 from PIL import Image
 from test_cli import model_cache  # noqa: F401 (autouse: a private model cache for this module)
+from test_dataset_tool import FAST, images, records
 from test_media import write_video
 from transformers import Qwen2VLForConditionalGeneration
 
 from encoder_graphs.app import loading
 from encoder_graphs.app.cli import build_parser, main
 from encoder_graphs.app.config import CaptionConfig
-from encoder_graphs.app.media import SAMPLES_DIR, LoadLimits, MediaError, MediaFile, discover, load
+from encoder_graphs.app.media import SAMPLES_DIR, LoadLimits, MediaError, load
 from encoder_graphs.app.outputs import Outputs, SidecarPolicy
 from encoder_graphs.app.pipeline import Captioner
 from encoder_graphs.app.results import ResultsFile
 from encoder_graphs.app.sizing import RESERVE_BYTES, TextSizes, batch_size_for, sequence_memory
+from encoder_graphs.app.walk import MediaFile, discover
 from encoder_graphs.models.default_model import default_model_dir
 from encoder_graphs.models.presets import PRESETS, get_config
 from encoder_graphs.models.qwen_inputs import QwenVLInputs
-
-from test_dataset_tool import FAST, images, records
 
 
 @pytest.fixture

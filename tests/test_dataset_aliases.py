@@ -12,7 +12,7 @@ from test_dataset_tool import FAST, images, records
 
 from encoder_graphs.app.cli import main
 from encoder_graphs.app.distributed import by_cost
-from encoder_graphs.app.media import MediaFile
+from encoder_graphs.app.walk import MediaFile
 
 
 def linked_dataset(tmp_path: Path) -> tuple[Path, Path, Path]:

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from encoder_graphs.app.media import LoadLimits, MediaError, MediaFile, discover, fit, load, load_image, load_video
+from encoder_graphs.app.media import LoadLimits, MediaError, fit, load, load_image, load_video
+from encoder_graphs.app.walk import MediaFile, discover
 
 av = pytest.importorskip("av")
 

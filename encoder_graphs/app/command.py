@@ -26,8 +26,9 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
     from encoder_graphs.app.loading import ModelSource
-    from encoder_graphs.app.media import LoadLimits, MediaFile
+    from encoder_graphs.app.media import LoadLimits
     from encoder_graphs.app.results import ResultsFile
+    from encoder_graphs.app.walk import MediaFile
     from encoder_graphs.protocols import CaptionInputs
 
 RESUME_HINT = "rerun the same command to resume"
@@ -78,7 +79,8 @@ def caption(args: argparse.Namespace) -> int:
 
 def make_plan(args: argparse.Namespace, job: Job) -> Plan:
     """The files, the settings and the outputs: every usage error that needs no model."""
-    from encoder_graphs.app.media import SAMPLES_DIR, discover
+    from encoder_graphs.app.media import SAMPLES_DIR
+    from encoder_graphs.app.walk import discover
 
     # abspath, as discover's file paths: `..` resolved, symlinks kept, so the two compare as text.
     roots = [Path(os.path.abspath(p)) for p in args.paths] + ([SAMPLES_DIR] if args.samples else [])

@@ -19,7 +19,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from encoder_graphs.app.media import MediaFile
+from encoder_graphs.app.walk import MediaFile
 
 STORE_TIMEOUT = timedelta(hours=6)  # waits on the store: other ranks may caption for hours
 POLL_S = 0.2

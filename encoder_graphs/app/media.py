@@ -1,9 +1,9 @@
-"""Finding images and videos under the given paths, and loading them safely.
+"""Loading the images and videos `walk.discover` found, safely.
 
 Every way a file can be bad ends in a `MediaError` naming the file and a short `kind`, so the
 pipeline can record it and go on. Nothing is read that could hang the run or exhaust its memory:
-special files are never opened, links into pseudo-filesystems never followed, and an image's size
-and shape are judged from its header before any pixel is decoded.
+special files are never opened, and an image's size and shape are judged from its header before
+any pixel is decoded.
 """
 
 import math
@@ -13,24 +13,16 @@ import threading
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from encoder_graphs.app.results import path_key
+from encoder_graphs.app.walk import MediaFile, list_folder, os_reason
 
-IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tiff", ".tif"})
-VIDEO_EXTENSIONS = frozenset({".mp4", ".webm", ".mkv", ".avi"})
 SAMPLES_DIR = Path(__file__).parent / "samples"
-# Decided by the real path (links resolved): whatever is mounted there is the kernel's view of
-# processes, devices and drivers, not a dataset (`ds/me -> /proc/self` reaches the whole disk).
-PSEUDO_FILESYSTEMS = ("/proc", "/sys", "/dev")
-# Names one real folder is walked under (through links): a lattice of links would otherwise name
-# each file 2**depth times.
-MAX_FOLDER_NAMES = 32
 ORIENTATION_TAG = 0x0112  # EXIF
 # How EXIF orientations 2-8 turn a stored image upright (PIL's ImageOps.exif_transpose table).
 UPRIGHT = {
@@ -59,22 +51,6 @@ class MediaError(Exception):
     def __init__(self, path: Path | str, kind: str, reason: str) -> None:
         super().__init__(f"{path}: {reason}")
         self.kind = kind
-
-
-@dataclass(frozen=True)
-class MediaFile:
-    path: Path
-    kind: str  # "image" | "video" | "folder" (one the walk could not list or would not enter: `load` raises)
-    # Set by the walk for an entry it will not read (`load` raises it): why, and the MediaError kind.
-    reason: str = field(default="", compare=False)
-    error_kind: str = field(default="unreadable", compare=False)
-    # The same file's other names under the roots (links), sorted: `discover`'s docstring.
-    aliases: tuple[Path, ...] = field(default=(), compare=False)
-
-    @property
-    def names(self) -> tuple[Path, ...]:
-        """Every name of the file, `path` first."""
-        return (self.path, *self.aliases)
 
 
 class VideoFrames(list):
@@ -115,140 +91,6 @@ class LoadLimits:
             raise ValueError(f"max_aspect must be >= 1, got {self.max_aspect}")
 
 
-def media_kind(path: Path) -> str | None:
-    suffix = path.suffix.lower()
-    if suffix in IMAGE_EXTENSIONS:
-        return "image"
-    if suffix in VIDEO_EXTENSIONS:
-        return "video"
-    return None
-
-
-def discover(
-    paths: list[str | Path], *, include_hidden: bool = False, follow_links: bool = True
-) -> list[MediaFile]:
-    """Media files under `paths` (files or folders, walked recursively), sorted, each file once.
-
-    Paths are made absolute (symlinks kept): a results file written from one working directory
-    resumes from any other. Raises FileNotFoundError for a path that does not exist; files of other
-    types are skipped. Hidden files and folders (name starting with ".") are skipped unless
-    `include_hidden`; a path given in `paths` is always used, links included.
-
-    Links met in the walk are followed (datasets spread over disks rely on it) unless
-    `follow_links` is False, which skips them so the walk stays inside the roots. Never followed:
-    a link back to a folder above it on its way (a loop); a link whose target's real path lies in
-    /proc, /sys or /dev, nor a folder there (unless the root given is in that one too, e.g.
-    /dev/shm/data); a folder's names past MAX_FOLDER_NAMES. The refused ones, and a folder that
-    cannot be listed, are not dropped silently: each is an entry with a `reason` (kind "folder",
-    or its media kind for a file link), which `load` raises as a `MediaError`.
-
-    A file reached under several names (a file link and its target, folders linked twice, two
-    linked roots) is one entry, whose identity is its real path (`results.path_key`). Its `path`
-    is the name without links when there is one, else the first name in order; `aliases` holds the
-    others (`names`: all of them), so that each name can get its own sidecar and metadata row while
-    the file is captioned once.
-    """
-    walk = _Walk(include_hidden, follow_links)
-    names: dict[str, set[Path]] = {}  # real path -> names
-    refused: dict[Path, MediaFile] = {}
-    for root in map(Path, paths):
-        if not root.exists() and not root.is_symlink():
-            raise FileNotFoundError(f"no such file or directory: {root}")
-        absolute = Path(os.path.abspath(root))
-        found = walk.folder(absolute) if root.is_dir() else [(absolute, path_key(absolute), None)]
-        for path, real, refusal in found:
-            if refusal is not None:
-                refused[path] = MediaFile(path, media_kind(path) or "folder", *refusal)
-            elif media_kind(path) is not None:
-                names.setdefault(real, set()).add(path)
-    files = [_named(real, sorted(same)) for real, same in names.items()] + list(refused.values())
-    return sorted(files, key=lambda f: str(f.path))
-
-
-def _named(real: str, names: list[Path]) -> MediaFile:
-    """The entry of one file: the name that is its real path when there is one."""
-    path = next((name for name in names if str(name) == real), names[0])
-    return MediaFile(path, media_kind(path) or "image", aliases=tuple(n for n in names if n != path))
-
-
-class _Walk:
-    """The walk of `discover` over any number of roots: how many names each real folder has been
-    walked under so far."""
-
-    def __init__(self, include_hidden: bool, follow_links: bool) -> None:
-        self.include_hidden = include_hidden
-        self.follow_links = follow_links
-        self.folder_names: dict[tuple[int, int], set[Path]] = {}  # (st_dev, st_ino) -> names walked
-
-    def folder(self, root: Path) -> Iterator[tuple[Path, str, tuple[str, str] | None]]:
-        """(name, real path, None) for every file under `root`; (name, real path, (why, kind)) for
-        every entry not read."""
-        home = _pseudo_filesystem(os.path.realpath(root))  # a root given there may be walked
-        # Depth first, without recursion (deep trees do not hit the recursion limit). Each entry
-        # carries its real path (links resolved only where there is one: a realpath per file would
-        # cost a system call per path component) and the folders above it on this name.
-        stack: list[tuple[Path, str, tuple[tuple[int, int], ...]]] = [(root, os.path.realpath(root), ())]
-        while stack:
-            folder, real, above = stack.pop()
-            try:
-                info = os.stat(folder)
-                identity = (info.st_dev, info.st_ino)
-                if identity in above:
-                    continue  # a link back up: following it would loop
-                walked = self.folder_names.setdefault(identity, set())
-                if folder not in walked and len(walked) >= MAX_FOLDER_NAMES:
-                    if len(walked) == MAX_FOLDER_NAMES:  # reported once, under its first name past the limit
-                        walked.add(folder)
-                        why = f"this folder is reached under more than {MAX_FOLDER_NAMES} names (links): not walked again"
-                        yield folder, real, (why, "unreadable")
-                    continue
-                walked.add(folder)
-                entries = _list_folder(folder)
-            except OSError as error:
-                yield folder, real, (f"cannot list this folder: {_reason(error)}", "unreadable")
-                continue
-            subfolders = []
-            for name, is_dir, is_link in entries:
-                if (not self.include_hidden and name.startswith(".")) or (is_link and not self.follow_links):
-                    continue
-                path = folder / name
-                if not is_dir and media_kind(path) is None:
-                    continue  # not media: never resolved or read
-                target = os.path.realpath(path) if is_link else os.path.join(real, name)
-                pseudo = _pseudo_filesystem(target)
-                if pseudo is not None and pseudo != home:
-                    yield path, target, (f"not followed: it is in {pseudo}, a pseudo-filesystem", "special")
-                elif is_dir:
-                    subfolders.append((path, target, (*above, identity)))
-                else:
-                    yield path, target, None
-            stack.extend(reversed(subfolders))
-
-
-def _pseudo_filesystem(real: str) -> str | None:
-    """The pseudo-filesystem (/proc, /sys or /dev) that the real path `real` lies in, or None."""
-    return next((top for top in PSEUDO_FILESYSTEMS if real == top or real.startswith(top + os.sep)), None)
-
-
-def _list_folder(folder: Path) -> list[tuple[str, bool, bool]]:
-    """(name, is a folder (links followed), is a link) for each entry, by name. Raises OSError."""
-    with os.scandir(folder) as entries:
-        listed = []
-        for entry in entries:
-            try:
-                is_dir = entry.is_dir()  # follows symlinks; False for a dangling one
-            except OSError:
-                is_dir = False
-            listed.append((entry.name, is_dir, entry.is_symlink()))
-    return sorted(listed)
-
-
-def _reason(error: OSError) -> str:
-    if isinstance(error, PermissionError):
-        return "permission denied"
-    return error.strerror or str(error)
-
-
 def load(file: MediaFile, limits: LoadLimits) -> Image.Image | VideoFrames:
     """An RGB image, or an even number of equally sized RGB video frames."""
     if file.reason:
@@ -263,9 +105,9 @@ def load(file: MediaFile, limits: LoadLimits) -> Image.Image | VideoFrames:
 def _folder_reason(path: Path) -> str:
     """Why a folder entry made without a `reason` cannot be listed (now)."""
     try:
-        _list_folder(path)
+        list_folder(path)
     except OSError as error:
-        return _reason(error)
+        return os_reason(error)
     return "it could not be listed when the files were gathered"
 
 

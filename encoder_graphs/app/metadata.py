@@ -9,10 +9,10 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from encoder_graphs.app.media import MediaFile, media_kind
 from encoder_graphs.app.names import is_text
 from encoder_graphs.app.outputs import METADATA_FILE, SidecarPolicy, latest_records, write_atomically
 from encoder_graphs.app.results import path_key
+from encoder_graphs.app.walk import MediaFile, media_kind
 
 
 def write_hf_metadata(

@@ -11,8 +11,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from encoder_graphs.app.errors import UsageError
-from encoder_graphs.app.media import media_kind
 from encoder_graphs.app.outputs import SidecarPolicy
+from encoder_graphs.app.walk import media_kind
 
 STATS_READ_MAX = 64 << 20  # bytes: statistics we wrote are far smaller; a larger file is not ours
 

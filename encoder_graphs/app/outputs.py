@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from encoder_graphs.app.lock import OPEN_FLAGS
-from encoder_graphs.app.media import media_kind
 from encoder_graphs.app.results import ResultsFile, path_key, read_records, record_path
+from encoder_graphs.app.walk import media_kind
 
 METADATA_FILE = "metadata.jsonl"
 NAME_MAX = 255  # bytes in a file name (ext4, xfs, btrfs, tmpfs, NFS)

@@ -15,9 +15,10 @@ from PIL import Image
 from transformers import PreTrainedModel
 
 from encoder_graphs.app.config import CaptionConfig
-from encoder_graphs.app.media import LoadLimits, MediaError, MediaFile, load
+from encoder_graphs.app.media import LoadLimits, MediaError, load
 from encoder_graphs.app.outputs import Outputs, relative_path
 from encoder_graphs.app.runstats import RunStats
+from encoder_graphs.app.walk import MediaFile
 from encoder_graphs.protocols import CaptionInputs, EncodedMedia
 
 ORIENTATION_TAG = 0x0112  # EXIF; values 5-8 turn the image by 90 degrees
