@@ -4,8 +4,9 @@ cuBLAS offers no gated epilogue, so the stock MLP writes gate and up (2 x rows x
 them back for SiLU(gate) * up: in Qwen2.5-VL-7B's tower that kernel took a fifth of the two
 GEMMs' time (2.3 of 11.5 ms over 15k rows, H200). Here the weight rows interleave gate and up
 (row 2j gate j, row 2j + 1 up j), so each output tile holds matching pairs of columns and the
-epilogue writes only the product, from the fp32 accumulator (one rounding where the stock MLP
-has three). A persistent grid, TMA loads, the tile picked per row count: 630-640 TFLOP/s from 4k
+epilogue writes only the product, rounded at the stock MLP's three points (gate and up, the
+SiLU, the product): the bf16 result then equals the stock one wherever the two GEMMs' fp32
+accumulators round alike, which keeps generation near the stock model's tokens. A persistent grid, TMA loads, the tile picked per row count: 630-640 TFLOP/s from 4k
 rows up, as fast as cuBLAS's GEMM alone (H200, 2026-11-22, benchmarks/RESULTS.md).
 """
 
@@ -20,7 +21,7 @@ from encoder_graphs.models.attention import HALF_DTYPES
 from encoder_graphs.models.kernel_inputs import check_swiglu_inputs
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows"])
 def _swiglu_kernel(
     x_desc, w_desc, Bias, Out, rows, cols, width, s_out,
     HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
@@ -39,8 +40,12 @@ def _swiglu_kernel(
         if HAS_BIAS:
             n = on + tl.arange(0, BN)
             acc += tl.load(Bias + n, mask=n < cols, other=0.0).to(tl.float32)[None, :]
+        # Rounded where the stock MLP rounds (each projection, the SiLU, the product), so that
+        # where the accumulators agree with cuBLAS's the output is the stock one, bit for bit.
+        acc = acc.to(Out.dtype.element_ty).to(tl.float32)
         gate, up = tl.split(tl.reshape(acc, [BM, BN // 2, 2]))
-        y = gate / (1.0 + tl.exp(-gate)) * up
+        silu = (gate / (1.0 + tl.exp(-gate))).to(Out.dtype.element_ty).to(tl.float32)
+        y = silu * up
         m = (om + tl.arange(0, BM)).to(tl.int64)[:, None]
         c = (on // 2 + tl.arange(0, BN // 2))[None, :]
         tl.store(Out + m * s_out + c, y.to(Out.dtype.element_ty), mask=(m < rows) & (c < cols // 2))

@@ -28,7 +28,9 @@ def poisoned_empty_cache() -> None:
     (1, 3424, 1280), (63, 3424, 1280), (1000, 3424, 1280), (1025, 3424, 1280), (4099, 3424, 1280),
     (11520, 3424, 1280), (300, 40, 64), (2048, 200, 72),
 ])  # fmt: skip
-def test_swiglu_linear_matches_fp32_and_is_no_worse_than_stock_bf16(rows, width, inputs, bias):
+def test_swiglu_linear_is_the_stock_mlps_bf16_but_for_rare_roundings(rows, width, inputs, bias):
+    """Rounded at the stock MLP's points: nearly every element equals the stock bf16 one (the
+    GEMMs accumulate in another order), and the error against fp32 is stock's own."""
     from encoder_graphs.models.swiglu_kernel import swiglu_linear
 
     generator = torch.Generator(device="cuda").manual_seed(rows + width)
@@ -47,7 +49,8 @@ def test_swiglu_linear_matches_fp32_and_is_no_worse_than_stock_bf16(rows, width,
         out = swiglu_linear(x, weight, b)
     assert out.shape == (rows, width) and out.dtype == torch.bfloat16
     assert torch.isfinite(out).all()
-    assert relative_error(out, exact) <= max(relative_error(stock, exact), 4e-3)
+    assert (out == stock).float().mean() >= 0.98
+    assert relative_error(out, exact) <= 1.05 * relative_error(stock, exact) + 1e-5
 
 
 def test_swiglu_linear_in_compiled_code_and_graphs_without_a_break():

@@ -44,7 +44,7 @@ def _rotate(x, c, s, PAIRS: tl.constexpr):
     return tl.reshape(y, [x.shape[0], 2 * PAIRS]).to(x.dtype)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows", "segments"])  # one compilation for every batch
 def _window_kernel(
     Q, K, V, Cos, Sin, Cu, Out,
     sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, s_cos, so_n, so_h, rows, segments, scale,
