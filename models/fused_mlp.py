@@ -8,6 +8,7 @@ own contiguous weight back, bit for bit as before.
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from encoder_graphs.models.attention import refuse_gradients, triton_runs
@@ -38,9 +39,22 @@ def _interleave(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 GatedLinear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 
-def fuse_gated_mlp(mlp: nn.Module, gated_linear: GatedLinear, rewrites: Rewrites) -> None:
+class InterleavedGateUp:
+    """A fused MLP's gate and up projections from its interleaved weight, as one GEMM (cuBLAS):
+    for decode steps, whose few rows read the weight once either way."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.weight, self.bias = weight, bias
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        both = F.linear(x, self.weight, self.bias)
+        return both[..., 0::2], both[..., 1::2]
+
+
+def fuse_gated_mlp(mlp: nn.Module, gated_linear: GatedLinear, rewrites: Rewrites) -> InterleavedGateUp:
     """Run `mlp` (`fuses_gated_mlp`) through `gated_linear(x, weight, bias)` over its gate and up
-    weights interleaved (`swiglu_kernel.swiglu_linear`), until `rewrites` is undone."""
+    weights interleaved (`swiglu_kernel.swiglu_linear`), until `rewrites` is undone; returns its
+    gate and up over the same weight."""
     gate, up = mlp.gate_proj, mlp.up_proj
     with made_like(gate.weight):
         weight = _interleave(gate.weight, up.weight)
@@ -57,3 +71,4 @@ def fuse_gated_mlp(mlp: nn.Module, gated_linear: GatedLinear, rewrites: Rewrites
         return gated_linear(x, weight, bias)
 
     rewrites.patch(mlp, "forward", gated_silu_mlp_forward(mlp, gated))
+    return InterleavedGateUp(weight, bias)

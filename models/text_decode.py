@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from encoder_graphs.models.attention import write_and_decode
+from encoder_graphs.models.fused_mlp import InterleavedGateUp
 from encoder_graphs.models.rewrites import Rewrites
 from encoder_graphs.models.stacked_linear import StackedLinear
 from encoder_graphs.models.transformers_seam import decode_rotary
@@ -48,14 +49,15 @@ _write_and_decode = torch.compiler.disable(write_and_decode)
 
 class DecodeLayer(nn.Module):
     """One stock decoder layer's decode math over its own modules (no weights copied; q/k/v and
-    gate/up stacked until `rewrites` is undone)."""
+    gate/up stacked until `rewrites` is undone). `gate_up`: the MLP's, where it is fused already
+    (`text_stack.fuse_text_kernels`), over its interleaved weight."""
 
-    def __init__(self, layer: nn.Module, rewrites: Rewrites) -> None:
+    def __init__(self, layer: nn.Module, rewrites: Rewrites, gate_up: InterleavedGateUp | None = None) -> None:
         super().__init__()
         self.attn = layer.self_attn
         self.mlp = layer.mlp
         self.qkv = StackedLinear([self.attn.q_proj, self.attn.k_proj, self.attn.v_proj], rewrites)
-        self.gate_up = StackedLinear([self.mlp.gate_proj, self.mlp.up_proj], rewrites)
+        self.gate_up = gate_up or StackedLinear([self.mlp.gate_proj, self.mlp.up_proj], rewrites)
         self.input_layernorm = layer.input_layernorm
         self.post_attention_layernorm = layer.post_attention_layernorm
         self.qk_norm = hasattr(self.attn, "q_norm")
@@ -99,13 +101,16 @@ class DecodeLayer(nn.Module):
 
 class DecodeStack:
     """Embedding, rotary tables, `DecodeLayer`s, final norm and LM head: one decode step, over
-    projections stacked until `rewrites` is undone."""
+    projections stacked until `rewrites` is undone (`gate_ups`: the fused MLPs', by module)."""
 
-    def __init__(self, model: nn.Module, rewrites: Rewrites) -> None:
+    def __init__(
+        self, model: nn.Module, rewrites: Rewrites, gate_ups: dict[nn.Module, InterleavedGateUp] | None = None
+    ) -> None:
         self.text_model = model.get_decoder()
         self.embed = model.get_input_embeddings()
         self.lm_head = model.get_output_embeddings()
-        self.layers = [DecodeLayer(layer, rewrites) for layer in self.text_model.layers]
+        gate_ups = gate_ups or {}
+        self.layers = [DecodeLayer(layer, rewrites, gate_ups.get(layer.mlp)) for layer in self.text_model.layers]
 
     @staticmethod
     def supports(model: nn.Module) -> bool:

@@ -1,4 +1,10 @@
-"""The language model's MLPs and norms, for torch.compile: the prefill's pointwise work.
+"""The language model's MLPs and norms: the prefill's pointwise work, through Triton kernels where
+they run, and for torch.compile.
+
+Uncompiled, a Qwen2.5-VL-3B prefill of a caption batch spent about as long in elementwise kernels
+as in its GEMMs, most of it the norms' six kernels and the MLPs' SiLU and product (RESULTS.md).
+`fuse_text_kernels` runs each stock RMSNorm as one kernel (`add_norm_kernel.rms_norm`) and each
+gated MLP's gate, up and SiLU as one GEMM (`swiglu_kernel`), for the prefill and decode steps alike.
 
 Whole decoder layers do not compile well: dynamo specializes on each layer's `layer_idx`, on the
 cache's type and fill state, and reached its recompile limit on the second `generate` call (CPU,
@@ -10,6 +16,11 @@ any batch and length (one compilation, and one more for a batch of one). Decode 
 
 import torch
 from torch import nn
+
+from encoder_graphs.models.attention import HALF_DTYPES, triton_runs
+from encoder_graphs.models.fused_mlp import InterleavedGateUp, fuse_gated_mlp, fuses_gated_mlp
+from encoder_graphs.models.rewrites import Rewrites
+from encoder_graphs.models.transformers_seam import is_stock_rms_norm, rms_norm_forward
 
 # Every decoder this package supports (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, InternVL's Qwen2/Qwen3)
 # names them so, as Llama does.
@@ -32,3 +43,21 @@ def warm_up_parts(model: nn.Module) -> None:
             hidden = torch.zeros(batch, _WARM_UP_LENGTH, weight.shape[1], dtype=weight.dtype, device=weight.device)
             for part in pointwise_parts(model):
                 part(hidden)
+
+
+def fuse_text_kernels(model: nn.Module, rewrites: Rewrites) -> dict[nn.Module, InterleavedGateUp]:
+    """The language model's stock RMSNorms through `rms_norm` and its gated MLPs through the
+    swiglu GEMM, until `rewrites` is undone, where the kernels run (half precision, a tested GPU);
+    each fused MLP's gate and up for the decode steps (`text_decode.DecodeLayer`)."""
+    weight = model.get_input_embeddings().weight
+    if weight.dtype not in HALF_DTYPES or not triton_runs(weight.device):
+        return {}
+    from encoder_graphs.models.add_norm_kernel import rms_norm
+    from encoder_graphs.models.swiglu_kernel import swiglu_linear
+
+    decoder = model.get_decoder()
+    for module in decoder.modules():
+        if is_stock_rms_norm(module) and (module.weight.dtype, module.weight.device) == (weight.dtype, weight.device):
+            rewrites.patch(module, "forward", rms_norm_forward(module, rms_norm))
+    mlps = [layer.mlp for layer in decoder.layers if fuses_gated_mlp(layer.mlp)]
+    return {mlp: fuse_gated_mlp(mlp, swiglu_linear, rewrites) for mlp in mlps}

@@ -77,12 +77,14 @@ __all__ = [
     "get_vision_window_index",
     "is_gated_silu_mlp",
     "is_qwen2_5_vision_block",
+    "is_stock_rms_norm",
     "layer_key_values",
     "packed_sequences",
     "permute_qk",
     "prepare_generation_config",
     "register_dense_attention",
     "register_varlen_attention",
+    "rms_norm_forward",
     "static_rope",
     "tiled_canvas",
     "window_attention_forward",
@@ -211,6 +213,35 @@ def gated_silu_mlp_forward(
     return forward
 
 
+# 5.17.0, 5.23.0: the RMSNorms of the Qwen-VL language models (and InternVL's Qwen2/Qwen3) compute
+# `weight * (x.float() * rsqrt(mean(x.float()**2) + variance_epsilon)).to(x.dtype)` with `weight`
+# [hidden] (a zero-centred norm, Gemma's `1 + weight`, is not among them).
+_STOCK_RMS_NORMS = frozenset(
+    {"Qwen2RMSNorm", "Qwen3RMSNorm", "Qwen2VLRMSNorm", "Qwen2_5_VLRMSNorm", "Qwen3VLTextRMSNorm"}
+)
+
+
+def is_stock_rms_norm(module: torch.nn.Module) -> bool:
+    """Whether `module` is one of those RMSNorms running its class's own forward."""
+    return (
+        type(module).__name__ in _STOCK_RMS_NORMS
+        and type(module).__module__.startswith("transformers.models.")
+        and "forward" not in module.__dict__
+        and isinstance(getattr(module, "weight", None), torch.nn.Parameter)
+        and isinstance(getattr(module, "variance_epsilon", None), float)
+    )
+
+
+def rms_norm_forward(norm: torch.nn.Module, kernel: Callable[..., torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A forward for `norm` (`is_stock_rms_norm`) through `kernel(x, weight, eps)`
+    (`add_norm_kernel.rms_norm`)."""
+
+    def forward(hidden_states: torch.Tensor) -> torch.Tensor:
+        return kernel(hidden_states, norm.weight, norm.variance_epsilon)
+
+    return forward
+
+
 # 5.17.0, 5.23.0: a Qwen2.5-VL vision block computes `h + attn(norm1(h), cu_seqlens=, max_seqlen=,
 # position_embeddings=)`, then `h + mlp(norm2(h))`; its norms are RMSNorms (`weight`,
 # `variance_epsilon`); the tower hands each block's output to the next block alone, the last one's
@@ -231,11 +262,12 @@ AddNorm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tens
 def chained_block_forward(
     block: torch.nn.Module, add_norm: AddNorm, following: torch.nn.Module | None, takes_pair: bool
 ) -> Callable[..., torch.Tensor]:
-    """A forward for Qwen2.5-VL vision block `block` (`is_qwen2_5_vision_block`) whose last
-    residual add comes with the next block's first norm, `following`: it returns `add_norm(h,
-    update, following.weight, following.variance_epsilon)` (`add_norm_kernel.add_rms_norm`), the
-    sum and its norm side by side, and the next block (`takes_pair`) takes the halves instead of
-    norming its input. With no `following` (the last block) it returns the sum alone."""
+    """A forward for Qwen2.5-VL vision block `block` (`is_qwen2_5_vision_block`) whose residual
+    adds come with the norms after them through `add_norm` (`add_norm_kernel.add_rms_norm`, the sum
+    and its norm side by side): the attention's with the block's own `norm2`, the MLP's with the
+    next block's first norm, `following`, whose pair it returns; the next block (`takes_pair`)
+    takes the halves instead of norming its input. With no `following` (the last block) it
+    returns the sum alone."""
 
     def forward(
         hidden_states: torch.Tensor,
@@ -247,10 +279,10 @@ def chained_block_forward(
             hidden_states, normed = hidden_states.chunk(2, dim=-1)
         else:
             normed = block.norm1(hidden_states)
-        hidden_states = hidden_states + block.attn(
-            normed, cu_seqlens=cu_seqlens, position_embeddings=position_embeddings, **kwargs
-        )
-        update = block.mlp(block.norm2(hidden_states))
+        attended = block.attn(normed, cu_seqlens=cu_seqlens, position_embeddings=position_embeddings, **kwargs)
+        norm2 = block.norm2
+        hidden_states, normed = add_norm(hidden_states, attended, norm2.weight, norm2.variance_epsilon).chunk(2, dim=-1)
+        update = block.mlp(normed)
         if following is None:
             return hidden_states + update
         return add_norm(hidden_states, update, following.weight, following.variance_epsilon)

@@ -16,6 +16,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import encoder_graphs.models.qwen2_5_vl as qwen2_5_vl
 from encoder_graphs import DecoderGraphRunner, enable_cuda_graphs
+from encoder_graphs.models.attention import triton_runs
 from encoder_graphs.models.synthetic_prompts import random_pixels
 
 pytestmark = [
@@ -65,10 +66,16 @@ def outputs(model: torch.nn.Module) -> list[torch.Tensor]:
 
 
 def assert_kernels_took_the_weights(model: torch.nn.Module, handle) -> None:
-    """What enable rewrote on this GPU: stacked projections everywhere; on Qwen2.5-VL the window
-    attention, the fused MLPs and the chained blocks too."""
-    attention = model.get_decoder().layers[0].self_attn
+    """What enable rewrote on this GPU: stacked projections everywhere, and where the Triton
+    kernels run the language model's norms and MLPs (gate and up interleaved); on Qwen2.5-VL the
+    window attention, the fused MLPs and the chained blocks too."""
+    layer = model.get_decoder().layers[0]
+    attention = layer.self_attn
     assert attention.q_proj.weight.untyped_storage().data_ptr() == attention.v_proj.weight.untyped_storage().data_ptr()
+    if triton_runs(attention.q_proj.weight.device):
+        assert "forward" in layer.input_layernorm.__dict__ and "forward" in layer.post_attention_layernorm.__dict__
+        assert "forward" in layer.mlp.__dict__
+        assert layer.mlp.gate_proj.weight.stride(0) == 2 * layer.mlp.gate_proj.in_features  # interleaved
     if model.config.model_type == "qwen2_5_vl":
         block = model.model.visual.blocks[0]  # a window block
         assert "forward" in block.attn.__dict__ and "forward" in block.mlp.__dict__

@@ -29,6 +29,7 @@ from encoder_graphs.engine.capture import GraphCapture, unavailable_reason
 from encoder_graphs.models.registry import family_class
 from encoder_graphs.models.rewrites import Rewrites
 from encoder_graphs.models.text_decode import DecodeStack
+from encoder_graphs.models.text_stack import fuse_text_kernels
 from encoder_graphs.models.transformers_seam import generation_position_ids, static_rope
 from encoder_graphs.packing import smallest_fitting_budget
 from encoder_graphs.protocols import ModelFamily
@@ -125,13 +126,16 @@ class DecoderGraphRunner:
         self._capture = GraphCapture(self.device, "decoder")
         self.captured = False
         self.reset_stats()
-        # The step through `DecodeLayer`s (None: the model's own forward), whose stacked weights
-        # `close()` gives back; last, so that nothing after it can fail and leave them stacked.
+        # The language model's norms and MLPs through the Triton kernels where they run, and the
+        # step through `DecodeLayer`s (None: the model's own forward), whose fused and stacked
+        # weights `close()` gives back; last, so that nothing after it can fail and leave them so.
         self._rewrites = Rewrites()
         self.stack = None
-        if fused_step and known:
+        if known:
             with self._rewrites.undone_on_error():
-                self.stack = DecodeStack(model, self._rewrites)
+                gate_ups = fuse_text_kernels(model, self._rewrites)  # the prefill's norms and MLPs
+                if fused_step:
+                    self.stack = DecodeStack(model, self._rewrites, gate_ups)
 
     # ----- buffers -------------------------------------------------------------------------
     def _buffers(self, rows: int, max_cache_len: int) -> DecodeBuffers:
