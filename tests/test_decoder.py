@@ -11,7 +11,7 @@ import torch
 from encoder_graphs.decoder.buffers import DecoderGraphConfig, default_buckets, default_length_tiers
 from encoder_graphs.decoder.runner import DecoderGraphRunner
 from encoder_graphs.decoder.static_cache import static_decode_attention
-from encoder_graphs.decoder.step import packed_prefill, prefill
+from encoder_graphs.decoder.step import packed_prefill, prefill, prompt_positions
 from encoder_graphs.models import qwen_vision
 from encoder_graphs.models.presets import PRESETS, build_model
 from encoder_graphs.models.synthetic_prompts import (
@@ -80,6 +80,23 @@ def test_greedy_matches_generate(model, ours):
         got = runner_generate(runner, inputs)
         assert torch.equal(got, expected), f"{name}:\n{got}\n!=\n{expected}"
     assert len(set(expected[0, -NEW_TOKENS:].tolist())) > 2  # the test means something
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed prefill", "padded prefill"])
+def test_position_ids_computed_ahead_give_generates_tokens(model, packed):
+    """The caption command computes the prompts' positions on its collate thread and passes them
+    as `position_ids`, which stock `generate` honours: the same tokens as without them. Positions
+    of another shape are refused."""
+    inputs = make_batch(model.config, **CASES["three images, left padded"])
+    expected = hf_generate(model, inputs)
+    others = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")}
+    positions = prompt_positions(model, inputs["input_ids"], inputs["attention_mask"], others)
+    assert positions.shape[-2:] == inputs["input_ids"].shape
+    runner = DecoderGraphRunner(model, max_batch_size=4, max_cache_len=96, packed_prefill=packed)
+    assert torch.equal(runner_generate(runner, dict(inputs, position_ids=positions)), expected)
+    assert torch.equal(hf_generate(model, dict(inputs, position_ids=positions)), expected)
+    with pytest.raises(ValueError, match="position_ids"):
+        runner_generate(runner, dict(inputs, position_ids=positions[..., 1:]))
 
 
 def right_padded(inputs):

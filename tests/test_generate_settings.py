@@ -89,9 +89,9 @@ def test_model_inputs_outside_the_familys_list_go_to_stock(model):
     inputs = make_batch(model.config, GRIDS, seed=3)
     arguments = runner_arguments(model, None, None, dict(inputs, max_new_tokens=2))
     assert set(arguments) >= set(inputs) and arguments["max_new_tokens"] == 2
-    positions = torch.zeros_like(inputs["input_ids"])
-    with pytest.raises(StockOnly, match="input position_ids"):
-        runner_arguments(model, None, None, dict(inputs, max_new_tokens=2, position_ids=positions))
+    embeds = torch.zeros(*inputs["input_ids"].shape, model.config.get_text_config().hidden_size)
+    with pytest.raises(StockOnly, match="input inputs_embeds"):
+        runner_arguments(model, None, None, dict(inputs, max_new_tokens=2, inputs_embeds=embeds))
     with pytest.raises(StockOnly, match="argument streamer"):
         runner_arguments(model, None, None, dict(inputs, max_new_tokens=2, streamer=object()))
 

@@ -87,8 +87,9 @@ _SAMPLING: dict[str, tuple | None] = {
     "min_p": (),
     "top_h": (),
 }
-# Model inputs the runner builds or takes itself; a family adds those its prefill consumes.
-_RUNNER_INPUTS = ("input_ids", "attention_mask")
+# Model inputs the runner builds or takes itself (the prompts' position ids as generate would
+# compute them, or computed ahead, e.g. on a worker thread); a family adds those its prefill consumes.
+_RUNNER_INPUTS = ("input_ids", "attention_mask", "position_ids")
 
 
 class StockOnly(Exception):

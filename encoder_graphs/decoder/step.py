@@ -35,11 +35,24 @@ class Prefilled:
     slots: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
+def prompt_positions(
+    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, model_inputs: dict
+) -> torch.Tensor:
+    """The position ids of the prompts' first forward: `model_inputs`' `position_ids` (taken out
+    of them) where given, as `generate` takes them, else those `generate` computes."""
+    given = model_inputs.pop("position_ids", None)
+    if given is None:
+        return generation_position_ids(model, input_ids, {"attention_mask": attention_mask, **model_inputs})
+    if given.shape[-2:] != input_ids.shape:
+        raise ValueError(f"position_ids {tuple(given.shape)} do not end with input_ids' shape {tuple(input_ids.shape)}")
+    return given.to(input_ids.device)
+
+
 def prefill(
     model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, model_inputs: dict
 ) -> Prefilled:
     """The model's first forward over the left-padded prompts, as `generate` runs it."""
-    positions = generation_position_ids(model, input_ids, {"attention_mask": attention_mask, **model_inputs})
+    positions = prompt_positions(model, input_ids, attention_mask, model_inputs)
     cache = dynamic_cache(model.config.get_text_config(decoder=True))
     output = model(
         input_ids=input_ids,
@@ -60,7 +73,7 @@ def packed_prefill(
     real token, causal attention within each prompt (cu_seqlens), each prompt's own position ids,
     each prompt's last logits. Left padding cost 24-56% of a caption batch's prefill tokens
     (RESULTS.md)."""
-    positions = generation_position_ids(model, input_ids, {"attention_mask": attention_mask, **model_inputs})
+    positions = prompt_positions(model, input_ids, attention_mask, model_inputs)
     real = attention_mask.bool()
     lengths = real.sum(1)
     cu_seqlens = F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
