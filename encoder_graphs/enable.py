@@ -93,6 +93,7 @@ def enable_cuda_graphs(
     compile: bool = False,
     choose_by_cost: bool = True,
     lazy: bool = False,
+    encoder_capture_from_call: int = 1,
 ) -> EncoderGraphsHandle:
     """Capture `model`'s vision encoder at token budgets and route its image/video features
     through the graphs; with `decoder`, capture its decode step per batch-size bucket and length
@@ -109,8 +110,10 @@ def enable_cuda_graphs(
     (GPU-bound sizes well below their budget); False replays wherever a budget fits, so the path
     taken never depends on timings. `lazy=True` captures each encoder budget and each decode
     (bucket, tier) at its first use instead of all of them now: the first calls pay for the
-    captures, and a job that uses few pays little (the caption command's choice). Raises
-    ValueError for an unsupported architecture.
+    captures, and a job that uses few pays little (the caption command's choice); with
+    `encoder_capture_from_call=N` an encoder budget is timed and captured only in the Nth call of
+    the model's feature method that wants it, eager before (the command's 2: a job of one batch
+    times nothing). Raises ValueError for an unsupported architecture.
 
     `model.generate` reads its settings as transformers does (arguments > a `generation_config`
     argument > `model.generation_config` > transformers' defaults). Calls with greedy or
@@ -144,6 +147,7 @@ def enable_cuda_graphs(
             poison_pool_bytes=poison_pool_bytes,
             choose_by_cost=choose_by_cost,
             lazy=lazy,
+            capture_from_call=encoder_capture_from_call,
         )
         rewrites.push(manager.close)
         runner = None

@@ -8,7 +8,7 @@ import torch
 from toy_items import random_call
 
 from encoder_graphs import EncoderCudaGraphManager
-from encoder_graphs.engine.manager import fill_buffers
+from encoder_graphs.engine.manager import BEFORE_CAPTURE, fill_buffers
 from encoder_graphs.models.toy_vit import GLOBAL, LOCAL, ToyItem, ToyViT, ToyViTConfig
 
 pytestmark = [
@@ -203,6 +203,31 @@ def test_lazy_capture_takes_the_budgets_used_and_matches_eager():
     # The call that met the failure ran eagerly; the next packed the item into 1024.
     assert stats["paths"][GLOBAL]["miss_reasons"] == {"capture failed": 1}
     assert stats["paths"][GLOBAL]["replays_per_budget"] == {1024: 1}
+
+
+def test_lazy_capture_from_the_second_call_times_nothing_in_the_first():
+    """`capture_from_call=2` (the caption command's): the first call that wants a budget runs it
+    eagerly, timing and capturing nothing (a job of one batch pays nothing); the second captures
+    it and replays. Outputs as eager throughout."""
+    model = build(seed=6, two_paths=False)
+    manager = EncoderCudaGraphManager(
+        model, budgets=[64, 256], max_items=4, lazy=True, capture_from_call=2, choose_by_cost=False
+    )
+    manager.capture()
+    eager = EncoderCudaGraphManager(model, max_items=4, enabled=False)
+    items = [ToyItem(torch.randn(50, 48, device="cuda"))]
+    with torch.inference_mode():
+        for out, ref in zip(manager.execute(items), eager.execute(items)):
+            assert_close_bf16(out, ref)
+        first = manager.stats()
+        assert first["captured_budgets"] == {GLOBAL: []} and not manager.costs[GLOBAL].eager_ms
+        assert first["graph_items"] == 0 and first["paths"][GLOBAL]["miss_reasons"] == {BEFORE_CAPTURE: 1}
+        for out, ref in zip(manager.execute(items), eager.execute(items)):
+            assert_close_bf16(out, ref)
+    second = manager.stats()
+    assert second["captured_budgets"] == {GLOBAL: [64]} and second["graph_items"] == 1
+    with pytest.raises(ValueError, match="capture_from_call"):
+        EncoderCudaGraphManager(model, lazy=True, capture_from_call=0)
 
 
 def test_lazy_capture_skips_a_budget_measured_gpu_bound():

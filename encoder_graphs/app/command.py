@@ -378,6 +378,7 @@ def caption_files(
             decoder_max_batch_size=config.batch_size,
             decoder_max_cache_len=longest,
             lazy=True,  # each graph at its first use: a job captures only what it needs
+            encoder_capture_from_call=2,  # and an encoder budget only once a second batch wants it
         )
     except ValueError as error:  # an architecture without an adapter, a bad backend or budgets
         raise UsageError(f"cannot enable graphs on this model: {error}") from error
