@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from privileges import run_unprivileged
+
 from encoder_graphs.app.results import LockHolder, ResultsFile, ResultsLocked, read_records
 
 REPO = Path(__file__).resolve().parents[1]
@@ -158,10 +160,16 @@ def test_bad_out_paths_fail_at_construction(tmp_path):
     assert not out.exists(), "an empty results file the run created is removed with its lock"
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root can write anything")
 def test_a_read_only_results_file_fails_at_construction(tmp_path):
+    """In a process that the file's mode binds (root without its capabilities too)."""
     out = tmp_path / "captions.jsonl"
     write_lines(out, {"path": "/a.png", "caption": "x"})
     out.chmod(0o444)
-    with pytest.raises(OSError, match="cannot append to the results file"):
-        ResultsFile(out)
+    done = run_unprivileged(textwrap.dedent(f"""
+        from encoder_graphs.app.results import ResultsFile
+        try:
+            ResultsFile({str(out)!r})
+        except OSError as error:
+            raise SystemExit(str(error))
+        """))
+    assert done.returncode == 1 and "cannot append to the results file" in done.stderr, done.stderr
