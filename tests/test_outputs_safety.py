@@ -26,7 +26,6 @@ from encoder_graphs.app.outputs import NAME_MAX, Outputs, SidecarPolicy, temp_pr
 from encoder_graphs.app.results import ResultsFile, ResultsLocked
 from encoder_graphs.models.default_model import default_model_dir
 
-REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
@@ -240,7 +239,7 @@ def test_a_sidecar_on_a_full_disk_is_an_error_not_a_crash(tmp_path):
             print(error.filename, error.strerror)
         """
     )
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = code_env()
     done = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60, check=False
     )

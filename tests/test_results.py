@@ -10,11 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from privileges import run_unprivileged
+from privileges import code_env, run_unprivileged
 
 from encoder_graphs.app.results import LockHolder, ResultsFile, ResultsLocked, read_records
 
-REPO = Path(__file__).resolve().parents[1]
 
 
 def write_lines(path: Path, *records: dict) -> None:
@@ -33,7 +32,7 @@ def try_in_another_process(out: Path) -> subprocess.CompletedProcess:
         print("acquired")
         """
     )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    env = code_env()
     return subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env, check=False
     )
@@ -139,7 +138,7 @@ def test_the_context_manager_releases_the_lock_even_on_error(tmp_path):
 def test_a_killed_holder_does_not_block(tmp_path):
     out = tmp_path / "captions.jsonl"
     code = f"from encoder_graphs.app.results import ResultsFile; import os; r = ResultsFile({str(out)!r}); os._exit(0)"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    env = code_env()
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60, env=env)
     assert Path(str(out) + ".lock").exists()  # left behind, but no longer locked
     with ResultsFile(out):

@@ -24,6 +24,7 @@ from encoder_graphs.decoder.generation import token_id_list
 from encoder_graphs.decoder.sampling import Generators, SamplingParams, select_next_tokens
 from encoder_graphs.decoder.static_cache import SlotCache
 from encoder_graphs.decoder.stats import DecodeCounters
+from encoder_graphs.decoder.tokens import NewTokens
 from encoder_graphs.decoder.step import decode_step, packed_prefill, prefill
 from encoder_graphs.engine.capture import GraphCapture, unavailable_reason
 from encoder_graphs.models.registry import family_class
@@ -56,30 +57,6 @@ class _Tier:
     graph: torch.cuda.CUDAGraph | None
     cache: SlotCache | None
     eager_reason: str | None
-
-
-class _Tokens:
-    """The new tokens of a batch: finished sequences get `pad_id` after their EOS."""
-
-    def __init__(self, batch: int, max_new_tokens: int, eos_ids: list[int], pad_id: int, device: torch.device):
-        self.eos = torch.tensor(eos_ids, dtype=torch.long, device=device)
-        self.pad_id = pad_id
-        self.ids = torch.full((batch, max_new_tokens), pad_id, dtype=torch.long, device=device)
-        self.unfinished = torch.ones(batch, dtype=torch.bool, device=device)
-        self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
-
-    def emit(self, step: int, chosen: torch.Tensor) -> torch.Tensor:
-        chosen = torch.where(self.unfinished, chosen, self.pad_id)
-        self.ids[:, step] = chosen
-        self.lengths.add_(self.unfinished)
-        self.unfinished.logical_and_(torch.isin(chosen, self.eos, invert=True))
-        return chosen
-
-    def finished(self) -> bool:
-        return not bool(self.unfinished.any())  # a host sync: called every few steps only
-
-    def generated(self) -> torch.Tensor:
-        return self.ids[:, : int(self.lengths.max())]
 
 
 class DecoderGraphRunner:
@@ -251,7 +228,7 @@ class DecoderGraphRunner:
         input_ids = input_ids.to(self.device)
         mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(self.device)
         batch, prompt_len = input_ids.shape
-        tokens = _Tokens(batch, max_new_tokens, eos_ids, self._pad_id(pad_token_id, eos_ids), self.device)
+        tokens = NewTokens(batch, max_new_tokens, eos_ids, self._pad_id(pad_token_id, eos_ids), self.device)
         sample = partial(select_next_tokens, params=params, generator=generator)
         with torch.inference_mode():
             inputs = self._model_inputs(model_inputs)
@@ -275,7 +252,7 @@ class DecoderGraphRunner:
     def _decode(
         self,
         route: _Route,
-        tokens: _Tokens,
+        tokens: NewTokens,
         chosen: torch.Tensor,
         prompt_len: int,
         sample: Callable[[torch.Tensor], torch.Tensor],
