@@ -189,20 +189,29 @@ class InternVLInputs:
         if "pixel_values" in moved:
             tiles = moved["pixel_values"]
             out = torch.empty(tiles.shape, dtype=dtype, device=tiles.device)
+            affine = self._affine(tiles.device)
             for start in range(0, tiles.shape[0], TILE_CHUNK):
-                out[start : start + TILE_CHUNK] = self._normalize(tiles[start : start + TILE_CHUNK])
+                out[start : start + TILE_CHUNK] = self._normalize(tiles[start : start + TILE_CHUNK], affine)
             moved["pixel_values"] = out
         return moved
 
-    def _normalize(self, tiles: torch.Tensor) -> torch.Tensor:
+    def _affine(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The processor's mean and std on `device`, made once a batch: each is a copy from
+        pageable host memory, which waits for the device's queue."""
         processor = self.image_processor
+        if not processor.do_normalize:
+            return None
+        mean = torch.tensor(processor.image_mean, dtype=torch.float32, device=device).view(-1, 1, 1)
+        std = torch.tensor(processor.image_std, dtype=torch.float32, device=device).view(-1, 1, 1)
+        return mean, std
+
+    def _normalize(self, tiles: torch.Tensor, affine: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         values = tiles.to(torch.float64)
-        if processor.do_rescale:
-            values = values * processor.rescale_factor
+        if self.image_processor.do_rescale:
+            values = values * self.image_processor.rescale_factor
         values = values.to(torch.float32)
-        if processor.do_normalize:
-            mean = torch.tensor(processor.image_mean, dtype=torch.float32, device=tiles.device).view(-1, 1, 1)
-            std = torch.tensor(processor.image_std, dtype=torch.float32, device=tiles.device).view(-1, 1, 1)
+        if affine is not None:
+            mean, std = affine
             values = (values - mean) / std
         return values
 

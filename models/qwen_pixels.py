@@ -145,20 +145,32 @@ def resize(pixels: torch.Tensor, height: int, width: int) -> torch.Tensor:
     return F.interpolate(pixels, size=(height, width), mode="bicubic", align_corners=False, antialias=True)
 
 
-def normalize(pixels: torch.Tensor, settings: PixelSettings) -> torch.Tensor:
+def normalize(pixels: torch.Tensor, settings: PixelSettings, affine: "Affine | None" = None) -> torch.Tensor:
     """TorchvisionBackend.rescale_and_normalize: rescale folded into mean and std, float32, over
     dim 1 (channels) of a tensor of any device; the same correctly rounded float32 operations
-    on a GPU as on the CPU, so the result is the same bit for bit."""
+    on a GPU as on the CPU, so the result is the same bit for bit. `affine`: `fused_affine`'s
+    result for this device, made once for many calls."""
     shape = (-1,) + (1,) * (pixels.dim() - 2)
     if settings.do_normalize:
-        mean = torch.tensor(settings.image_mean, device=pixels.device)
-        std = torch.tensor(settings.image_std, device=pixels.device)
-        if settings.do_rescale:
-            mean, std = mean * (1.0 / settings.rescale_factor), std * (1.0 / settings.rescale_factor)
+        mean, std = affine or fused_affine(settings, pixels.device)
         return pixels.to(torch.float32).sub(mean.view(shape)).div_(std.view(shape))
     if settings.do_rescale:
         return pixels * settings.rescale_factor
     return pixels.to(torch.float32)
+
+
+Affine = tuple[torch.Tensor, torch.Tensor]
+
+
+def fused_affine(settings: PixelSettings, device: torch.device | str) -> Affine:
+    """The processors' mean and std with the rescale folded in, float32 on `device`. Made once a
+    batch, not once a chunk: each is a copy from pageable host memory, which waits for the
+    device's queue, so made per chunk they held the model's thread for most of `to_model`."""
+    mean = torch.tensor(settings.image_mean, device=device)
+    std = torch.tensor(settings.image_std, device=device)
+    if settings.do_rescale:
+        mean, std = mean * (1.0 / settings.rescale_factor), std * (1.0 / settings.rescale_factor)
+    return mean, std
 
 
 def patchify(frames: torch.Tensor, settings: PixelSettings, temporal: int) -> tuple[torch.Tensor, tuple[int, int, int]]:
@@ -186,8 +198,9 @@ def pixel_values(patches: torch.Tensor, settings: PixelSettings, dtype: torch.dt
     if temporal not in (1, full):
         raise ValueError(f"patches hold {temporal} frames a temporal patch; expected 1 or {full}")
     out = torch.empty(count, channels * full * area, dtype=dtype, device=patches.device)
+    affine = fused_affine(settings, patches.device) if settings.do_normalize else None
     for start in range(0, count, chunk):
-        part = normalize(patches[start : start + chunk], settings).expand(-1, -1, full, -1)
+        part = normalize(patches[start : start + chunk], settings, affine).expand(-1, -1, full, -1)
         out[start : start + chunk] = part.reshape(part.shape[0], -1)
     return out
 
