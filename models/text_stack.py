@@ -14,6 +14,8 @@ any batch and length (one compilation, and one more for a batch of one). Decode 
 `text_decode.DecodeLayer`s, which call these modules inside their own compiled code.
 """
 
+from contextlib import nullcontext
+
 import torch
 from torch import nn
 
@@ -43,6 +45,18 @@ def warm_up_parts(model: nn.Module) -> None:
             hidden = torch.zeros(batch, _WARM_UP_LENGTH, weight.shape[1], dtype=weight.dtype, device=weight.device)
             for part in pointwise_parts(model):
                 part(hidden)
+
+
+def warm_up_language_model(model: nn.Module) -> None:
+    """One forward of the language model over a few tokens, so that what its first call pays once
+    (Triton's compiler imported, our kernels' binaries loaded, cuBLAS's handles made) is paid
+    before the first batch, while its files still load. Callable from any thread: the current
+    device is the model's there."""
+    weight = model.get_input_embeddings().weight
+    ids = torch.zeros(1, _WARM_UP_LENGTH, dtype=torch.long, device=weight.device)
+    on_device = torch.cuda.device(weight.device) if weight.is_cuda else nullcontext()
+    with torch.inference_mode(), on_device:
+        model.get_decoder()(input_ids=ids, use_cache=False)
 
 
 def fuse_text_kernels(model: nn.Module, rewrites: Rewrites) -> dict[nn.Module, InterleavedGateUp]:

@@ -387,3 +387,41 @@ def test_windows_of_loaded_files_are_batched_costliest_first_with_less_padding(t
     assert in_order.prompt_tokens == sorted_.prompt_tokens > 0
     assert sorted_.padded_prompt_tokens < in_order.padded_prompt_tokens
     assert sorted_.as_dict()["prompt_padding_pct"] < in_order.as_dict()["prompt_padding_pct"]
+
+
+def test_warm_up_runs_beside_the_first_files_and_its_error_loses_nothing(tmp_path):
+    """The warm-up (the language model's first call, on CUDA) runs on its own thread once the run
+    starts and ends before the first batch; one that raises leaves every file captioned."""
+    from encoder_graphs.app.outputs import Outputs, SidecarPolicy
+
+    for index in range(3):
+        Image.new("RGB", (56, 56), (40 * index, 90, 160)).save(tmp_path / f"img{index}.png")
+    files = discover([tmp_path])
+    inputs = QwenVLInputs.from_pretrained(default_model_dir())
+    model = Qwen2VLForConditionalGeneration.from_pretrained(default_model_dir()).eval()
+    events: list[str] = []
+    generate = model.generate
+
+    def counted_generate(*args, **kwargs):
+        events.append("batch")
+        return generate(*args, **kwargs)
+
+    model.generate = counted_generate
+
+    def warm_up(fail: bool) -> None:
+        time.sleep(0.2)  # slower than the files: the first batch must still wait for it
+        events.append("warm-up")
+        if fail:
+            raise RuntimeError("warm-up failed")
+
+    for fail in (False, True):
+        events.clear()
+        out = tmp_path / f"{fail}.jsonl"
+        results = ResultsFile(out)
+        config = CaptionConfig(max_new_tokens=2, batch_size=2)
+        captioner = Captioner(model, inputs, config, LoadLimits(), warm_up=lambda fail=fail: warm_up(fail))
+        stats = captioner.run(files, Outputs(results, SidecarPolicy()))
+        results.close()
+        assert events == ["warm-up", "batch", "batch"]
+        assert stats.succeeded == 3 and stats.failed == 0 and stats.retried_batches == 0
+        assert sorted(r["path"] for r in read_records(out)) == sorted(str(f.path) for f in files)

@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -353,6 +354,7 @@ def caption_files(
     from encoder_graphs.app.pipeline import Captioner
     from encoder_graphs.app.results import ResultsFile
     from encoder_graphs.app.runstats import Progress
+    from encoder_graphs.models.text_stack import warm_up_language_model
 
     setup_started = time.perf_counter()
     longest_prompt = longest - plan.config.max_new_tokens
@@ -390,7 +392,10 @@ def caption_files(
     progress = None if args.quiet or job.distributed else Progress(len(plan.todo))
     aliases = {str(f.path): f.aliases for f in plan.todo if f.aliases}
     outputs = Outputs(writer, plan.sidecars, progress.advance if progress else None, aliases)
-    captioner = Captioner(model, inputs, config, limits, roots=plan.roots, model_name=args.model or "default")
+    warm_up = partial(warm_up_language_model, model) if device.type == "cuda" else None
+    captioner = Captioner(
+        model, inputs, config, limits, roots=plan.roots, model_name=args.model or "default", warm_up=warm_up
+    )
     try:
         if job.distributed:  # ranks start claiming together: one whose capture ends first would claim ahead
             job.barrier("ready")

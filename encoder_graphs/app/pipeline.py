@@ -44,6 +44,7 @@ class Captioner:
         *,
         roots: Sequence[Path] = (),
         model_name: str = "default",
+        warm_up: Callable[[], None] | None = None,
     ) -> None:
         self.model = model
         self.inputs = inputs
@@ -51,6 +52,8 @@ class Captioner:
         self.limits = limits
         self.roots = [Path(root).absolute() for root in roots]
         self.model_name = model_name
+        self.warm_up = warm_up  # run beside the first files' loading and collation, joined before the first batch
+        self._warming: Future | None = None
         self.device = next(model.parameters()).device
 
     def run(self, files: Iterable[MediaFile], outputs: Outputs, stop: Callable[[], bool] = lambda: False) -> RunStats:
@@ -73,6 +76,8 @@ class Captioner:
         # runs one, so neither waits behind the other.
         pool = ThreadPoolExecutor(self.config.load_workers)
         self._collator = ThreadPoolExecutor(1)
+        warming = ThreadPoolExecutor(1)
+        self._warming = warming.submit(self.warm_up) if self.warm_up is not None else None
         try:
             for outcome in self._loaded(files, pool, ahead, stats, stop):
                 if isinstance(outcome, dict):
@@ -94,6 +99,7 @@ class Captioner:
         finally:  # a second Ctrl-C must not wait for the files still queued
             pool.shutdown(wait=False, cancel_futures=True)
             self._collator.shutdown(wait=False, cancel_futures=True)
+            warming.shutdown(wait=True)  # its GPU work must not outlive the run
         stats.wall_s = time.perf_counter() - self._started
         return stats
 
@@ -211,6 +217,10 @@ class Captioner:
     def _generate(
         self, batch: list[Pending], stats: RunStats, collated: "Future[dict[str, torch.Tensor]] | None"
     ) -> list[dict]:
+        if self._warming is not None:  # the warm-up's first calls end before the model's
+            # Waited for, not raised: an error there is the real first call's to meet (and report).
+            self._warming.exception()
+            self._warming = None
         started = time.perf_counter()
         # Pixels normalised on the model's device into its dtype; ids, masks, grids and
         # Qwen2.5-VL's second_per_grid_ts (float32 as the processor gives it) as they are.
