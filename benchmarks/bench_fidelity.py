@@ -3,43 +3,48 @@
 For each family's preset (real-size language model, random weights, bf16) and its processor-style
 inputs (three images of different sizes and a video, one prompt each, left padded), 48 greedy
 tokens per prompt by the stock `generate`, by ours (`enable_cuda_graphs`) and by ours with
-`compile=True`; each token checked against the stock model's own forward over the prompt and the
-tokens before it (teacher forcing): the steps that agree, the worst margin below that forward's
-top logit; and each item's encoder output against an fp32 reference, stock bf16's beside ours.
-Targets: ours agrees at no fewer steps than stock's generate less 2% of the steps, worst margin at
-most 1.5x stock's, encoder error at most 1.5x stock bf16's (tests/fidelity.py, shared with
-tests/test_fidelity_gpu.py).
-    python3 benchmarks/bench_fidelity.py [--family qwen2.5-vl] [--quick] [--json out.json]
+`compile=True`; each token checked against a forward over the prompt and the tokens before it
+(teacher forcing), of the same model in fp32 and of the stock bf16 model: the steps that agree,
+the worst margin below that forward's top logit; and each item's encoder output against an fp32
+reference, stock bf16's beside ours. Targets, against the fp32 forward: ours agrees at no fewer
+steps than stock's generate less 2% of the steps, worst margin at most 1.5x stock's, encoder error
+at most 1.5x stock bf16's (tests/fidelity.py says why, shared with tests/test_fidelity_gpu.py).
+`--seeds 0,1,2` measures other images (a row each); `--attribute` adds ours with graphs off and
+ours without the decoder's graphs, to tell the encoder's drift from the decoder's.
+    python3 benchmarks/bench_fidelity.py [--family qwen2.5-vl] [--quick] [--seeds 0,1,2] [--attribute] [--json out.json]
     python3 benchmarks/bench_fidelity.py --device cpu   # smoke run: tiny presets, fp32, uncompiled
 """
 
 import argparse
 import gc
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 from timing import environment, markdown_table, write_json
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the measure, shared with the tests
-from fidelity import FAMILIES, OURS, STOCK, TINY_FAMILIES, WORKLOADS, measure  # noqa: E402
+from fidelity import FAMILIES, FP32, OURS, STOCK, TINY_FAMILIES, WORKLOADS, measure  # noqa: E402
 
 from encoder_graphs.app.loading import load_model, open_model  # noqa: E402
 
 
 
-def agreement_table(results: dict[str, dict]) -> str:
+def agreement_table(results: dict[str, dict], reference: str | None) -> str:
+    """Agreement and worst margin against the stock bf16 forward (`reference` None) or the fp32 one."""
     ways = list(next(iter(results.values()))["variants"])
-    header = ["model", "steps", *(f"agree: {way}" for way in ways), "worst margin: " + " / ".join(ways), "targets"]
+    header = ["model", "steps", *(f"agree: {way}" for way in ways), "worst margin: " + " / ".join(ways)]
+    header += ["targets"] if reference == FP32 else []
     rows = []
     for family, result in results.items():
-        variants = result["variants"]
+        variants = {way: v if reference is None else v[reference] for way, v in result["variants"].items()}
         rows.append([
             f"{family} ({result['preset']})",
             str(variants[STOCK]["steps"]),
             *(str(variants[way]["agree"]) for way in ways),
             " / ".join(f"{variants[way]['worst_margin']:.3g}" for way in ways),
-            _targets(result["missed_targets"]),
+            *([_targets(result["missed_targets"])] if reference == FP32 else []),
         ])
     return markdown_table(header, rows)
 
@@ -73,6 +78,9 @@ def main() -> None:
     parser.add_argument("--family", choices=sorted(FAMILIES), help="one family (default: all four)")
     parser.add_argument("--quick", action="store_true", help="smaller images and video (all four in a few minutes)")
     parser.add_argument("--device", default="cuda", help="cpu: a smoke run of the tiny presets, fp32, uncompiled")
+    parser.add_argument("--seeds", default="0", help="workload seeds, each a row (e.g. 0,1,2: three times the steps)")
+    parser.add_argument("--attribute", action="store_true",
+                        help="also ours with graphs off (enabled=False) and without the decoder's (decoder=False)")
     parser.add_argument("--json", help="write results here")
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -80,11 +88,17 @@ def main() -> None:
     size = ("quick" if args.quick else "full") if on_cuda else "tiny"
     workload, presets = WORKLOADS[size], FAMILIES if on_cuda else TINY_FAMILIES
     ours = OURS if on_cuda else {"ours": OURS["ours"]}
+    if args.attribute:
+        ours = {**ours, "ours, enabled=False": {"enabled": False}, "ours, decoder=False": {"decoder": False}}
+    seeds = [int(seed) for seed in args.seeds.split(",")]
     results = {}
     for family in [args.family] if args.family else list(presets):
         source = open_model(presets[family])
         model, inputs = load_model(source, device), source.inputs
-        results[family] = {"preset": presets[family], **measure(model, inputs, workload, ours)}
+        for seed in seeds:
+            key = family if seed == seeds[0] else f"{family} seed {seed}"
+            measured = measure(model, inputs, replace(workload, seed=seed), ours)
+            results[key] = {"preset": presets[family], **measured}
         del model
         gc.collect()
         torch._dynamo.reset()  # the next family compiles afresh, as in a process of its own
@@ -95,11 +109,16 @@ def main() -> None:
     prompts = len(workload.images) + 1
     dtype = next(iter(results.values()))["dtype"]
     print(f"\nfidelity, {dtype}, random weights, {prompts} prompts x {workload.new_tokens} greedy tokens | {env}")
-    print(agreement_table(results))
+    print("against the fp32 forward (the targets):")
+    print(agreement_table(results, FP32))
+    print("against the stock bf16 forward (reported):")
+    print(agreement_table(results, None))
     print(encoder_table(results))
     for family, result in results.items():
         for line in result["missed_targets"] or []:
             print(f"missed: {family} {line}")
+        for line in result["stock_forward_gaps"] or []:
+            print(f"behind the stock bf16 forward: {family} {line}")
     write_json(args.json, {"environment": env, "workload": size, "results": results})
 
 

@@ -6,8 +6,9 @@ equal to the official processor's: chat template, left padding, Qwen-VL's mm_tok
 one prompt per image of a few sizes and one with a video. Each way of generating (the stock
 `generate`; ours, `enable_cuda_graphs`; ours with `compile=True`) makes `new_tokens` greedy tokens
 per prompt (an EOS outside the vocabulary: every prompt runs to the end), and each token is then
-checked against the stock model's own forward over the prompt and the tokens before it (teacher
-forcing, one forward per way):
+checked against a forward of the model over the prompt and the tokens before it (teacher forcing,
+one forward per way), twice: the stock model's own bf16 forward, and the same model cast to fp32
+(the truth, whose rounding neither way shares):
 - agreement: the steps whose token has the top logit of that forward (a tie counts: an argmax
   among equal logits is arbitrary);
 - worst margin: the most any token lies below that forward's top logit (0 when all agree).
@@ -16,16 +17,23 @@ sequences. Beside it, each image's and video's encoder output against an fp32 re
 same stock model cast to fp32 and back, exactly, on the same pixels), for the stock bf16 encoder
 and for ours.
 
-Targets (`missed_targets`): ours agrees at no fewer steps than the stock `generate` less 2% of the
-steps, with a worst margin at most 1.5x stock's (or one bf16 step of the top logit, the finest
-margin bf16 logits show), compiled or not; each item's encoder error against fp32 at most 1.5x
-stock bf16's.
+Targets (`missed_targets`): against the fp32 forward, ours agrees at no fewer steps than the stock
+`generate` less 2% of the steps, with a worst margin at most 1.5x stock's (or one bf16 step of the
+top logit, the finest margin bf16 logits show), compiled or not; each item's encoder error against
+fp32 at most 1.5x stock bf16's. Against the stock bf16 forward the same two are reported
+(`stock_forward_gaps`), not asserted: that forward runs the stock encoder, so it shares the stock
+generate's encoder rounding exactly, and any encoder rounded otherwise (ours: packed items, other
+attention and GEMM kernels, as accurate against fp32) parts from it at the first steps of a
+prompt. Measured (RESULTS.md): ours with graphs off, or with the decoder's graphs off, drifts
+from that forward as far as ours does; the drift is the encoder's rounding, not the decoder's.
 
 Shared by tests/test_fidelity_gpu.py (a family a test), tests/test_fidelity.py (the logic on the
 CPU, fp32: everything agrees) and benchmarks/bench_fidelity.py (the table, JSON).
 """
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -49,6 +57,7 @@ ENCODER_RATIO = 1.5  # ours' encoder error against fp32 at most this times stock
 # Ways of generating besides the stock `generate`: enable_cuda_graphs' options for each.
 OURS = {"ours": {"compile": False}, "ours, compile=True": {"compile": True}}
 STOCK = "stock"
+FP32 = "fp32"  # each way's tokens teacher-forced through the same model in fp32
 TOKEN_TYPES = "mm_token_type_ids"  # a per-token input: generated tokens are text (type 0)
 
 
@@ -135,18 +144,28 @@ def _qwen_items(output) -> list[torch.Tensor]:
     return [torch.cat([item, *(level[index] for level in levels)], dim=-1) for index, item in enumerate(main)]
 
 
-def fp32_features(model: torch.nn.Module, batch: dict, items: list[dict]) -> list[torch.Tensor]:
-    """`item_features` of the same model in fp32 on the same pixels. The model is cast to fp32
-    and back, which is exact, outside inference mode (its weights stay ordinary tensors)."""
+@contextmanager
+def in_fp32(model: torch.nn.Module) -> Iterator[None]:
+    """The model cast to fp32 inside, back outside: exact both ways, and outside inference mode
+    (its weights stay ordinary tensors)."""
     dtype = model.dtype
     with torch.no_grad():
         model.float()
     try:
-        pixels = {key: value.float() if value.is_floating_point() else value for key, value in batch.items()}
-        return item_features(model, pixels, items)
+        yield
     finally:
         with torch.no_grad():
             model.to(dtype)
+
+
+def fp32_inputs(batch: dict) -> dict:
+    return {key: value.float() if value.is_floating_point() else value for key, value in batch.items()}
+
+
+def fp32_features(model: torch.nn.Module, batch: dict, items: list[dict]) -> list[torch.Tensor]:
+    """`item_features` of the same model in fp32 on the same pixels."""
+    with in_fp32(model):
+        return item_features(model, fp32_inputs(batch), items)
 
 
 # ----- generation -----------------------------------------------------------------------------
@@ -228,6 +247,10 @@ def measure(model: torch.nn.Module, inputs, workload: Workload, ours: dict[str, 
         variants[name] = {**teacher_forced(model, batch, tokens[name]), "encoder_errors": errors}
         if name in graphs:
             variants[name]["graphs"] = graphs[name]
+    with in_fp32(model):  # the truth neither way's rounding is privileged against
+        truth = fp32_inputs(batch)
+        for name in tokens:
+            variants[name][FP32] = teacher_forced(model, truth, tokens[name])
     result = {
         "dtype": str(dtype),
         "device": str(device),
@@ -239,39 +262,63 @@ def measure(model: torch.nn.Module, inputs, workload: Workload, ours: dict[str, 
     }
     # The targets are bf16's: in fp32 the reference is the stock output itself (stock's error nil).
     result["missed_targets"] = missed_targets(result) if dtype != torch.float32 else None
+    result["stock_forward_gaps"] = stock_forward_gaps(result) if dtype != torch.float32 else None
     return result
 
 
 def _graph_summary(stats: dict) -> dict:
-    encoder, decoder = stats["encoder"], stats["decoder"]
+    encoder, decoder = stats["encoder"], stats["decoder"] or {}  # None: a way without the decoder's graphs
     return {
         "encoder_graph_items": encoder["graph_items"],
         "encoder_items": encoder["items"],
-        "decode_graph_steps": decoder["graph_steps"],
-        "decode_steps": decoder["steps"],
+        "decode_graph_steps": decoder.get("graph_steps", 0),
+        "decode_steps": decoder.get("steps", 0),
         "generate_fallbacks": stats["generate_fallbacks"],
         "compile_error": (encoder.get("compile") or {}).get("error"),
     }
 
 
-def missed_targets(result: dict) -> list[str]:
-    """The targets (module docstring) that `result`'s ways of ours miss, each said with its numbers."""
+def _agreement_gaps(result: dict, reference: str | None) -> list[str]:
+    """Where ours agrees with a reference forward (None: the stock bf16 forward, else
+    `variants[way][reference]`) at fewer steps than the stock generate less the slack, or lies
+    further below its top logit than the margin allowed."""
     stock = result["variants"][STOCK]
-    missed = []
+    of_stock = stock if reference is None else stock[reference]
+    against = "the stock bf16 forward" if reference is None else f"the {reference} forward"
+    gaps = []
+    for name, variant in result["variants"].items():
+        if name == STOCK:
+            continue
+        ours = variant if reference is None else variant[reference]
+        least = of_stock["agree"] - AGREEMENT_SLACK * of_stock["steps"]
+        if ours["agree"] < least:
+            gaps.append(f"{name}: agrees with {against} at {ours['agree']} of {ours['steps']} steps, stock's generate "
+                        f"at {of_stock['agree']} (at least {least:.1f} wanted)")
+        allowed = max(MARGIN_RATIO * of_stock["worst_margin"], stock["logit_step"])
+        if ours["worst_margin"] > allowed:
+            gaps.append(f"{name}: worst margin below {against} {ours['worst_margin']:.3g}, stock's "
+                        f"{of_stock['worst_margin']:.3g} (at most {allowed:.3g} wanted)")
+    return gaps
+
+
+def missed_targets(result: dict) -> list[str]:
+    """The targets (module docstring) that `result`'s ways of ours miss, each said with its numbers:
+    agreement and margin against the fp32 forward, encoder error against fp32."""
+    stock = result["variants"][STOCK]
+    missed = _agreement_gaps(result, FP32)
     for name, ours in result["variants"].items():
         if name == STOCK:
             continue
-        least = stock["agree"] - AGREEMENT_SLACK * stock["steps"]
-        if ours["agree"] < least:
-            missed.append(f"{name}: agrees at {ours['agree']} of {ours['steps']} steps, stock's generate at "
-                          f"{stock['agree']} (at least {least:.1f} wanted)")
-        allowed = max(MARGIN_RATIO * stock["worst_margin"], stock["logit_step"])
-        if ours["worst_margin"] > allowed:
-            missed.append(f"{name}: worst margin {ours['worst_margin']:.3g}, stock's {stock['worst_margin']:.3g} "
-                          f"(at most {allowed:.3g} wanted)")
         for index, (error, stock_error) in enumerate(zip(ours["encoder_errors"], stock["encoder_errors"], strict=True)):
             if error > ENCODER_RATIO * stock_error:
                 item = result["items"][index]
                 missed.append(f"{name}: {item['kind']} {index} ({item['vision_tokens']} tokens): encoder error "
                               f"{error:.3g} against fp32, stock's {stock_error:.3g}")
     return missed
+
+
+def stock_forward_gaps(result: dict) -> list[str]:
+    """The same agreement and margin targets against the stock bf16 forward (issue 24's first
+    measure), reported, not asserted: that forward shares the stock encoder's bf16 rounding, so an
+    encoder as accurate as stock's but rounded otherwise parts from it at the first steps."""
+    return _agreement_gaps(result, None)
