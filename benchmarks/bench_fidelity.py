@@ -25,7 +25,7 @@ import torch
 from timing import environment, markdown_table, write_json
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the measure, shared with the tests
-from fidelity import FAMILIES, FP32, OURS, STOCK, TINY_FAMILIES, WORKLOADS, measure  # noqa: E402
+from fidelity import FAMILIES, FP32, OURS, STOCK, TINY_FAMILIES, WORKLOADS, measure, pooled  # noqa: E402
 
 from encoder_graphs.app.loading import load_model, open_model  # noqa: E402
 
@@ -60,6 +60,8 @@ def encoder_table(results: dict[str, dict]) -> str:
     header = ["model", "item", "vision tokens", *(f"error vs fp32: {way}" for way in ways), "worst ratio to stock"]
     rows = []
     for family, result in results.items():
+        if family.endswith("pooled"):  # its items are the rows above
+            continue
         variants = result["variants"]
         for index, item in enumerate(result["items"]):
             errors = [variants[way]["encoder_errors"][index] for way in ways]
@@ -99,6 +101,9 @@ def main() -> None:
             key = family if seed == seeds[0] else f"{family} seed {seed}"
             measured = measure(model, inputs, replace(workload, seed=seed), ours)
             results[key] = {"preset": presets[family], **measured}
+        if len(seeds) > 1:  # the targets as the GPU test judges them
+            seeded = [r for key, r in results.items() if key == family or key.startswith(f"{family} seed ")]
+            results[f"{family}, seeds pooled"] = {"preset": presets[family], **pooled(seeded)}
         del model
         gc.collect()
         torch._dynamo.reset()  # the next family compiles afresh, as in a process of its own

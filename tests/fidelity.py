@@ -51,6 +51,7 @@ FAMILIES = {
     "internvl": "internvl3.5-2b",
 }
 TINY_FAMILIES = {family: f"tiny-{family}" for family in FAMILIES}
+SEEDS = (0, 1, 2)  # the workloads a family's targets are judged over, pooled
 AGREEMENT_SLACK = 0.02  # of the steps: ours may agree at this many fewer than the stock generate
 MARGIN_RATIO = 1.5  # ours' worst margin at most this times stock's
 ENCODER_RATIO = 1.5  # ours' encoder error against fp32 at most this times stock bf16's
@@ -263,6 +264,37 @@ def measure(model: torch.nn.Module, inputs, workload: Workload, ours: dict[str, 
     # The targets are bf16's: in fp32 the reference is the stock output itself (stock's error nil).
     result["missed_targets"] = missed_targets(result) if dtype != torch.float32 else None
     result["stock_forward_gaps"] = stock_forward_gaps(result) if dtype != torch.float32 else None
+    return result
+
+
+def _pooled_forward(parts: list[dict]) -> dict:
+    return {
+        "steps": sum(p["steps"] for p in parts),
+        "agree": sum(p["agree"] for p in parts),
+        "worst_margin": max(p["worst_margin"] for p in parts),
+        "first_disagreement": [row for p in parts for row in p["first_disagreement"]],
+        "logit_step": max(p["logit_step"] for p in parts),
+    }
+
+
+def pooled(results: list[dict]) -> dict:
+    """Several workloads' `measure` results as one (steps and agreements summed, the worst margin
+    the worst, items side by side), its targets judged anew: a few disagreements of 192 steps are
+    too few to compare two ways by: stock's own count moves by several percent between seeds."""
+    ways = results[0]["variants"]
+    variants = {}
+    for way in ways:
+        parts = [result["variants"][way] for result in results]
+        variants[way] = {
+            **_pooled_forward(parts),
+            FP32: _pooled_forward([part[FP32] for part in parts]),
+            "encoder_errors": [error for part in parts for error in part["encoder_errors"]],
+        }
+    result = {**results[0], "items": [item for r in results for item in r["items"]], "variants": variants}
+    result["workload"] = [r["workload"] for r in results]
+    bf16 = result["dtype"] != str(torch.float32)
+    result["missed_targets"] = missed_targets(result) if bf16 else None
+    result["stock_forward_gaps"] = stock_forward_gaps(result) if bf16 else None
     return result
 
 

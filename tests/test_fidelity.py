@@ -13,6 +13,7 @@ from fidelity import (
     WORKLOADS,
     measure,
     missed_targets,
+    pooled,
     prompt_batch,
     stock_forward_gaps,
     teacher_forced,
@@ -102,3 +103,24 @@ def test_targets_as_the_issue_states_them():
     behind = result(180, 0.08, [0.02, 0.03])
     behind["variants"]["ours"]["agree"] = 140
     assert missed_targets(behind) == [] and "140 of 192" in stock_forward_gaps(behind)[0]
+
+
+def test_pooled_sums_steps_and_judges_the_targets_anew():
+    """Seeds pooled: steps and agreements add up, the worst margin is the worst of all; a way
+    behind by a few steps on one seed but not overall meets the agreement target."""
+
+    def result(stock_agree: int, ours_agree: int, margin: float) -> dict:
+        forward = lambda agree, m: {"agree": agree, "steps": 192, "worst_margin": m, "first_disagreement": [48] * 4,
+                                    "logit_step": 0.0156}
+        way = lambda agree, m: {**forward(150, 0.5), FP32: forward(agree, m), "encoder_errors": [0.02]}
+        items = [{"kind": "image", "vision_tokens": 64}]
+        return {"dtype": "torch.bfloat16", "items": items, "workload": {},
+                "variants": {STOCK: way(stock_agree, 0.08), "ours": way(ours_agree, margin)}}
+
+    seeds = [result(186, 178, 0.05), result(176, 181, 0.11)]
+    assert missed_targets(seeds[0])  # 178 < 186 - 3.84 on its own
+    both = pooled(seeds)
+    ours = both["variants"]["ours"][FP32]
+    assert (ours["agree"], ours["steps"], ours["worst_margin"]) == (359, 384, 0.11)
+    assert len(both["items"]) == 2 and len(ours["first_disagreement"]) == 8
+    assert both["missed_targets"] == []  # 359 >= 362 - 7.68, 0.11 <= 1.5 x 0.08
