@@ -32,13 +32,13 @@ import numpy as np
 import torch
 from bench_encoder import flops, internvl_flops
 from PIL import Image
+from synthetic_prompts import Grid, image_prompt, left_pad, mm_token_type_ids, tile_prompt
 from timing import copy_bandwidth_gbps, environment, markdown_table, matmul_tflops, write_json
 from transformers import GotOcr2ImageProcessorPil, PretrainedConfig, PreTrainedModel, Qwen2VLImageProcessorPil
 
 from encoder_graphs import enable_cuda_graphs
 from encoder_graphs.engine.stats import latency_summary
 from encoder_graphs.models.presets import build_model
-from encoder_graphs.models.synthetic_prompts import Grid, image_prompt, left_pad, mm_token_type_ids, tile_prompt
 
 Batch = dict[str, torch.Tensor]
 DECODE_BATCHES = (1, 8)

@@ -4,7 +4,7 @@ For each preset (real-size config, random weights, bf16), a `DecoderGraphRunner`
 decode step at batch buckets 1, 8 and 64 over one length tier, and each graph is replayed on its
 own (CUDA events, p50):
 - `model forward`: the step through the model's own forward (transformers' layers);
-- `fused layers`: the step through `DecodeLayer`s (models/text_decode.py), uncompiled;
+- `fused layers`: the step through `DecodeLayer`s (models/text/decode.py), uncompiled;
 - `fused layers, compiled`: the same layers after `torch.compile` (what `compile=True` runs).
 Beside each: the kernels one step launches, their summed time and the costliest by name
 (torch.profiler over one eager step: the graph holds the same kernels), and the floors: the text stack's and lm_head's weight

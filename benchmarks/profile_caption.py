@@ -21,7 +21,8 @@ from encoder_graphs.app import pipeline
 from encoder_graphs.app.cli import main as caption_main
 from encoder_graphs.decoder import runner, static_cache, step
 from encoder_graphs.engine import manager
-from encoder_graphs.models import internvl_inputs, qwen_inputs
+from encoder_graphs.models.internvl import inputs as internvl_inputs
+from encoder_graphs.models.qwen import inputs as qwen_inputs
 
 # (owner, attribute, range name): the loop's phases.
 PHASES = [

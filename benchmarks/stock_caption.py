@@ -18,8 +18,8 @@ import torch  # noqa: E402
 from PIL import Image, ImageOps  # noqa: E402
 from transformers import AutoProcessor  # noqa: E402
 
-from encoder_graphs.models.preset_files import preset_files_dir  # noqa: E402
 from encoder_graphs.models.presets import build_model  # noqa: E402
+from encoder_graphs.models.presets.files import preset_files_dir  # noqa: E402
 
 EXTENSIONS = {".jpg", ".jpeg", ".png", ".webp"}
 

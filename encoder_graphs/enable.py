@@ -6,7 +6,7 @@ call `EncoderCudaGraphManager.execute` and rebuild exactly the output transforme
 `forward` and `generate` use the graphs unchanged. The instance's `generate` is replaced by one that
 hands the calls the decoder runner supports to `DecoderGraphRunner.generate` and every other call to
 the original. Weights are padded, permuted or stacked where a faster kernel takes them so, on
-the same parameter objects. Every change is recorded on one undo stack (`models/rewrites.py`):
+the same parameter objects. Every change is recorded on one undo stack (`models/rewrites/`):
 `disable()`, or a failed enable, unwinds it, and meanwhile `state_dict()` (so `save_pretrained`)
 gives the stock weights.
 
@@ -32,7 +32,7 @@ from encoder_graphs.engine.compile import CompiledBlocks, compile_blocks
 from encoder_graphs.engine.manager import EncoderCudaGraphManager
 from encoder_graphs.models.registry import adapter_for
 from encoder_graphs.models.rewrites import Rewrites
-from encoder_graphs.models.text_stack import pointwise_parts, warm_up_parts
+from encoder_graphs.models.text.stack import pointwise_parts, warm_up_parts
 from encoder_graphs.models.transformers_seam import check_version
 from encoder_graphs.protocols import ModelFamily
 from encoder_graphs.report import format_graph_stats
@@ -71,7 +71,7 @@ class EncoderGraphsHandle:
 
     def disable(self) -> None:
         """Undo every change to the model, last first, and free the graphs: each parameter is
-        the object it was, with its values, `requires_grad` and kind (`models/rewrites.py`)."""
+        the object it was, with its values, `requires_grad` and kind (`models/rewrites/`)."""
         self._rewrites.undo()
 
 

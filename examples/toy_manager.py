@@ -6,9 +6,9 @@ Eager on a CPU; CUDA graphs on a GPU. Prints the manager's statistics table.
 import random
 
 import torch
+from toy_vit import ToyItem, ToyViT
 
 from encoder_graphs import EncoderCudaGraphManager
-from encoder_graphs.models.toy_vit import ToyItem, ToyViT
 
 
 def main() -> None:

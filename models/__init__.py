@@ -1,7 +1,11 @@
-"""Model families (one adapter each over the stock transformers modules), the registry that finds
-them, the one seam to transformers' internals, attention backends, presets and small models.
+"""Model families, one folder each (`qwen/`, `internvl/`: adapter over the stock transformers
+modules, caption inputs, presets, rewrites only that family takes), beside what they share: the
+registry that finds a model's family, the one seam to transformers' internals
+(`transformers_seam.py`), attention backends (`attention/`), Triton kernels and their guards
+(`kernels/`), the decode layers (`text/`), the rewrite recorder and shared weight re-layouts
+(`rewrites/`), and the preset catalog (`presets/`).
 
-Names are exported lazily: importing one module here (the seam, the toy ViT) loads no adapter.
+Names are exported lazily: importing one module here (the seam, a kernel) loads no adapter.
 """
 
 from importlib import import_module
@@ -11,11 +15,11 @@ _EXPORTS = {
     "adapter_for": "encoder_graphs.models.registry",
     "family_for_config": "encoder_graphs.models.registry",
     "supported_architectures": "encoder_graphs.models.registry",
-    "Qwen2VLAdapter": "encoder_graphs.models.qwen2_vl",
-    "Qwen2_5_VLAdapter": "encoder_graphs.models.qwen2_5_vl",
-    "Qwen3VLAdapter": "encoder_graphs.models.qwen3_vl",
-    "QwenVisionAdapter": "encoder_graphs.models.qwen_vision",
-    "VisionBatch": "encoder_graphs.models.qwen_vision",
+    "Qwen2VLAdapter": "encoder_graphs.models.qwen.qwen2_vl",
+    "Qwen2_5_VLAdapter": "encoder_graphs.models.qwen.qwen2_5_vl",
+    "Qwen3VLAdapter": "encoder_graphs.models.qwen.qwen3_vl",
+    "QwenVisionAdapter": "encoder_graphs.models.qwen.vision",
+    "VisionBatch": "encoder_graphs.models.qwen.vision",
 }
 __all__ = sorted(_EXPORTS)
 

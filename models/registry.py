@@ -48,12 +48,12 @@ def families() -> tuple[Family, ...]:
     from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
     from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
 
-    from encoder_graphs.models.internvl import InternVLAdapter
-    from encoder_graphs.models.internvl_inputs import InternVLInputs
-    from encoder_graphs.models.qwen2_5_vl import Qwen2_5_VLAdapter
-    from encoder_graphs.models.qwen2_vl import Qwen2VLAdapter
-    from encoder_graphs.models.qwen3_vl import Qwen3VLAdapter
-    from encoder_graphs.models.qwen_inputs import QwenVLInputs
+    from encoder_graphs.models.internvl.adapter import InternVLAdapter
+    from encoder_graphs.models.internvl.inputs import InternVLInputs
+    from encoder_graphs.models.qwen.inputs import QwenVLInputs
+    from encoder_graphs.models.qwen.qwen2_5_vl import Qwen2_5_VLAdapter
+    from encoder_graphs.models.qwen.qwen2_vl import Qwen2VLAdapter
+    from encoder_graphs.models.qwen.qwen3_vl import Qwen3VLAdapter
 
     return (
         Family(

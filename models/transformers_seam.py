@@ -35,6 +35,10 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 # 5.17.0, 5.23.0: the generation modes `GenerationConfig.get_generation_mode()` returns.
 from transformers.generation.configuration_utils import GenerationMode
 
+# 5.17.0, 5.23.0: the grid of tiles GotOcr2's image processors (InternVL's) choose for an image:
+# (columns, rows) from its (height, width), the tile size and the fewest and most tiles.
+from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import get_optimal_tiled_canvas as tiled_canvas
+
 # Checked on 5.17.0 and 5.23.0: the vision helpers Qwen-VL forwards call on their grids.
 from transformers.vision_utils import (
     get_vision_cu_seqlens,
@@ -42,10 +46,6 @@ from transformers.vision_utils import (
     get_vision_position_ids,
     get_vision_window_index,
 )
-
-# 5.17.0, 5.23.0: the grid of tiles GotOcr2's image processors (InternVL's) choose for an image:
-# (columns, rows) from its (height, width), the tile size and the fewest and most tiles.
-from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import get_optimal_tiled_canvas as tiled_canvas
 
 from encoder_graphs.models.attention import VarlenAttention, causal_varlen_attention, get_attention_backend
 from encoder_graphs.models.rewrites import Rewrites, made_like
@@ -205,7 +205,7 @@ def gated_silu_mlp_forward(
     mlp: torch.nn.Module, gated: Callable[[torch.Tensor], torch.Tensor]
 ) -> Callable[[torch.Tensor], torch.Tensor]:
     """A forward for the gated MLP `mlp` (`is_gated_silu_mlp`) whose SiLU(gate(x)) * up(x) is
-    `gated(x)` (`swiglu_kernel.swiglu_linear`)."""
+    `gated(x)` (`kernels/swiglu.py`'s `swiglu_linear`)."""
 
     def forward(hidden_state: torch.Tensor) -> torch.Tensor:
         return mlp.down_proj(gated(hidden_state))
@@ -234,7 +234,7 @@ def is_stock_rms_norm(module: torch.nn.Module) -> bool:
 
 def rms_norm_forward(norm: torch.nn.Module, kernel: Callable[..., torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
     """A forward for `norm` (`is_stock_rms_norm`) through `kernel(x, weight, eps)`
-    (`add_norm_kernel.rms_norm`)."""
+    (`kernels/add_norm.py`'s `rms_norm`)."""
 
     def forward(hidden_states: torch.Tensor) -> torch.Tensor:
         return kernel(hidden_states, norm.weight, norm.variance_epsilon)
@@ -263,7 +263,7 @@ def chained_block_forward(
     block: torch.nn.Module, add_norm: AddNorm, following: torch.nn.Module | None, takes_pair: bool
 ) -> Callable[..., torch.Tensor]:
     """A forward for Qwen2.5-VL vision block `block` (`is_qwen2_5_vision_block`) whose residual
-    adds come with the norms after them through `add_norm` (`add_norm_kernel.add_rms_norm`, the sum
+    adds come with the norms after them through `add_norm` (`kernels/add_norm.py`'s `add_rms_norm`, the sum
     and its norm side by side): the attention's with the block's own `norm2`, the MLP's with the
     next block's first norm, `following`, whose pair it returns; the next block (`takes_pair`)
     takes the halves instead of norming its input. With no `following` (the last block) it

@@ -42,7 +42,7 @@ class ModelFamily(Protocol):
     def align_weights(self, rewrites: "Rewrites") -> None:
         """Faster kernels over the same weights, exactly: weights reshaped (padded to aligned
         widths) or modules run as the cheaper op they equal (no-op where nothing applies); every
-        change recorded on `rewrites` (`models/rewrites.py`), whose undo gives the stock model back."""
+        change recorded on `rewrites` (`models/rewrites/`), whose undo gives the stock model back."""
         ...
 
     def repeated_blocks(self) -> list[torch.nn.Module]:

@@ -2,9 +2,9 @@ import torch
 
 from encoder_graphs import enable_cuda_graphs
 from encoder_graphs.models import Qwen2_5_VLAdapter, VisionBatch
-from encoder_graphs.models.fused_mlp import fuse_gated_mlp, fuses_gated_mlp
 from encoder_graphs.models.presets import build_model, build_vision_tower, get_config
 from encoder_graphs.models.rewrites import Rewrites
+from encoder_graphs.models.rewrites.fused_mlp import fuse_gated_mlp, fuses_gated_mlp
 from encoder_graphs.models.transformers_seam import is_gated_silu_mlp
 
 
@@ -48,7 +48,7 @@ def test_rotary_pairs_interleave_exactly_and_undo():
     sits at (2i, 2i + 1), v untouched; q.k is unchanged and the inverse order restores every bit."""
     from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import apply_rotary_pos_emb_vision
 
-    from encoder_graphs.models.qwen2_5_vl import interleave_pairs, permute_qk
+    from encoder_graphs.models.qwen.qwen2_5_vl import interleave_pairs, permute_qk
 
     assert interleave_pairs(6).tolist() == [0, 3, 1, 4, 2, 5]
     attention = build_vision_tower("tiny-qwen2.5-vl").blocks[0].attn
@@ -90,7 +90,7 @@ def test_window_blocks_are_fused_only_where_triton_runs():
 
 
 def interleaved_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """What `swiglu_kernel.swiglu_linear` computes, in plain torch: gate rows even, up rows odd."""
+    """What `kernels/swiglu.py`'s `swiglu_linear` computes, in plain torch: gate rows even, up rows odd."""
     y = torch.nn.functional.linear(x, weight, bias)
     return torch.nn.functional.silu(y[..., 0::2]) * y[..., 1::2]
 

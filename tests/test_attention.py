@@ -124,7 +124,7 @@ def test_flashinfer_metadata_pads_with_the_last_offset():
 
 
 def test_refuse_gradients_only_where_autograd_wants_a_backward():
-    from encoder_graphs.models.attention import refuse_gradients
+    from encoder_graphs.models.kernels import refuse_gradients
 
     weight = torch.nn.Parameter(torch.ones(3))
     with pytest.raises(RuntimeError, match="the kernel has no backward"):

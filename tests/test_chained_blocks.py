@@ -1,4 +1,4 @@
-"""Qwen2.5-VL's vision blocks chained (`models/chained_blocks.py`) on the CPU, with a plain-torch
+"""Qwen2.5-VL's vision blocks chained (`models/qwen/chained_blocks.py`) on the CPU, with a plain-torch
 add and the stock norm module in place of the Triton kernel: the tower gives its stock output, each
 block but the last hands on the sum and its norm side by side, only inside the adapter's own calls;
 a stock call that records per-layer outputs sees the stock blocks. (On a GPU,
@@ -8,14 +8,14 @@ import torch
 from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLRMSNorm
 
 from encoder_graphs.models import Qwen2_5_VLAdapter, VisionBatch
-from encoder_graphs.models.chained_blocks import chained, chained_forwards, chains_blocks
 from encoder_graphs.models.presets import build_vision_tower
+from encoder_graphs.models.qwen.chained_blocks import chained, chained_forwards, chains_blocks
 from encoder_graphs.models.rewrites import Rewrites
 from encoder_graphs.models.transformers_seam import is_qwen2_5_vision_block
 
 
 def add_norm_reference(x: torch.Tensor, update: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """What `add_norm_kernel.add_rms_norm` computes, by the stock modules: the sum, and the stock
+    """What `kernels/add_norm.py`'s `add_rms_norm` computes, by the stock modules: the sum, and the stock
     RMSNorm of it with `weight`, side by side."""
     norm = Qwen2_5_VLRMSNorm(weight.shape[0], eps=eps).to(weight.device, weight.dtype)
     norm.weight.data.copy_(weight)

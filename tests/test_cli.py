@@ -22,8 +22,8 @@ from encoder_graphs.app.media import SAMPLES_DIR, LoadLimits
 from encoder_graphs.app.pipeline import Captioner, Pending, RunStats, longest_sequence
 from encoder_graphs.app.results import ResultsFile, read_records
 from encoder_graphs.app.walk import discover
-from encoder_graphs.models.default_model import SPECIAL_TOKENS, default_model_dir
-from encoder_graphs.models.qwen_inputs import QwenVLInputs
+from encoder_graphs.models.presets.default_model import SPECIAL_TOKENS, default_model_dir
+from encoder_graphs.models.qwen.inputs import QwenVLInputs
 
 FAST = ["--max-new-tokens", "3", "--quiet"]
 

@@ -27,9 +27,9 @@ from encoder_graphs.app.pipeline import Captioner
 from encoder_graphs.app.results import ResultsFile
 from encoder_graphs.app.sizing import RESERVE_BYTES, TextSizes, batch_size_for, sequence_memory
 from encoder_graphs.app.walk import MediaFile, discover
-from encoder_graphs.models.default_model import default_model_dir
 from encoder_graphs.models.presets import PRESETS, get_config
-from encoder_graphs.models.qwen_inputs import QwenVLInputs
+from encoder_graphs.models.presets.default_model import default_model_dir
+from encoder_graphs.models.qwen.inputs import QwenVLInputs
 
 
 @pytest.fixture

@@ -5,6 +5,7 @@ inductor's code gives the stock tower's features, the statistics name what was c
 
 import pytest
 import torch
+from synthetic_prompts import random_pixels
 from test_decoder import NO_EOS, hf_generate, make_batch
 from torch import nn
 
@@ -12,8 +13,7 @@ from encoder_graphs import enable_cuda_graphs
 from encoder_graphs.engine.compile import compile_blocks
 from encoder_graphs.models.presets import build_model
 from encoder_graphs.models.rewrites import Rewrites
-from encoder_graphs.models.synthetic_prompts import random_pixels
-from encoder_graphs.models.text_stack import pointwise_parts
+from encoder_graphs.models.text.stack import pointwise_parts
 
 GRIDS = [(1, 8, 8), (1, 12, 20), (2, 8, 12)]
 

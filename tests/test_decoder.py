@@ -7,20 +7,20 @@ import warnings
 
 import pytest
 import torch
-
-from encoder_graphs.decoder.buffers import DecoderGraphConfig, default_buckets, default_length_tiers
-from encoder_graphs.decoder.runner import DecoderGraphRunner
-from encoder_graphs.decoder.static_cache import static_decode_attention
-from encoder_graphs.decoder.step import packed_prefill, prefill, prompt_positions
-from encoder_graphs.models import qwen_vision
-from encoder_graphs.models.presets import PRESETS, build_model
-from encoder_graphs.models.synthetic_prompts import (
+from synthetic_prompts import (
     image_prompt,
     left_pad,
     mm_token_type_ids,
     random_pixels,
     random_text,
 )
+
+from encoder_graphs.decoder.buffers import DecoderGraphConfig, default_buckets, default_length_tiers
+from encoder_graphs.decoder.runner import DecoderGraphRunner
+from encoder_graphs.decoder.static_cache import static_decode_attention
+from encoder_graphs.decoder.step import packed_prefill, prefill, prompt_positions
+from encoder_graphs.models.presets import PRESETS, build_model
+from encoder_graphs.models.qwen import vision as qwen_vision
 from encoder_graphs.models.transformers_seam import attention_implementation, register_varlen_attention
 from encoder_graphs.report import format_decoder_stats
 
@@ -409,7 +409,7 @@ def test_projections_that_are_not_plain_linears_run_one_by_one():
     """A subclass (as LoRA or quantized layers are) is never stacked: its own forward runs."""
     from torch import nn
 
-    from encoder_graphs.models.stacked_linear import StackedLinear
+    from encoder_graphs.models.rewrites.stacked_linear import StackedLinear
 
     class Scaled(nn.Linear):
         def forward(self, x):
@@ -430,7 +430,7 @@ def test_projections_that_are_not_plain_linears_run_one_by_one():
 def test_the_fused_step_hands_the_decode_kernel_what_it_takes(model, dtype, monkeypatch):
     """Every decode attention of the fused step has the dtypes, strides and mask the Triton kernel
     takes, so on a GPU it runs the kernel and not the sdpa fallback."""
-    import encoder_graphs.models.text_decode as text_decode
+    import encoder_graphs.models.text.decode as text_decode
     from encoder_graphs.models.attention import fits_decode_kernel, write_and_decode
 
     calls = []

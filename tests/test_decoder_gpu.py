@@ -17,11 +17,11 @@ import gc
 
 import pytest
 import torch
+from synthetic_prompts import image_prompt, left_pad, mm_token_type_ids, random_pixels
 
 from encoder_graphs import DecoderGraphRunner, enable_cuda_graphs
 from encoder_graphs.decoder.step import decode_step
 from encoder_graphs.models.presets import build_model
-from encoder_graphs.models.synthetic_prompts import image_prompt, left_pad, mm_token_type_ids, random_pixels
 
 pytestmark = [
     pytest.mark.gpu,

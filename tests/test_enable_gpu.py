@@ -10,14 +10,14 @@ left are ours: attention functions named `encoder_graphs_*` and ops `encoder_gra
 
 import pytest
 import torch
+from synthetic_prompts import random_pixels
 from test_undo import Snapshot, assert_an_optimizer_made_before_still_trains, load, mixed_requires_grad, raise_at_call
 from transformers import AutoModelForImageTextToText
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-import encoder_graphs.models.qwen2_5_vl as qwen2_5_vl
+import encoder_graphs.models.qwen.qwen2_5_vl as qwen2_5_vl
 from encoder_graphs import DecoderGraphRunner, enable_cuda_graphs
-from encoder_graphs.models.attention import triton_runs
-from encoder_graphs.models.synthetic_prompts import random_pixels
+from encoder_graphs.models.kernels import triton_runs
 
 pytestmark = [
     pytest.mark.gpu,

@@ -20,8 +20,8 @@ from fidelity import (
 )
 
 from encoder_graphs.app.loading import load_model, open_model
-from encoder_graphs.models.preset_files import write_preset_files
 from encoder_graphs.models.presets import build_model
+from encoder_graphs.models.presets.files import write_preset_files
 
 CPU = torch.device("cpu")
 

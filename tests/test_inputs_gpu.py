@@ -5,11 +5,11 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from tiny_internvl import write_tiny_internvl
 
-from encoder_graphs.models.default_model import default_model_dir
-from encoder_graphs.models.internvl_inputs import InternVLInputs
-from encoder_graphs.models.qwen_inputs import QwenVLInputs
-from encoder_graphs.models.tiny_internvl import write_tiny_internvl
+from encoder_graphs.models.internvl.inputs import InternVLInputs
+from encoder_graphs.models.presets.default_model import default_model_dir
+from encoder_graphs.models.qwen.inputs import QwenVLInputs
 
 pytestmark = [
     pytest.mark.gpu,

@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from tiny_internvl import write_tiny_internvl
 from transformers import AutoModelForImageTextToText, GotOcr2ImageProcessorPil
 
 from encoder_graphs import EncoderCudaGraphManager, enable_cuda_graphs
 from encoder_graphs.app.cli import main
 from encoder_graphs.decoder.runner import DecoderGraphRunner
 from encoder_graphs.models import adapter_for
-from encoder_graphs.models.internvl_inputs import InternVLInputs
-from encoder_graphs.models.tiny_internvl import write_tiny_internvl
+from encoder_graphs.models.internvl.inputs import InternVLInputs
 
 
 @pytest.fixture(scope="module")

@@ -11,12 +11,12 @@ import random
 
 import pytest
 import torch
+from synthetic_prompts import left_pad, tile_prompt
 from test_decoder_gpu import assert_parts_only_at_close_logits, free_cuda_memory  # noqa: F401 (autouse)
 
 from encoder_graphs import DecoderGraphRunner, EncoderCudaGraphManager, enable_cuda_graphs
 from encoder_graphs.models import adapter_for
 from encoder_graphs.models.presets import build_model
-from encoder_graphs.models.synthetic_prompts import left_pad, tile_prompt
 
 pytestmark = [
     pytest.mark.gpu,

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from tiny_internvl import write_tiny_internvl
 
-from encoder_graphs.models.internvl_inputs import InternVLInputs
-from encoder_graphs.models.tiny_internvl import write_tiny_internvl
+from encoder_graphs.models.internvl.inputs import InternVLInputs
 
 pytest.importorskip("torchvision")
 pytestmark = pytest.mark.torchvision

@@ -4,10 +4,10 @@ import random
 import pytest
 import torch
 from toy_items import random_call
+from toy_vit import GLOBAL, LOCAL, ToyItem, ToyViT, ToyViTConfig
 
 from encoder_graphs import EncoderCudaGraphManager
 from encoder_graphs.engine.manager import fill_buffers
-from encoder_graphs.models.toy_vit import GLOBAL, LOCAL, ToyItem, ToyViT, ToyViTConfig
 from encoder_graphs.report import format_encoder_stats
 
 

@@ -6,10 +6,10 @@ import warnings
 import pytest
 import torch
 from toy_items import random_call
+from toy_vit import GLOBAL, LOCAL, ToyItem, ToyViT, ToyViTConfig
 
 from encoder_graphs import EncoderCudaGraphManager
 from encoder_graphs.engine.manager import BEFORE_CAPTURE, fill_buffers
-from encoder_graphs.models.toy_vit import GLOBAL, LOCAL, ToyItem, ToyViT, ToyViTConfig
 
 pytestmark = [
     pytest.mark.gpu,

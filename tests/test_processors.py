@@ -16,11 +16,11 @@ import pytest
 import torch
 from PIL import Image
 
-from encoder_graphs.models.default_model import SPECIAL_TOKENS
-from encoder_graphs.models.preset_files import QWEN_CHAT_TEMPLATE
 from encoder_graphs.models.presets import get_config
-from encoder_graphs.models.qwen_inputs import QwenVLInputs
-from encoder_graphs.models.tokenizer import build_tokenizer
+from encoder_graphs.models.presets.default_model import SPECIAL_TOKENS
+from encoder_graphs.models.presets.files import QWEN_CHAT_TEMPLATE
+from encoder_graphs.models.presets.tokenizer import build_tokenizer
+from encoder_graphs.models.qwen.inputs import QwenVLInputs
 
 pytest.importorskip("torchvision")
 pytestmark = pytest.mark.torchvision

@@ -1,8 +1,8 @@
 import pytest
 import torch
+from toy_vit import ToyViT
 
 from encoder_graphs import EncoderCudaGraphManager
-from encoder_graphs.models.toy_vit import ToyViT
 from encoder_graphs.protocols import (
     PROTOCOL_METHODS,
     EncoderCudaGraphConfig,

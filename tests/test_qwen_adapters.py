@@ -9,15 +9,15 @@ import random
 
 import pytest
 import torch
+from synthetic_prompts import left_pad, mm_token_type_ids, random_pixels, vision_span
 from transformers import AutoModelForImageTextToText, LlamaConfig, LlamaForCausalLM
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
 from encoder_graphs import EncoderCudaGraphManager, enable_cuda_graphs
 from encoder_graphs.models import VisionBatch, adapter_for, supported_architectures
 from encoder_graphs.models.presets import build_model
-from encoder_graphs.models.qwen_vision import pad_offsets
+from encoder_graphs.models.qwen.vision import pad_offsets
 from encoder_graphs.models.rewrites import Rewrites
-from encoder_graphs.models.synthetic_prompts import left_pad, mm_token_type_ids, random_pixels, vision_span
 from encoder_graphs.protocols import SupportsEncoderCudaGraph
 
 FAMILIES = ["tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl"]
@@ -293,7 +293,7 @@ def test_patch_embedding_runs_as_a_gemm_until_restored(model):
 def test_device_metadata_is_kept_per_grids_and_layout(model):
     """Sizes seen before reuse their metadata tensors (no host work, no copy); the cache stays
     bounded, and what it returns equals a fresh `metadata`."""
-    from encoder_graphs.models.qwen_vision import METADATA_CACHE
+    from encoder_graphs.models.qwen.vision import METADATA_CACHE
 
     adapter = adapter_for(model)
     layout = adapter.layout(64, 4)

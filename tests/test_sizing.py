@@ -16,8 +16,8 @@ from encoder_graphs.app.sizing import (
     batch_size_for,
     sequence_memory,
 )
-from encoder_graphs.models.preset_files import preset_files_dir
 from encoder_graphs.models.presets import build_model, get_config
+from encoder_graphs.models.presets.files import preset_files_dir
 from encoder_graphs.models.registry import family_for_config
 
 CARD = 24 * GIB

@@ -1,9 +1,11 @@
 """The package's shape as users meet it: light imports, a fast command line, capture failures
 told apart from bugs, the transformers version check."""
 
+import ast
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -65,3 +67,56 @@ def test_an_untested_transformers_version_warns_once_naming_the_range():
     messages = [str(w.message) for w in caught]
     assert len(messages) == 2 and all("5.17.0 to 5.23.x" in m for m in messages)
     assert "9.0.0 is untested" in messages[0]
+
+
+ROOT = Path(__file__).resolve().parents[1]
+FAMILIES = ("encoder_graphs.models.qwen", "encoder_graphs.models.internvl")
+GATHERERS = {"models/registry.py", "models/presets/catalog.py"}  # they list every family
+
+
+def package_imports(path: Path) -> set[str]:
+    """The `encoder_graphs` modules a source file imports, at any depth (lazy imports too)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+        elif isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+    return {name for name in found if name.startswith("encoder_graphs")}
+
+
+def model_sources() -> dict[str, set[str]]:
+    return {str(path.relative_to(ROOT)): package_imports(path) for path in sorted((ROOT / "models").rglob("*.py"))}
+
+
+def test_models_import_nothing_above_them():
+    above = ("encoder_graphs.engine", "encoder_graphs.decoder", "encoder_graphs.app", "encoder_graphs.enable",
+             "encoder_graphs.report")
+    wrong = {path: sorted(n for n in names if n.startswith(above)) for path, names in model_sources().items()}
+    assert not {path: names for path, names in wrong.items() if names}
+
+
+def test_shared_model_folders_import_no_family_and_families_not_each_other():
+    for path, names in model_sources().items():
+        if path in GATHERERS:
+            continue
+        own = "encoder_graphs." + ".".join(Path(path).parts[:2])
+        others = [family for family in FAMILIES if family != own]
+        assert not [n for n in names if n.startswith(tuple(others))], path
+
+
+def test_kernels_import_only_their_guards_and_each_other():
+    for path, names in model_sources().items():
+        if path.startswith("models/kernels/"):
+            assert all(n.startswith("encoder_graphs.models.kernels") for n in names), (path, names)
+
+
+def test_every_package_folder_ships_in_the_wheel_and_no_fixture_does():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11 on
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = {f"encoder_graphs.{p.parent.relative_to(ROOT).as_posix().replace('/', '.')}"
+               for top in ("models", "protocols", "packing") for p in (ROOT / top).rglob("__init__.py")}
+    folders |= {p.parent.relative_to(ROOT).as_posix().replace("/", ".") for p in (ROOT / "encoder_graphs").rglob("__init__.py")}
+    assert folders <= set(project["packages"]), sorted(folders - set(project["packages"]))
+    shipped = {p.name for top in ("encoder_graphs", "models", "protocols", "packing") for p in (ROOT / top).rglob("*.py")}
+    assert not shipped & {"toy_vit.py", "synthetic_prompts.py", "tiny_internvl.py"}

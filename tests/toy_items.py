@@ -3,8 +3,7 @@
 import random
 
 import torch
-
-from encoder_graphs.models.toy_vit import ToyItem
+from toy_vit import ToyItem
 
 
 def random_item(rng: random.Random, in_dim: int, *, large: bool = False, tiles: bool = True) -> ToyItem:

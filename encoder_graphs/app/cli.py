@@ -13,7 +13,7 @@ from pathlib import Path
 
 from encoder_graphs.app.config import COMPILE_FROM_FILES, DEFAULT_IMAGE_TOKENS, DEFAULT_PROMPT, PROMPT_FIELDS
 from encoder_graphs.app.errors import EXIT_INTERRUPTED, EXIT_OUTPUT, EXIT_USAGE, OutputError, UsageError, printable
-from encoder_graphs.models.preset_names import PRESET_NAMES
+from encoder_graphs.models.presets.names import PRESET_NAMES
 
 
 def build_parser() -> argparse.ArgumentParser:

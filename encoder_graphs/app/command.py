@@ -54,7 +54,7 @@ class Plan:
 
 def caption(args: argparse.Namespace) -> int:
     if args.model is None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        from encoder_graphs.models.default_model import default_model_dir
+        from encoder_graphs.models.presets.default_model import default_model_dir
 
         # Before the job's process group exists: transformers then writes weights on rank 0 only.
         default_model_dir()
@@ -354,7 +354,7 @@ def caption_files(
     from encoder_graphs.app.pipeline import Captioner
     from encoder_graphs.app.results import ResultsFile
     from encoder_graphs.app.runstats import Progress
-    from encoder_graphs.models.text_stack import warm_up_language_model
+    from encoder_graphs.models.text.stack import warm_up_language_model
 
     setup_started = time.perf_counter()
     longest_prompt = longest - plan.config.max_new_tokens

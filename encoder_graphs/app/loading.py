@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from encoder_graphs.app.errors import UsageError
-from encoder_graphs.models.preset_names import PRESET_NAMES
+from encoder_graphs.models.presets.names import PRESET_NAMES
 
 if TYPE_CHECKING:
     import torch
@@ -45,7 +45,7 @@ def open_model(name: str | None, *, max_tiles: int | None = None, max_image_toke
     from transformers import AutoConfig
     from transformers.utils import logging as hf_logging
 
-    from encoder_graphs.models.preset_files import preset_files_dir
+    from encoder_graphs.models.presets.files import preset_files_dir
     from encoder_graphs.models.registry import family_for_config
 
     hf_logging.disable_progress_bar()
@@ -57,7 +57,7 @@ def open_model(name: str | None, *, max_tiles: int | None = None, max_image_toke
         inputs = family_for_config(config).inputs.from_pretrained(preset_files_dir(name), **resolution)
         inputs.check_model(config)
         return ModelSource(config, inputs, preset=name)
-    from encoder_graphs.models.default_model import default_model_dir
+    from encoder_graphs.models.presets.default_model import default_model_dir
 
     directory = default_model_dir() if name is None else Path(name)
     if not (directory / "config.json").is_file():

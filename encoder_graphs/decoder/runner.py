@@ -1,7 +1,7 @@
 """The language model's decode step captured as CUDA graphs, one per (batch-size bucket, length tier).
 
 Prefill is the model's own forward (eager, dynamic cache; over the prompts packed without their
-padding where `models/text_decode.py` knows the decoder, else exactly what `generate` runs); its
+padding where `models/text/decode.py` knows the decoder, else exactly what `generate` runs); its
 keys and values are copied into a static cache, and each decode step then replays the graph of the
 smallest bucket that holds the batch and the smallest length tier that holds its sequences: that
 graph's attention reads only the tier's first slots of the one cache allocation. The tier of each
@@ -24,13 +24,13 @@ from encoder_graphs.decoder.generation import token_id_list
 from encoder_graphs.decoder.sampling import Generators, SamplingParams, select_next_tokens
 from encoder_graphs.decoder.static_cache import SlotCache
 from encoder_graphs.decoder.stats import DecodeCounters
-from encoder_graphs.decoder.tokens import NewTokens
 from encoder_graphs.decoder.step import decode_step, packed_prefill, prefill
+from encoder_graphs.decoder.tokens import NewTokens
 from encoder_graphs.engine.capture import GraphCapture, unavailable_reason
 from encoder_graphs.models.registry import family_class
 from encoder_graphs.models.rewrites import Rewrites
-from encoder_graphs.models.text_decode import DecodeStack
-from encoder_graphs.models.text_stack import fuse_text_kernels
+from encoder_graphs.models.text.decode import DecodeStack
+from encoder_graphs.models.text.stack import fuse_text_kernels
 from encoder_graphs.models.transformers_seam import generation_position_ids, static_rope
 from encoder_graphs.packing import smallest_fitting_budget
 from encoder_graphs.protocols import ModelFamily
@@ -90,7 +90,7 @@ class DecoderGraphRunner:
         if any(kind != "full_attention" for kind in getattr(text_config, "layer_types", None) or []):
             raise ValueError("decoder graphs support full-attention layers only (no sliding window)")
         self.family = family if family is not None else family_class(model)
-        known = DecodeStack.supports(model)  # whether models/text_decode.py knows its decoder layers
+        known = DecodeStack.supports(model)  # whether models/text/decode.py knows its decoder layers
         # Prefill over the packed prompts for the same decoders (False: left-padded, as generate).
         self.packed_prefill = packed_prefill and known
         self._dims = TextDims.of(model)

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from encoder_graphs.decoder.buffers import DecodeBuffers
 from encoder_graphs.decoder.static_cache import DECODE_ATTENTION, SlotCache
-from encoder_graphs.models.text_decode import DecodeStack
+from encoder_graphs.models.text.decode import DecodeStack
 from encoder_graphs.models.transformers_seam import (
     TOKEN_INPUTS,
     attention_implementation,

@@ -7,16 +7,16 @@ head_dim]. None of them syncs with the host, so all of them can be captured.
 """
 
 import importlib.util
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from itertools import pairwise
 
 import torch
 
+from encoder_graphs.models.kernels import HALF_DTYPES, triton_runs
+
 VarlenAttention = Callable[..., torch.Tensor]
-HALF_DTYPES = (torch.float16, torch.bfloat16)  # what FA2, cuDNN and our Triton kernels take
 
 _EXTRAS = {"flash_attn": "flash-attn", "flashinfer": "flashinfer"}
-_TRITON = importlib.util.find_spec("triton") is not None
 
 
 def sdpa_varlen_attention(
@@ -49,30 +49,6 @@ def sdpa_varlen_attention(
         q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale
     )
     return out.transpose(0, 1)
-
-
-def refuse_gradients(what: str, tensors: Iterable[torch.Tensor]) -> None:
-    """Raise where autograd would want a backward of `what` (one of this package's kernels, which
-    have none): grad mode on and any of `tensors` requiring gradients."""
-    if torch.is_grad_enabled() and any(tensor.requires_grad for tensor in tensors):
-        raise RuntimeError(f"{what} has no backward: run under torch.no_grad or torch.inference_mode, "
-                           "or restore the stock modules first")
-
-
-# The GPUs (compute capabilities) this package's Triton kernels passed their tests on: Hopper,
-# H100 and H200 (sm90). Ampere, Ada and Blackwell never ran them (nor the swiglu GEMM's TMA path,
-# which needs Hopper): there the torch paths run, until the GPU tests pass on one and it joins.
-TESTED_CAPABILITIES = frozenset({(9, 0)})
-
-
-def kernels_tested_on(capability: tuple[int, int]) -> bool:
-    return tuple(capability) in TESTED_CAPABILITIES
-
-
-def triton_runs(device: torch.device) -> bool:
-    """Whether this package's Triton kernels run on `device`: Triton present, a CUDA GPU of a
-    capability they were tested on (`TESTED_CAPABILITIES`)."""
-    return _TRITON and device.type == "cuda" and kernels_tested_on(torch.cuda.get_device_capability(device))
 
 
 def torch_varlen_attention(
@@ -172,7 +148,7 @@ def decode_attention(
 
 
 def fits_decode_kernel(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> bool:
-    """Whether `decode_kernel` takes these (on a GPU where `triton_runs`): head_dim a power of
+    """Whether `kernels/decode.py` takes these (on a GPU where `triton_runs`): head_dim a power of
     two from 16 to 256, whole groups of query heads per KV head, one dtype, cache rows contiguous
     in head_dim (keys and values alike), a bool mask contiguous along the slots."""
     dim, heads, kv_heads = query.shape[-1], query.shape[1], keys.shape[1]
@@ -201,12 +177,12 @@ def write_and_decode(
     """Write the new token's key and value [batch, kv_heads, 1, dim] at `slot` of the cache's keys,
     values [batch, kv_heads, slots, dim], then `decode_attention` over the slots `mask` [batch,
     slots] allows (the caller allows `slot`, as `decode_step` does). On CUDA one split-KV Triton
-    kernel pair does both (`decode_kernel`); elsewhere (the CPU, no Triton, odd head widths, GPUs
+    kernel pair does both (`kernels/decode.py`); elsewhere (the CPU, no Triton, odd head widths, GPUs
     the kernels were not tested on) index_copy and sdpa."""
     if triton_runs(query.device) and fits_decode_kernel(query, keys, values, mask):
-        from encoder_graphs.models.attention import decode_kernel
+        from encoder_graphs.models.kernels.decode import write_and_attend
 
-        return decode_kernel.write_and_attend(query, key, value, keys, values, slot, mask, scale)
+        return write_and_attend(query, key, value, keys, values, slot, mask, scale)
     keys.index_copy_(2, slot, key)
     values.index_copy_(2, slot, value)
     return decode_attention(query, keys, values, mask[:, None, None, :], scale)

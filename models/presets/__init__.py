@@ -1,59 +1,20 @@
-"""Named model configs: real sizes (values from the public config.json files) and tiny CPU ones.
+"""Named model configs: real sizes (values from the public config.json files) and tiny CPU ones,
+each family's in its folder (`qwen/presets.py`, `internvl/presets.py`); the checkpoint files
+besides weights that every preset gets (`files.py`), and the embedded tiny default model.
 
 Weights are random: presets exist to measure speed and to test equivalence, not to caption.
+Names are exported lazily: the command line reads `names.PRESET_NAMES` without torch.
 """
 
-from collections.abc import Callable
+from importlib import import_module
+from typing import Any
 
-import torch
-from transformers import PretrainedConfig, PreTrainedModel
-
-from encoder_graphs.models.presets.internvl import INTERNVL_PRESETS
-from encoder_graphs.models.presets.preset import Preset
-from encoder_graphs.models.presets.qwen import QWEN_PRESETS
-from encoder_graphs.models.transformers_seam import from_config
-
-PRESETS: dict[str, Preset] = {**QWEN_PRESETS, **INTERNVL_PRESETS}
+_CATALOG = "encoder_graphs.models.presets.catalog"
+_EXPORTS = {name: _CATALOG for name in ("PRESETS", "build_model", "build_vision_tower", "get_config")}
+__all__ = sorted(_EXPORTS)
 
 
-def _preset(name: str) -> Preset:
-    if name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
-    return PRESETS[name]
-
-
-def get_config(name: str) -> PretrainedConfig:
-    """A fresh config of the whole *ForConditionalGeneration model."""
-    return _preset(name).config()
-
-
-def _build(
-    factory: Callable[[], PreTrainedModel], dtype: torch.dtype, device: str | torch.device, seed: int
-) -> PreTrainedModel:
-    torch.manual_seed(seed)
-    default_dtype = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)  # build in the target dtype: no fp32 copy of a large model
-    try:
-        with torch.device(device):
-            model = factory()
-    finally:
-        torch.set_default_dtype(default_dtype)
-    return model.to(dtype).eval()
-
-
-def build_model(
-    name: str, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", seed: int = 0
-) -> PreTrainedModel:
-    """The whole model with random weights, in eval mode, built directly on `device` in `dtype`."""
-    preset = _preset(name)
-    config = preset.config()
-    return _build(lambda: from_config(preset.model_class, config, dtype), dtype, device, seed)
-
-
-def build_vision_tower(
-    name: str, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", seed: int = 0
-) -> PreTrainedModel:
-    """Only the vision tower (the module a model holds as `model.visual`), random weights."""
-    preset = _preset(name)
-    config = preset.config().vision_config
-    return _build(lambda: from_config(preset.vision_class, config, dtype), dtype, device, seed)
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'encoder_graphs.models.presets' has no attribute {name!r}")
+    return getattr(import_module(_EXPORTS[name]), name)

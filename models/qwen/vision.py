@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
-from encoder_graphs.models.attention import HALF_DTYPES, default_attention_backend
+from encoder_graphs.models.attention import default_attention_backend
+from encoder_graphs.models.kernels import HALF_DTYPES
 from encoder_graphs.models.rewrites import Rewrites
 from encoder_graphs.models.transformers_seam import (
     attention_implementation,

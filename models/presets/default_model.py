@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from transformers import GenerationConfig, Qwen2VLForConditionalGeneration
 
-from encoder_graphs.models.preset_files import build_atomically, cache_root, write_preset_files
+from encoder_graphs.models.presets.files import build_atomically, cache_root, write_preset_files
 from encoder_graphs.models.transformers_seam import from_config
 
 VERSION = 1

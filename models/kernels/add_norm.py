@@ -14,7 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from encoder_graphs.models.attention import refuse_gradients
+from encoder_graphs.models.kernels import refuse_gradients
+
 
 # The row count is not specialized on (divisible by 16 or not): one compilation serves every batch.
 @triton.jit(do_not_specialize=["rows"])

@@ -1,4 +1,4 @@
-"""A gated SiLU MLP run as `swiglu_kernel` (gate, up and SiLU in one GEMM) and its down projection.
+"""A gated SiLU MLP run as `kernels/swiglu.py`'s GEMM (gate, up and SiLU in one GEMM) and its down projection.
 
 The kernel takes gate and up rows interleaved in one weight. The stock modules keep working on
 strided views of it (the same values, no second copy), until the `Rewrites` undo gives each its
@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from encoder_graphs.models.attention import refuse_gradients, triton_runs
+from encoder_graphs.models.kernels import refuse_gradients, triton_runs
 from encoder_graphs.models.rewrites import Rewrites, made_like
-from encoder_graphs.models.stacked_linear import plain_linears
+from encoder_graphs.models.rewrites.stacked_linear import plain_linears
 from encoder_graphs.models.transformers_seam import gated_silu_mlp_forward, is_gated_silu_mlp
 
 
@@ -26,7 +26,7 @@ def fuses_gated_mlp(mlp: nn.Module) -> bool:
     weight, other = mlp.gate_proj.weight, mlp.up_proj.weight
     if (other.device, other.dtype) != (weight.device, weight.dtype) or not triton_runs(weight.device):
         return False
-    from encoder_graphs.models.swiglu_kernel import fits_swiglu_kernel
+    from encoder_graphs.models.kernels.swiglu import fits_swiglu_kernel
 
     return fits_swiglu_kernel(weight)
 
@@ -53,7 +53,7 @@ class InterleavedGateUp:
 
 def fuse_gated_mlp(mlp: nn.Module, gated_linear: GatedLinear, rewrites: Rewrites) -> InterleavedGateUp:
     """Run `mlp` (`fuses_gated_mlp`) through `gated_linear(x, weight, bias)` over its gate and up
-    weights interleaved (`swiglu_kernel.swiglu_linear`), until `rewrites` is undone; returns its
+    weights interleaved (`kernels/swiglu.py`'s `swiglu_linear`), until `rewrites` is undone; returns its
     gate and up over the same weight."""
     gate, up = mlp.gate_proj, mlp.up_proj
     with made_like(gate.weight):

@@ -16,7 +16,7 @@ from typing import Any
 from transformers import PretrainedConfig
 
 from encoder_graphs.models.presets import get_config
-from encoder_graphs.models.tokenizer import build_tokenizer, write_json
+from encoder_graphs.models.presets.tokenizer import build_tokenizer, write_json
 
 VERSION = 1
 QWEN_CHAT_TEMPLATE = (

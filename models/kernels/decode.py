@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from encoder_graphs.models.kernel_inputs import check_decode_inputs
+from encoder_graphs.models.kernels.checks import check_decode_inputs
 
 BLOCK_N = 64  # slots per tile
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from transformers import GenerationConfig, InternVLForConditionalGeneration
 
-from encoder_graphs.models.preset_files import write_preset_files
+from encoder_graphs.models.presets.files import write_preset_files
 from encoder_graphs.models.transformers_seam import from_config
 
 PRESET = "tiny-internvl"

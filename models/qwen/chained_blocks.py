@@ -1,5 +1,5 @@
 """Qwen2.5-VL's vision blocks chained: each block's last residual add and the next block's first
-norm in one kernel (`add_norm_kernel`), the pair handed on as one tensor of both halves.
+norm in one kernel (`kernels/add_norm.py`), the pair handed on as one tensor of both halves.
 
 Blocks are compiled one by one, so inductor cannot fuse across them; the stock tower hands each
 block's output to the next one alone, so that output carries the sum and its norm side by side.
@@ -13,7 +13,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from encoder_graphs.models.attention import HALF_DTYPES, triton_runs
+from encoder_graphs.models.kernels import HALF_DTYPES, triton_runs
 from encoder_graphs.models.rewrites import Rewrites
 from encoder_graphs.models.transformers_seam import AddNorm, chained_block_forward, is_qwen2_5_vision_block
 
@@ -34,7 +34,7 @@ def chains_blocks(blocks: Sequence[nn.Module], dtype: torch.dtype) -> bool:
 
 def chained_forwards(blocks: Sequence[nn.Module], add_norm: AddNorm) -> list[Forward]:
     """A forward for each of `blocks` (`chains_blocks`, in the tower's order) that ends with the
-    next block's first norm through `add_norm` (`add_norm_kernel.add_rms_norm`)."""
+    next block's first norm through `add_norm` (`kernels/add_norm.py`'s `add_rms_norm`)."""
     return [
         chained_block_forward(
             block, add_norm, blocks[index + 1].norm1 if index + 1 < len(blocks) else None, takes_pair=index > 0

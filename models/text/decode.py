@@ -18,9 +18,9 @@ import torch
 from torch import nn
 
 from encoder_graphs.models.attention import write_and_decode
-from encoder_graphs.models.fused_mlp import InterleavedGateUp
 from encoder_graphs.models.rewrites import Rewrites
-from encoder_graphs.models.stacked_linear import StackedLinear
+from encoder_graphs.models.rewrites.fused_mlp import InterleavedGateUp
+from encoder_graphs.models.rewrites.stacked_linear import StackedLinear
 from encoder_graphs.models.transformers_seam import decode_rotary
 
 # Pre-norm layers with q/k/v/o projections (Qwen3: RMSNorm on q and k per head), rotate-half
@@ -50,7 +50,7 @@ _write_and_decode = torch.compiler.disable(write_and_decode)
 class DecodeLayer(nn.Module):
     """One stock decoder layer's decode math over its own modules (no weights copied; q/k/v and
     gate/up stacked until `rewrites` is undone). `gate_up`: the MLP's, where it is fused already
-    (`text_stack.fuse_text_kernels`), over its interleaved weight."""
+    (`text/stack.py`'s `fuse_text_kernels`), over its interleaved weight."""
 
     def __init__(self, layer: nn.Module, rewrites: Rewrites, gate_up: InterleavedGateUp | None = None) -> None:
         super().__init__()

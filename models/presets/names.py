@@ -1,5 +1,5 @@
 """The presets' names without importing torch or transformers: `--help` lists them
-(`presets/PRESETS` holds the presets; a test keeps the two the same)."""
+(`catalog.PRESETS` holds the presets; a test keeps the two the same)."""
 
 PRESET_NAMES = (
     "tiny-qwen2-vl",

@@ -11,7 +11,7 @@ naming the argument. No Triton here: the checks run, and are tested, on any mach
 
 import torch
 
-from encoder_graphs.models.attention import HALF_DTYPES
+from encoder_graphs.models.kernels import HALF_DTYPES
 
 
 def check_segments(cu_seqlens: torch.Tensor, max_seqlen: int, rows: int) -> None:
@@ -39,7 +39,7 @@ def check_window_inputs(
     cu_seqlens: torch.Tensor,
     max_seqlen: int,
 ) -> None:
-    """`window_kernel.rotary_window_attention`'s arguments: q, k, v [rows, heads, head_dim] of one
+    """The arguments of `window.rotary_window_attention`: q, k, v [rows, heads, head_dim] of one
     half-precision dtype, head dims contiguous; cos, sin [rows, head_dim] of one layout; int32
     offsets; all on q's device (offsets may be on the CPU, where their segments are checked
     against `max_seqlen` too)."""
@@ -66,7 +66,7 @@ def check_window_inputs(
 
 
 def check_swiglu_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-    """`swiglu_kernel.swiglu_linear`'s arguments: weight [2 x width, in], row-major, `in` a
+    """The arguments of `swiglu.swiglu_linear`: weight [2 x width, in], row-major, `in` a
     multiple of 8 (TMA strides rows by multiples of 16 bytes), half precision; bias [2 x width]
     or None; x [..., in]; one dtype, one device."""
     if weight.dim() != 2 or weight.shape[0] % 2 or weight.shape[1] % 8 or weight.stride() != (weight.shape[1], 1):
@@ -92,7 +92,7 @@ def check_decode_inputs(
     slot: torch.Tensor,
     mask: torch.Tensor,
 ) -> None:
-    """`decode_kernel.write_and_attend`'s arguments: query [batch, heads, 1, dim]; key, value
+    """The arguments of `decode.write_and_attend`: query [batch, heads, 1, dim]; key, value
     [batch, kv_heads, 1, dim]; keys, values [batch, kv_heads, slots, dim] of one layout, dims
     contiguous; heads a multiple of kv_heads; dim a power of two from 16 to 256; one dtype; mask
     bool [batch, slots], slots contiguous; `slot` one integer. All on one device. That `slot` is

@@ -31,7 +31,7 @@ import torch
 from PIL import Image
 from transformers import AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase, Qwen2VLImageProcessorPil
 
-from encoder_graphs.models.qwen_pixels import (
+from encoder_graphs.models.qwen.pixels import (
     VIDEO_DEFAULTS,
     VIDEO_PROCESSOR_OF_MODEL,
     PixelSettings,

@@ -3,15 +3,15 @@ they run, and for torch.compile.
 
 Uncompiled, a Qwen2.5-VL-3B prefill of a caption batch spent about as long in elementwise kernels
 as in its GEMMs, most of it the norms' six kernels and the MLPs' SiLU and product (RESULTS.md).
-`fuse_text_kernels` runs each stock RMSNorm as one kernel (`add_norm_kernel.rms_norm`) and each
-gated MLP's gate, up and SiLU as one GEMM (`swiglu_kernel`), for the prefill and decode steps alike.
+`fuse_text_kernels` runs each stock RMSNorm as one kernel (`kernels/add_norm.py`'s `rms_norm`) and each
+gated MLP's gate, up and SiLU as one GEMM (`kernels/swiglu.py`), for the prefill and decode steps alike.
 
 Whole decoder layers do not compile well: dynamo specializes on each layer's `layer_idx`, on the
 cache's type and fill state, and reached its recompile limit on the second `generate` call (CPU,
 tiny Qwen2.5-VL, 2026-11-22). Their MLPs and RMSNorms take only hidden states: compiled with
 dynamic shapes they fuse the activation, the gating and the norms' six kernels, for prompts of
 any batch and length (one compilation, and one more for a batch of one). Decode steps run
-`text_decode.DecodeLayer`s, which call these modules inside their own compiled code.
+`text/decode.py`'s `DecodeLayer`s, which call these modules inside their own compiled code.
 """
 
 from contextlib import nullcontext
@@ -19,9 +19,9 @@ from contextlib import nullcontext
 import torch
 from torch import nn
 
-from encoder_graphs.models.attention import HALF_DTYPES, triton_runs
-from encoder_graphs.models.fused_mlp import InterleavedGateUp, fuse_gated_mlp, fuses_gated_mlp
+from encoder_graphs.models.kernels import HALF_DTYPES, triton_runs
 from encoder_graphs.models.rewrites import Rewrites
+from encoder_graphs.models.rewrites.fused_mlp import InterleavedGateUp, fuse_gated_mlp, fuses_gated_mlp
 from encoder_graphs.models.transformers_seam import is_stock_rms_norm, rms_norm_forward
 
 # Every decoder this package supports (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, InternVL's Qwen2/Qwen3)
@@ -62,12 +62,12 @@ def warm_up_language_model(model: nn.Module) -> None:
 def fuse_text_kernels(model: nn.Module, rewrites: Rewrites) -> dict[nn.Module, InterleavedGateUp]:
     """The language model's stock RMSNorms through `rms_norm` and its gated MLPs through the
     swiglu GEMM, until `rewrites` is undone, where the kernels run (half precision, a tested GPU);
-    each fused MLP's gate and up for the decode steps (`text_decode.DecodeLayer`)."""
+    each fused MLP's gate and up for the decode steps (`text/decode.py`'s `DecodeLayer`)."""
     weight = model.get_input_embeddings().weight
     if weight.dtype not in HALF_DTYPES or not triton_runs(weight.device):
         return {}
-    from encoder_graphs.models.add_norm_kernel import rms_norm
-    from encoder_graphs.models.swiglu_kernel import swiglu_linear
+    from encoder_graphs.models.kernels.add_norm import rms_norm
+    from encoder_graphs.models.kernels.swiglu import swiglu_linear
 
     decoder = model.get_decoder()
     for module in decoder.modules():

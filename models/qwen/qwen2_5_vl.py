@@ -9,19 +9,19 @@ from functools import partial
 
 import torch
 
-from encoder_graphs.models.aligned_mlp import align_gated_mlps
-from encoder_graphs.models.attention import HALF_DTYPES, triton_runs
-from encoder_graphs.models.chained_blocks import Forward, chained, chained_forwards, chains_blocks
-from encoder_graphs.models.fused_mlp import fuse_gated_mlp, fuses_gated_mlp
-from encoder_graphs.models.kernel_inputs import check_segments
-from encoder_graphs.models.qwen_vision import Layout, QwenVisionAdapter, pad_offsets
+from encoder_graphs.models.kernels import HALF_DTYPES, triton_runs
+from encoder_graphs.models.kernels.checks import check_segments
+from encoder_graphs.models.qwen.aligned_mlp import align_gated_mlps
+from encoder_graphs.models.qwen.chained_blocks import Forward, chained, chained_forwards, chains_blocks
+from encoder_graphs.models.qwen.vision import Layout, QwenVisionAdapter, pad_offsets
 from encoder_graphs.models.rewrites import Rewrites
+from encoder_graphs.models.rewrites.fused_mlp import fuse_gated_mlp, fuses_gated_mlp
 from encoder_graphs.models.transformers_seam import get_vision_window_index, permute_qk, window_attention_forward
 
 
 def interleave_pairs(head_dim: int) -> torch.Tensor:
     """The order of one head's dims that puts rotary pair (i, i + head_dim/2) at (2i, 2i + 1),
-    as `window_kernel` takes q and k."""
+    as `kernels/window.py` takes q and k."""
     half = head_dim // 2
     return torch.stack([torch.arange(half), torch.arange(half, head_dim)], dim=1).flatten()
 
@@ -37,13 +37,13 @@ class Qwen2_5_VLAdapter(QwenVisionAdapter):
     def align_weights(self, rewrites: Rewrites) -> None:
         """Pad the blocks' MLP width (3420 in the real models) to a multiple of 8: exact, and
         cuBLAS then picks its fast kernels; the patch embedding as a GEMM; and, where Triton runs,
-        the window blocks' rotary and attention in one kernel (`window_kernel`), each MLP's gate,
-        up and SiLU in one GEMM (`swiglu_kernel`), and each block's last residual add with the
+        the window blocks' rotary and attention in one kernel (`kernels/window.py`), each MLP's gate,
+        up and SiLU in one GEMM (`kernels/swiglu.py`), and each block's last residual add with the
         next block's first norm (`chained_blocks`)."""
         super().align_weights(rewrites)
         align_gated_mlps([block.mlp for block in self.visual.blocks], rewrites)
         if self.fuses_windows:
-            from encoder_graphs.models.attention.window_kernel import rotary_window_attention
+            from encoder_graphs.models.kernels.window import rotary_window_attention
 
             # One wrapper for every window block, out of torch.compile'd code as the varlen backends.
             attend = torch.compiler.disable(partial(rotary_window_attention, max_seqlen=self.window_rows))
@@ -51,13 +51,13 @@ class Qwen2_5_VLAdapter(QwenVisionAdapter):
                 self._fuse_window(attention, attend, rewrites)
         mlps = [block.mlp for block in self.visual.blocks if fuses_gated_mlp(block.mlp)]
         if mlps:
-            from encoder_graphs.models.swiglu_kernel import swiglu_linear
+            from encoder_graphs.models.kernels.swiglu import swiglu_linear
 
             for mlp in mlps:
                 fuse_gated_mlp(mlp, swiglu_linear, rewrites)
         blocks = list(self.visual.blocks)
         if chains_blocks(blocks, self.dtype):
-            from encoder_graphs.models.add_norm_kernel import add_rms_norm
+            from encoder_graphs.models.kernels.add_norm import add_rms_norm
 
             rewrites.patch(self, "_chained_forwards", chained_forwards(blocks, add_rms_norm))
 
@@ -70,7 +70,7 @@ class Qwen2_5_VLAdapter(QwenVisionAdapter):
 
     @property
     def fuses_windows(self) -> bool:
-        """Whether the window blocks run `window_kernel`: PyTorch's FA2 as the backend (the CUDA
+        """Whether the window blocks run `kernels/window.py`'s kernel: PyTorch's FA2 as the backend (the CUDA
         default; another backend asked for is kept everywhere), half precision, Triton, weights
         on the device (offloaded ones would not take the reordering), and windows and heads the
         kernel takes."""
@@ -79,7 +79,7 @@ class Qwen2_5_VLAdapter(QwenVisionAdapter):
             return False
         if any(param.device != self.device for param in self.visual.parameters()):
             return False
-        from encoder_graphs.models.attention.window_kernel import fits_window_kernel
+        from encoder_graphs.models.kernels.window import fits_window_kernel
 
         return fits_window_kernel(self.head_dim, self.window_rows)
 

@@ -1,6 +1,6 @@
 """Pixels as the Qwen-VL processors' torchvision backend makes them, with torch alone: their
 settings (from the image and video processor configs), resizing (`smart_resize`, per frame or per
-clip), normalisation, patch order, and a video's timing. `qwen_inputs.py` says why."""
+clip), normalisation, patch order, and a video's timing. `inputs.py` says why."""
 
 import math
 from collections.abc import Mapping, Sequence

@@ -1,0 +1,56 @@
+"""The presets of every family by name, and building their models with random weights."""
+
+from collections.abc import Callable
+
+import torch
+from transformers import PretrainedConfig, PreTrainedModel
+
+from encoder_graphs.models.internvl.presets import INTERNVL_PRESETS
+from encoder_graphs.models.presets.preset import Preset
+from encoder_graphs.models.qwen.presets import QWEN_PRESETS
+from encoder_graphs.models.transformers_seam import from_config
+
+PRESETS: dict[str, Preset] = {**QWEN_PRESETS, **INTERNVL_PRESETS}
+
+
+def _preset(name: str) -> Preset:
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+    return PRESETS[name]
+
+
+def get_config(name: str) -> PretrainedConfig:
+    """A fresh config of the whole *ForConditionalGeneration model."""
+    return _preset(name).config()
+
+
+def _build(
+    factory: Callable[[], PreTrainedModel], dtype: torch.dtype, device: str | torch.device, seed: int
+) -> PreTrainedModel:
+    torch.manual_seed(seed)
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # build in the target dtype: no fp32 copy of a large model
+    try:
+        with torch.device(device):
+            model = factory()
+    finally:
+        torch.set_default_dtype(default_dtype)
+    return model.to(dtype).eval()
+
+
+def build_model(
+    name: str, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", seed: int = 0
+) -> PreTrainedModel:
+    """The whole model with random weights, in eval mode, built directly on `device` in `dtype`."""
+    preset = _preset(name)
+    config = preset.config()
+    return _build(lambda: from_config(preset.model_class, config, dtype), dtype, device, seed)
+
+
+def build_vision_tower(
+    name: str, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", seed: int = 0
+) -> PreTrainedModel:
+    """Only the vision tower (the module a model holds as `model.visual`), random weights."""
+    preset = _preset(name)
+    config = preset.config().vision_config
+    return _build(lambda: from_config(preset.vision_class, config, dtype), dtype, device, seed)
