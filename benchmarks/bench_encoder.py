@@ -26,7 +26,7 @@ from encoder_graphs.engine.compile import compile_blocks
 from encoder_graphs.models import VisionBatch, adapter_for
 from encoder_graphs.models.presets import build_model, build_vision_tower
 from encoder_graphs.models.rewrites import Rewrites
-from encoder_graphs.models.transformers_seam import (
+from encoder_graphs.models.seam.attention import (
     attention_implementation,
     register_dense_attention,
     register_varlen_attention,

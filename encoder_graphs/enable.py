@@ -32,8 +32,8 @@ from encoder_graphs.engine.compile import CompiledBlocks, compile_blocks
 from encoder_graphs.engine.manager import EncoderCudaGraphManager
 from encoder_graphs.models.registry import adapter_for
 from encoder_graphs.models.rewrites import Rewrites
+from encoder_graphs.models.seam import check_version
 from encoder_graphs.models.text.stack import pointwise_parts, warm_up_parts
-from encoder_graphs.models.transformers_seam import check_version
 from encoder_graphs.protocols import ModelFamily
 from encoder_graphs.report import format_graph_stats
 

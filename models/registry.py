@@ -43,10 +43,8 @@ def families() -> tuple[Family, ...]:
         Qwen3VLConfig,
         Qwen3VLForConditionalGeneration,
         Qwen3VLModel,
+        Qwen3VLVisionModel,
     )
-    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
-    from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
-    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
 
     from encoder_graphs.models.internvl.adapter import InternVLAdapter
     from encoder_graphs.models.internvl.inputs import InternVLInputs
@@ -54,6 +52,9 @@ def families() -> tuple[Family, ...]:
     from encoder_graphs.models.qwen.qwen2_5_vl import Qwen2_5_VLAdapter
     from encoder_graphs.models.qwen.qwen2_vl import Qwen2VLAdapter
     from encoder_graphs.models.qwen.qwen3_vl import Qwen3VLAdapter
+    from encoder_graphs.models.seam.vision import qwen_vision_towers
+
+    Qwen2VisionTransformerPretrainedModel, Qwen2_5_VisionTransformerPretrainedModel = qwen_vision_towers()
 
     return (
         Family(

@@ -5,7 +5,7 @@ from encoder_graphs.models import Qwen2_5_VLAdapter, VisionBatch
 from encoder_graphs.models.presets import build_model, build_vision_tower, get_config
 from encoder_graphs.models.rewrites import Rewrites
 from encoder_graphs.models.rewrites.fused_mlp import fuse_gated_mlp, fuses_gated_mlp
-from encoder_graphs.models.transformers_seam import is_gated_silu_mlp
+from encoder_graphs.models.seam.modules import is_gated_silu_mlp
 
 
 def test_aligned_mlp_is_exact_and_restorable():

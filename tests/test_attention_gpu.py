@@ -275,7 +275,7 @@ def test_fused_window_forward_matches_stock_attention():
     from encoder_graphs.models.kernels.window import rotary_window_attention
     from encoder_graphs.models.presets import get_config
     from encoder_graphs.models.rewrites import Rewrites
-    from encoder_graphs.models.transformers_seam import permute_qk, window_attention_forward
+    from encoder_graphs.models.seam.vision import permute_qk, window_attention_forward
 
     config = get_config("qwen2.5-vl-7b").vision_config
     config._attn_implementation = "sdpa"

@@ -11,7 +11,7 @@ from encoder_graphs.models import Qwen2_5_VLAdapter, VisionBatch
 from encoder_graphs.models.presets import build_vision_tower
 from encoder_graphs.models.qwen.chained_blocks import chained, chained_forwards, chains_blocks
 from encoder_graphs.models.rewrites import Rewrites
-from encoder_graphs.models.transformers_seam import is_qwen2_5_vision_block
+from encoder_graphs.models.seam.vision import is_qwen2_5_vision_block
 
 
 def add_norm_reference(x: torch.Tensor, update: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -17,11 +17,14 @@ from synthetic_prompts import (
 
 from encoder_graphs.decoder.buffers import DecoderGraphConfig, default_buckets, default_length_tiers
 from encoder_graphs.decoder.runner import DecoderGraphRunner
-from encoder_graphs.decoder.static_cache import static_decode_attention
 from encoder_graphs.decoder.step import packed_prefill, prefill, prompt_positions
 from encoder_graphs.models.presets import PRESETS, build_model
 from encoder_graphs.models.qwen import vision as qwen_vision
-from encoder_graphs.models.transformers_seam import attention_implementation, register_varlen_attention
+from encoder_graphs.models.seam.attention import (
+    attention_implementation,
+    register_varlen_attention,
+    static_decode_attention,
+)
 from encoder_graphs.report import format_decoder_stats
 
 FAMILIES = ["tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl"]

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from encoder_graphs.engine.capture import is_capture_failure
-from encoder_graphs.models.transformers_seam import TESTED_RANGE, check_version
+from encoder_graphs.models.seam import TESTED_RANGE, check_version
 
 
 def loaded_after(code: str) -> set[str]:
@@ -120,3 +120,30 @@ def test_every_package_folder_ships_in_the_wheel_and_no_fixture_does():
     assert folders <= set(project["packages"]), sorted(folders - set(project["packages"]))
     shipped = {p.name for top in ("encoder_graphs", "models", "protocols", "packing") for p in (ROOT / top).rglob("*.py")}
     assert not shipped & {"toy_vit.py", "synthetic_prompts.py", "tiny_internvl.py"}
+
+
+def transformers_imports(path: Path) -> set[str]:
+    """The transformers modules and names a source file imports (`transformers.x.Name` for names)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "transformers":
+            found |= {f"{node.module}.{alias.name}" for alias in node.names}
+        elif isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names if alias.name.split(".")[0] == "transformers"}
+    return found
+
+
+def test_transformers_internals_are_reached_only_through_the_seam():
+    """Outside `models/seam/`: transformers' public top level (its model, config and processor
+    classes), its output dataclasses and its logging; no registration, cache or generation
+    internals, no modeling module."""
+    public = ("transformers.modeling_outputs.", "transformers.utils.logging")
+    internals = {"AttentionInterface", "Cache", "CacheLayerMixin", "DynamicCache", "GenerationMixin"}
+    for top in ("encoder_graphs", "models", "protocols", "packing"):
+        for path in (ROOT / top).rglob("*.py"):
+            if "seam" in path.relative_to(ROOT).parts:
+                continue
+            for name in transformers_imports(path):
+                module, _, imported = name.rpartition(".")
+                assert module == "transformers" or name.startswith(public) or name == "transformers", (path, name)
+                assert imported not in internals, (path, name)

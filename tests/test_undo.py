@@ -242,7 +242,7 @@ def test_the_gpu_rewrites_composed_on_the_cpu_show_and_give_back_the_stock_weigh
     from encoder_graphs.models.qwen.qwen2_5_vl import interleave_pairs
     from encoder_graphs.models.rewrites import Rewrites
     from encoder_graphs.models.rewrites.fused_mlp import fuse_gated_mlp
-    from encoder_graphs.models.transformers_seam import permute_qk
+    from encoder_graphs.models.seam.vision import permute_qk
 
     tower = build_vision_tower("tiny-qwen2.5-vl", seed=1)
     mixed_requires_grad(tower)

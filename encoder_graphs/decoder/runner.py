@@ -22,16 +22,16 @@ import torch
 from encoder_graphs.decoder.buffers import DecodeBuffers, DecoderGraphConfig, TextDims
 from encoder_graphs.decoder.generation import token_id_list
 from encoder_graphs.decoder.sampling import Generators, SamplingParams, select_next_tokens
-from encoder_graphs.decoder.static_cache import SlotCache
 from encoder_graphs.decoder.stats import DecodeCounters
 from encoder_graphs.decoder.step import decode_step, packed_prefill, prefill
 from encoder_graphs.decoder.tokens import NewTokens
 from encoder_graphs.engine.capture import GraphCapture, unavailable_reason
 from encoder_graphs.models.registry import family_class
 from encoder_graphs.models.rewrites import Rewrites
+from encoder_graphs.models.seam.generation import generation_position_ids
+from encoder_graphs.models.seam.text import SlotCache, static_rope
 from encoder_graphs.models.text.decode import DecodeStack
 from encoder_graphs.models.text.stack import fuse_text_kernels
-from encoder_graphs.models.transformers_seam import generation_position_ids, static_rope
 from encoder_graphs.packing import smallest_fitting_budget
 from encoder_graphs.protocols import ModelFamily
 from encoder_graphs.report import format_decoder_stats

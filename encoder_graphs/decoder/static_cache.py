@@ -1,5 +1,6 @@
-"""A static KV cache whose write slot is a device tensor, and the decode attention over it, for
-decode steps replayed as CUDA graphs.
+"""A static KV cache whose write slot is a device tensor, for decode steps replayed as CUDA graphs
+(its cache layers and the decode attention over them are the seam's: `seam/text.py`'s `SlotCache`,
+`seam/attention.py`'s `DECODE_ATTENTION`).
 
 One allocation of `rows` sequences x `max_cache_len` slots holds every layer; a cache object for a
 batch-size bucket and a length tier is a set of prefix views [:bucket, :, :tier] of it, so all
@@ -7,72 +8,8 @@ buckets and tiers share the memory, and attention over a tier reads only its fir
 """
 
 import torch
-from transformers import AttentionInterface
 
-from encoder_graphs.models.attention import decode_attention
-from encoder_graphs.models.transformers_seam import Cache, CacheLayerMixin
-
-# Our prefix, as every name we register: another library's registration is never overwritten.
-# No "flash" in the name: transformers treats those specially.
-DECODE_ATTENTION = "encoder_graphs_static_kv_decode"
-
-
-def static_decode_attention(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor,
-    scaling: float | None = None,
-    dropout: float = 0.0,
-    **kwargs,
-) -> tuple[torch.Tensor, None]:
-    """`decode_attention` as transformers calls an attention implementation (the decode step
-    through the model's own forward)."""
-    return decode_attention(query, key, value, attention_mask, scaling), None
-
-
-AttentionInterface.register(DECODE_ATTENTION, static_decode_attention)
-
-
-class SlotLayer(CacheLayerMixin):
-    """One layer's keys and values; `update` writes the new token at `slot` (a shared 1-element
-    device tensor that the caller advances), never at a position read on the host."""
-
-    is_compileable = True
-    is_sliding = False
-
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, slot: torch.Tensor) -> None:
-        super().__init__()
-        self.keys, self.values, self.slot = keys, values, slot
-        self.max_cache_len = keys.shape[2]
-        self.is_initialized = True
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        raise RuntimeError("SlotLayer is allocated up front")
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if key_states.shape[2] != 1:
-            raise ValueError(f"SlotLayer takes one token per step, got {key_states.shape[2]}")
-        self.keys.index_copy_(2, self.slot, key_states)
-        self.values.index_copy_(2, self.slot, value_states)
-        return self.keys, self.values
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.max_cache_len, 0
-
-    def get_seq_length(self) -> int:
-        # Masks and positions are passed in precomputed; nothing should need the fill level.
-        raise RuntimeError("SlotLayer does not track its fill level on the host")
-
-    def get_max_length(self) -> int:
-        return self.max_cache_len
-
-
-class SlotCache(Cache):
-    """A `Cache` of `SlotLayer`s: `SlotCache(layers)`."""
+from encoder_graphs.models.seam.text import SlotCache, SlotLayer
 
 
 class StaticKVStore:

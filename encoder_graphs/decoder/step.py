@@ -8,16 +8,15 @@ import torch
 import torch.nn.functional as F
 
 from encoder_graphs.decoder.buffers import DecodeBuffers
-from encoder_graphs.decoder.static_cache import DECODE_ATTENTION, SlotCache
-from encoder_graphs.models.text.decode import DecodeStack
-from encoder_graphs.models.transformers_seam import (
+from encoder_graphs.models.seam.attention import (
+    DECODE_ATTENTION,
     TOKEN_INPUTS,
     attention_implementation,
-    dynamic_cache,
-    generation_position_ids,
-    layer_key_values,
     packed_sequences,
 )
+from encoder_graphs.models.seam.generation import generation_position_ids
+from encoder_graphs.models.seam.text import SlotCache, dynamic_cache, layer_key_values
+from encoder_graphs.models.text.decode import DecodeStack
 
 KeyValues = list[tuple[torch.Tensor, torch.Tensor]]
 

@@ -17,7 +17,7 @@ from torch import nn
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from encoder_graphs.models.rewrites import Rewrites
-from encoder_graphs.models.transformers_seam import attention_implementation, register_dense_attention
+from encoder_graphs.models.seam.attention import attention_implementation, register_dense_attention
 from encoder_graphs.protocols import (
     CaptureInputs,
     EncoderCudaGraphConfig,

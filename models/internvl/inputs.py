@@ -19,7 +19,7 @@ import torch
 from PIL import Image
 from transformers import AutoTokenizer, GotOcr2ImageProcessorPil, PreTrainedTokenizerBase
 
-from encoder_graphs.models.transformers_seam import tiled_canvas
+from encoder_graphs.models.seam.vision import tiled_canvas
 
 # The tokenizer's named special tokens (`tokenizer.context_image_token` ...) and their usual text.
 TOKENS = {

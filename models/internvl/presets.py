@@ -3,8 +3,7 @@ public config.json files and OpenGVLab's HF conversion script, and a tiny CPU on
 
 from typing import Any
 
-from transformers import InternVLConfig, InternVLForConditionalGeneration
-from transformers.models.internvl.modeling_internvl import InternVLVisionModel
+from transformers import InternVLConfig, InternVLForConditionalGeneration, InternVLVisionModel
 
 from encoder_graphs.models.presets.preset import TINY_TEXT, Preset
 

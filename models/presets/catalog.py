@@ -8,7 +8,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 from encoder_graphs.models.internvl.presets import INTERNVL_PRESETS
 from encoder_graphs.models.presets.preset import Preset
 from encoder_graphs.models.qwen.presets import QWEN_PRESETS
-from encoder_graphs.models.transformers_seam import from_config
+from encoder_graphs.models.seam import from_config
 
 PRESETS: dict[str, Preset] = {**QWEN_PRESETS, **INTERNVL_PRESETS}
 

@@ -15,7 +15,7 @@ from torch import nn
 
 from encoder_graphs.models.kernels import HALF_DTYPES, triton_runs
 from encoder_graphs.models.rewrites import Rewrites
-from encoder_graphs.models.transformers_seam import AddNorm, chained_block_forward, is_qwen2_5_vision_block
+from encoder_graphs.models.seam.vision import AddNorm, chained_block_forward, is_qwen2_5_vision_block
 
 Forward = Callable[..., torch.Tensor]
 

@@ -10,12 +10,13 @@ from transformers import (
     Qwen2VLForConditionalGeneration,
     Qwen3VLConfig,
     Qwen3VLForConditionalGeneration,
+    Qwen3VLVisionModel,
 )
-from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
-from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
-from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
 
 from encoder_graphs.models.presets.preset import TINY_TEXT, Preset
+from encoder_graphs.models.seam.vision import qwen_vision_towers
+
+Qwen2VisionTransformerPretrainedModel, Qwen2_5_VisionTransformerPretrainedModel = qwen_vision_towers()
 
 # Tiny models keep every special token inside their small vocabulary.
 _TINY_TOKENS = dict(

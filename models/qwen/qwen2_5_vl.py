@@ -16,7 +16,7 @@ from encoder_graphs.models.qwen.chained_blocks import Forward, chained, chained_
 from encoder_graphs.models.qwen.vision import Layout, QwenVisionAdapter, pad_offsets
 from encoder_graphs.models.rewrites import Rewrites
 from encoder_graphs.models.rewrites.fused_mlp import fuse_gated_mlp, fuses_gated_mlp
-from encoder_graphs.models.transformers_seam import get_vision_window_index, permute_qk, window_attention_forward
+from encoder_graphs.models.seam.vision import get_vision_window_index, permute_qk, window_attention_forward
 
 
 def interleave_pairs(head_dim: int) -> torch.Tensor:

@@ -21,12 +21,8 @@ from transformers.modeling_outputs import BaseModelOutputWithPooling
 from encoder_graphs.models.attention import default_attention_backend
 from encoder_graphs.models.kernels import HALF_DTYPES
 from encoder_graphs.models.rewrites import Rewrites
-from encoder_graphs.models.transformers_seam import (
-    attention_implementation,
-    get_vision_cu_seqlens,
-    get_vision_position_ids,
-    register_varlen_attention,
-)
+from encoder_graphs.models.seam.attention import attention_implementation, register_varlen_attention
+from encoder_graphs.models.seam.vision import get_vision_cu_seqlens, get_vision_position_ids
 from encoder_graphs.protocols import (
     CaptureInputs,
     EncoderCudaGraphConfig,

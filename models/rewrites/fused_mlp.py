@@ -14,7 +14,7 @@ from torch import nn
 from encoder_graphs.models.kernels import refuse_gradients, triton_runs
 from encoder_graphs.models.rewrites import Rewrites, made_like
 from encoder_graphs.models.rewrites.stacked_linear import plain_linears
-from encoder_graphs.models.transformers_seam import gated_silu_mlp_forward, is_gated_silu_mlp
+from encoder_graphs.models.seam.modules import gated_silu_mlp_forward, is_gated_silu_mlp
 
 
 def fuses_gated_mlp(mlp: nn.Module) -> bool:

@@ -21,19 +21,7 @@ from encoder_graphs.models.attention import write_and_decode
 from encoder_graphs.models.rewrites import Rewrites
 from encoder_graphs.models.rewrites.fused_mlp import InterleavedGateUp
 from encoder_graphs.models.rewrites.stacked_linear import StackedLinear
-from encoder_graphs.models.transformers_seam import decode_rotary
-
-# Pre-norm layers with q/k/v/o projections (Qwen3: RMSNorm on q and k per head), rotate-half
-# rotary embedding and a gated MLP (transformers 5.17.0, 5.23.0).
-FUSED_LAYERS = frozenset(
-    {
-        "Qwen2DecoderLayer",
-        "Qwen2VLDecoderLayer",
-        "Qwen2_5_VLDecoderLayer",
-        "Qwen3DecoderLayer",
-        "Qwen3VLTextDecoderLayer",
-    }
-)
+from encoder_graphs.models.seam.text import FUSED_LAYERS, decode_rotary
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

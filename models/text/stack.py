@@ -22,7 +22,7 @@ from torch import nn
 from encoder_graphs.models.kernels import HALF_DTYPES, triton_runs
 from encoder_graphs.models.rewrites import Rewrites
 from encoder_graphs.models.rewrites.fused_mlp import InterleavedGateUp, fuse_gated_mlp, fuses_gated_mlp
-from encoder_graphs.models.transformers_seam import is_stock_rms_norm, rms_norm_forward
+from encoder_graphs.models.seam.modules import is_stock_rms_norm, rms_norm_forward
 
 # Every decoder this package supports (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, InternVL's Qwen2/Qwen3)
 # names them so, as Llama does.

@@ -1,0 +1,112 @@
+"""The language models' decoder layers, rotary embeddings and caches as this package uses them,
+and the cache layers of its static decode cache (subclasses of transformers' cache API)."""
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from transformers import DynamicCache, PretrainedConfig
+
+# 5.17.0, 5.23.0: the cache layer API the decoder's static cache implements (update, lazy init,
+# mask sizes, sequence length; is_compileable / is_sliding / is_initialized), and a Cache built
+# from a list of layers.
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+# 5.17.0, 5.23.0: decoder layers, by class name, that `text/decode.py`'s `DecodeLayer` computes
+# over their own modules: pre-norm, q/k/v/o projections (Qwen3: RMSNorm on q and k per head),
+# rotate-half rotary embedding, a gated MLP.
+FUSED_LAYERS = frozenset(
+    {
+        "Qwen2DecoderLayer",
+        "Qwen2VLDecoderLayer",
+        "Qwen2_5_VLDecoderLayer",
+        "Qwen3DecoderLayer",
+        "Qwen3VLTextDecoderLayer",
+    }
+)
+
+
+# 5.17.0, 5.23.0: DynamicCache(config=...) builds one layer per decoder layer; each layer holds
+# `keys` and `values` [batch, kv_heads, length, head_dim].
+def dynamic_cache(config: PretrainedConfig) -> Cache:
+    return DynamicCache(config=config)
+
+
+def layer_key_values(cache: Cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+# 5.17.0, 5.23.0: a decoder's `rotary_emb(hidden, position_ids)` gives the (cos, sin) that every
+# layer applies, [batch, length, head_dim]. Qwen-VL's generation positions lead with a row of
+# text positions (for packed masks) before the three M-RoPE rows; its text model drops that row.
+def decode_rotary(
+    text_model: torch.nn.Module, hidden: torch.Tensor, positions: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if positions.ndim == 3 and positions.shape[0] == 4:
+        positions = positions[1:]
+    return text_model.rotary_emb(hidden, positions)
+
+
+# 5.17.0, 5.23.0: a "dynamic" rotary embedding (InternVL3's language models) syncs with the host
+# on every call to compare the largest position with its cached length, which a graph capture
+# forbids. Below `original_max_seq_len` it never changes the frequencies, so while no position
+# reaches that, reading its rope type as plain gives the same result without the sync.
+@contextmanager
+def static_rope(model: torch.nn.Module, max_positions: int) -> Iterator[None]:
+    """Within the block, dynamic rotary embeddings that `max_positions` cannot grow skip their
+    host-side length check."""
+    modules = [
+        module
+        for module in model.modules()
+        if isinstance(getattr(module, "rope_type", None), str)
+        and "dynamic" in module.rope_type
+        and max_positions <= getattr(module, "original_max_seq_len", 0)
+    ]
+    saved = [module.rope_type for module in modules]
+    for module in modules:
+        module.rope_type = "default"
+    try:
+        yield
+    finally:
+        for module, rope_type in zip(modules, saved):
+            module.rope_type = rope_type
+
+
+class SlotLayer(CacheLayerMixin):
+    """One layer's keys and values; `update` writes the new token at `slot` (a shared 1-element
+    device tensor that the caller advances), never at a position read on the host."""
+
+    is_compileable = True
+    is_sliding = False
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, slot: torch.Tensor) -> None:
+        super().__init__()
+        self.keys, self.values, self.slot = keys, values, slot
+        self.max_cache_len = keys.shape[2]
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        raise RuntimeError("SlotLayer is allocated up front")
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if key_states.shape[2] != 1:
+            raise ValueError(f"SlotLayer takes one token per step, got {key_states.shape[2]}")
+        self.keys.index_copy_(2, self.slot, key_states)
+        self.values.index_copy_(2, self.slot, value_states)
+        return self.keys, self.values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.max_cache_len, 0
+
+    def get_seq_length(self) -> int:
+        # Masks and positions are passed in precomputed; nothing should need the fill level.
+        raise RuntimeError("SlotLayer does not track its fill level on the host")
+
+    def get_max_length(self) -> int:
+        return self.max_cache_len
+
+
+class SlotCache(Cache):
+    """A `Cache` of `SlotLayer`s: `SlotCache(layers)`."""
