@@ -343,18 +343,19 @@ def test_compile_defaults_on_only_for_gpu_runs_that_pay_for_it():
     from encoder_graphs.app.command import Plan, wants_compile
     from encoder_graphs.app.config import COMPILE_FROM_FILES
     from encoder_graphs.app.distributed import Job
+    from encoder_graphs.app.settings import Settings
 
-    def plan(files: int, world_size: int = 1) -> Plan:
-        return Plan([], [], [None] * files, CaptionConfig(), None, None, Job(world_size=world_size))
+    def plan(files: int, world_size: int = 1, *flags: str) -> Plan:
+        settings = Settings.from_arguments(build_parser().parse_args(["caption", "x", *flags]))
+        return Plan(settings, [], [], [None] * files, CaptionConfig(), None, None, Job(world_size=world_size))
 
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
-    default = build_parser().parse_args(["caption", "x"])
-    assert wants_compile(default, plan(COMPILE_FROM_FILES), cuda)
-    assert not wants_compile(default, plan(COMPILE_FROM_FILES - 1), cuda)
-    assert not wants_compile(default, plan(COMPILE_FROM_FILES), cpu)
-    assert not wants_compile(default, plan(COMPILE_FROM_FILES * 2 - 1, world_size=2), cuda)  # per GPU
-    assert wants_compile(build_parser().parse_args(["caption", "x", "--compile"]), plan(1), cpu)
-    assert not wants_compile(build_parser().parse_args(["caption", "x", "--no-compile"]), plan(10**6), cuda)
+    assert wants_compile(plan(COMPILE_FROM_FILES), cuda)
+    assert not wants_compile(plan(COMPILE_FROM_FILES - 1), cuda)
+    assert not wants_compile(plan(COMPILE_FROM_FILES), cpu)
+    assert not wants_compile(plan(COMPILE_FROM_FILES * 2 - 1, 2), cuda)  # per GPU
+    assert wants_compile(plan(1, 1, "--compile"), cpu)
+    assert not wants_compile(plan(10**6, 1, "--no-compile"), cuda)
 
 
 def test_windows_of_loaded_files_are_batched_costliest_first_with_less_padding(tmp_path):

@@ -297,3 +297,23 @@ def test_names_with_terminal_escapes_are_printed_escaped(tmp_path, no_model, cap
     err = capsys.readouterr().err
     assert "\x1b" not in err and "\x07" not in err
     assert "x\\x1b]0;owned\\x07\\x1b[2J" in err
+
+
+def test_the_settings_are_the_parsed_flags_frozen_with_the_same_defaults():
+    """One settings object from the arguments: its defaults are the parser's (a flag added to one
+    and not the other fails here), it cannot change after the start, it refuses ignored flags."""
+    from dataclasses import FrozenInstanceError
+
+    from encoder_graphs.app.errors import UsageError
+    from encoder_graphs.app.settings import Settings
+
+    parsed = Settings.from_arguments(build_parser().parse_args(["caption", "x"]))
+    assert parsed == Settings(paths=("x",))
+    flags = ["caption", "a", "b", "--budgets", "64,16", "--max-image-tokens", "model", "--no-graphs", "--batch-size", "4"]
+    settings = Settings.from_arguments(build_parser().parse_args(flags))
+    assert (settings.paths, settings.budgets, settings.max_image_tokens) == (("a", "b"), (16, 64), None)
+    assert settings.no_graphs and settings.batch_size == 4
+    with pytest.raises(FrozenInstanceError):
+        settings.out = Path("elsewhere.jsonl")
+    with pytest.raises(UsageError, match="--seed applies to sampling"):
+        Settings(seed=3)

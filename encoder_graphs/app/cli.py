@@ -161,11 +161,10 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exit_:  # argparse: 0 for --help and --version, 2 for bad flags
         return int(exit_.code or 0)
     from encoder_graphs.app.command import RESUME_HINT, caption
+    from encoder_graphs.app.settings import Settings
 
     try:
-        if (problem := flag_problem(args)) is not None:
-            raise UsageError(problem)
-        return caption(args)
+        return caption(Settings.from_arguments(args))
     except UsageError as error:
         print(f"encoder-graphs: error: {printable(str(error))}", file=sys.stderr)
         return EXIT_USAGE
@@ -175,23 +174,6 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"\nencoder-graphs: interrupted; {RESUME_HINT}", file=sys.stderr)
         return EXIT_INTERRUPTED
-
-
-def flag_problem(args: argparse.Namespace) -> str | None:
-    """A flag that the others given would make ignored (a usage error, not a silent no-op)."""
-    if not args.sidecar:
-        for flag, given in (("--overwrite", args.overwrite), ("--sidecar-ext", args.sidecar_ext is not None)):
-            if given:
-                return f"{flag} applies to sidecars: add --sidecar"
-    if args.temperature == 0:
-        for flag, given in (("--top-p", args.top_p is not None), ("--seed", args.seed is not None)):
-            if given:
-                return f"{flag} applies to sampling: add --temperature above 0 (0 is greedy)"
-    if args.samples:  # the samples live in the installed package: nothing is written beside them
-        for flag, given in (("--sidecar", args.sidecar), ("--hf-metadata", args.hf_metadata)):
-            if given:
-                return f"{flag} with --samples would write into the installed package; copy the samples elsewhere"
-    return None
 
 
 def _positive_int(text: str) -> int:

@@ -2,7 +2,6 @@
 what is not done yet, write records, sidecars and metadata, report. Ctrl-C stops after the
 current batch (a second one at once); a rerun of the same command resumes."""
 
-import argparse
 import codecs
 import json
 import os
@@ -21,6 +20,7 @@ from encoder_graphs.app.distributed import Job, job_from_env
 from encoder_graphs.app.errors import EXIT_FAILURES, EXIT_INTERRUPTED, EXIT_OK, OutputError, UsageError, printable
 from encoder_graphs.app.output_checks import check_targets, not_our_stats, special_file
 from encoder_graphs.app.outputs import METADATA_FILE, SidecarPolicy, unwritable
+from encoder_graphs.app.settings import Settings
 
 if TYPE_CHECKING:
     import torch
@@ -43,6 +43,7 @@ STARTED = time.perf_counter()  # the command's start, for the statistics' times 
 class Plan:
     """What a run will do, settled before any model loads."""
 
+    settings: Settings
     roots: list[Path]
     files: "list[MediaFile]"
     todo: "list[MediaFile]"
@@ -52,24 +53,25 @@ class Plan:
     job: Job = field(default_factory=Job)
 
 
-def caption(args: argparse.Namespace) -> int:
-    if args.model is None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+def caption(settings: Settings) -> int:
+    if settings.model is None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         from encoder_graphs.models.presets.default_model import default_model_dir
 
         # Before the job's process group exists: transformers then writes weights on rank 0 only.
         default_model_dir()
-    plan = make_plan(args, job_from_env())
+    plan = make_plan(settings, job_from_env())
+    settings = plan.settings  # with --out settled
     with plan.results:  # rank 0 (or the only process) holds the lock on --out until the run ends
         if plan.todo:
-            status = run(args, plan)
+            status = run(plan)
         else:
             failed = sum(plan.results.is_failed(f.path) for f in plan.files)
-            where = printable(args.out) + (" or have sidecars" if plan.sidecars.enabled else "")
+            where = printable(settings.out) + (" or have sidecars" if plan.sidecars.enabled else "")
             print(f"nothing to do: all {len(plan.files)} files are already in {where} ({failed} of them as errors)")
-            write_metadata(args, plan)
+            write_metadata(plan)
             if plan.job.rank == 0:
                 files = len(plan.files)
-                write_stats_json(args, {"pipeline": {"files": files, "skipped": files, "succeeded": 0, "failed": 0}})
+                write_stats_json(settings, {"pipeline": {"files": files, "skipped": files, "succeeded": 0, "failed": 0}})
             status = exit_status(plan)
     if plan.job.distributed and status == EXIT_FAILURES:
         # torchrun reports any status but 0 of a process as the job's crash, with a traceback: a job
@@ -78,48 +80,48 @@ def caption(args: argparse.Namespace) -> int:
     return status
 
 
-def make_plan(args: argparse.Namespace, job: Job) -> Plan:
+def make_plan(settings: Settings, job: Job) -> Plan:
     """The files, the settings and the outputs: every usage error that needs no model."""
     from encoder_graphs.app.media import SAMPLES_DIR
     from encoder_graphs.app.walk import discover
 
     # abspath, as discover's file paths: `..` resolved, symlinks kept, so the two compare as text.
-    roots = [Path(os.path.abspath(p)) for p in args.paths] + ([SAMPLES_DIR] if args.samples else [])
+    roots = [Path(os.path.abspath(p)) for p in settings.paths] + ([SAMPLES_DIR] if settings.samples else [])
     if not roots:
         raise UsageError("give at least one PATH (or --samples)")
     try:
-        files = discover(roots, include_hidden=args.include_hidden, follow_links=not args.no_follow_links)
+        files = discover(roots, include_hidden=settings.include_hidden, follow_links=not settings.no_follow_links)
     except FileNotFoundError as error:
         raise UsageError(str(error)) from error
     if not files:
         raise UsageError(f"no images or videos found under {' '.join(map(str, roots))}")
     try:
         config = CaptionConfig(
-            prompt=read_prompt(args),
-            max_new_tokens=args.max_new_tokens,
-            max_batch_tokens=args.max_batch_tokens or CaptionConfig.max_batch_tokens,
-            prefix=args.prefix,
-            suffix=args.suffix,
-            temperature=args.temperature,
-            top_p=args.top_p or CaptionConfig.top_p,
-            seed=args.seed,
+            prompt=read_prompt(settings),
+            max_new_tokens=settings.max_new_tokens,
+            max_batch_tokens=settings.max_batch_tokens or CaptionConfig.max_batch_tokens,
+            prefix=settings.prefix,
+            suffix=settings.suffix,
+            temperature=settings.temperature,
+            top_p=settings.top_p or CaptionConfig.top_p,
+            seed=settings.seed,
         )
-        sidecars = SidecarPolicy(args.sidecar, args.sidecar_ext or SidecarPolicy.ext, args.overwrite)
+        sidecars = SidecarPolicy(settings.sidecar, settings.sidecar_ext or SidecarPolicy.ext, settings.overwrite)
     except ValueError as error:
         raise UsageError(str(error)) from error
-    check_attention_backend(args.attn_backend)
-    if args.out is None:
-        args.out = default_out(args.samples, job)
-    check_outputs(args, roots, files, sidecars)
-    results = open_results(args, job)
+    check_attention_backend(settings.attn_backend)
+    if settings.out is None:
+        settings = replace(settings, out=default_out(settings.samples, job))
+    check_outputs(settings, roots, files, sidecars)
+    results = open_results(settings, job)
     if job.rank == 0:
-        tidy_outputs(args, roots, files, sidecars, results, config.text)
+        tidy_outputs(settings, roots, files, sidecars, results, config.text)
     if job.distributed and job.rank == 0:  # the other ranks read --out once rank 0 is done writing it
         job.store.add("opened", 1)
     todo = [f for f in files if not results.is_done(f.path) and not all(map(sidecars.skips, f.names))]
     if job.distributed:  # every rank must hold the same list before any starts writing parts
         job.barrier("planned")
-    return Plan(roots, files, todo, config, sidecars, results, job)
+    return Plan(settings, roots, files, todo, config, sidecars, results, job)
 
 
 def default_out(samples: bool, job: Job) -> Path:
@@ -146,7 +148,7 @@ def check_attention_backend(name: str | None) -> None:
             raise UsageError(f"--attn-backend {name}: {error}") from error
 
 
-def open_results(args: argparse.Namespace, job: Job) -> "ResultsFile":
+def open_results(settings: Settings, job: Job) -> "ResultsFile":
     """`--out` with what it holds, once the part files a killed torchrun job left are merged into
     it (by rank 0, or the only process, which holds the lock; the other ranks then read it)."""
     from encoder_graphs.app.distributed import part_paths
@@ -156,49 +158,49 @@ def open_results(args: argparse.Namespace, job: Job) -> "ResultsFile":
         job.wait_for("opened", 1)  # rank 0 has the lock, a cut last line repaired, parts merged, sidecars backfilled
     try:
         # The file the user named (checked), through their symlink: the lock opens no symlink.
-        results = ResultsFile(os.path.realpath(args.out), retry_failed=args.retry_failed, lock=job.rank == 0)
+        results = ResultsFile(os.path.realpath(settings.out), retry_failed=settings.retry_failed, lock=job.rank == 0)
     except ResultsLocked as error:
         raise UsageError(str(error)) from error
     except (NotResultsFile, OSError) as error:
-        raise UsageError(f"cannot use --out {args.out}: {error}") from error
+        raise UsageError(f"cannot use --out {settings.out}: {error}") from error
     if results.repaired_bytes:
         print(f"encoder-graphs: dropped a half-written last line ({results.repaired_bytes} bytes) of "
-              f"{printable(args.out)}", file=sys.stderr)
+              f"{printable(settings.out)}", file=sys.stderr)
     if job.rank == 0 and (parts := part_paths(results.path)):
         try:
             merged = results.merge(parts)
         except (ResultsLocked, NotResultsFile, OSError) as error:
             results.close()
-            raise UsageError(f"cannot merge the part files beside --out {printable(args.out)}: {error}") from error
+            raise UsageError(f"cannot merge the part files beside --out {printable(settings.out)}: {error}") from error
         print(f"encoder-graphs: merged {merged} records from the {len(parts)} part files an earlier torchrun job "
-              f"left beside {printable(args.out)}", file=sys.stderr)
+              f"left beside {printable(settings.out)}", file=sys.stderr)
     return results
 
 
-def read_prompt(args: argparse.Namespace) -> str:
+def read_prompt(settings: Settings) -> str:
     """`--prompt`, or `--prompt-file`'s text without its byte-order mark, read no further than a
     prompt may be long."""
-    if args.prompt_file is None:
-        return args.prompt
+    if settings.prompt_file is None:
+        return settings.prompt
     try:
-        with open(args.prompt_file, "rb") as handle:
+        with open(settings.prompt_file, "rb") as handle:
             data = handle.read(MAX_PROMPT_BYTES + len(codecs.BOM_UTF8) + 1).removeprefix(codecs.BOM_UTF8)
         if len(data) > MAX_PROMPT_BYTES:
-            raise UsageError(f"--prompt-file {args.prompt_file}: more than the {MAX_PROMPT_BYTES} bytes a prompt may have")
+            raise UsageError(f"--prompt-file {settings.prompt_file}: more than the {MAX_PROMPT_BYTES} bytes a prompt may have")
         return data.decode("utf-8").strip()
     except (OSError, UnicodeDecodeError) as error:
-        raise UsageError(f"cannot read --prompt-file {args.prompt_file}: {error}") from error
+        raise UsageError(f"cannot read --prompt-file {settings.prompt_file}: {error}") from error
 
 
-def check_outputs(args: argparse.Namespace, roots: list[Path], files: "list[MediaFile]", sidecars: SidecarPolicy) -> None:
+def check_outputs(settings: Settings, roots: list[Path], files: "list[MediaFile]", sidecars: SidecarPolicy) -> None:
     """Every path the run will write can be written, and is its own: checked now, not after the
     model loaded (the results file's format: when `open_results` opens it)."""
-    named = [("--out", args.out)] + ([("--stats-json", args.stats_json)] if args.stats_json is not None else [])
+    named = [("--out", settings.out)] + ([("--stats-json", settings.stats_json)] if settings.stats_json is not None else [])
     problems = [(flag, path, special_file(path) or unwritable(path)) for flag, path in named]
     if sidecars.enabled:
         folders = {name.parent for f in files for name in f.names}
         problems += [("--sidecar", folder, unwritable(folder, folder=True)) for folder in sorted(folders)]
-    if args.hf_metadata:
+    if settings.hf_metadata:
         problems += [("--hf-metadata", root, unwritable(root, folder=True)) for root in roots if root.is_dir()]
     for flag, path, problem in problems:
         if problem is not None:
@@ -211,17 +213,17 @@ def check_outputs(args: argparse.Namespace, roots: list[Path], files: "list[Medi
             f"--sidecar: {first.name} and {second.name}{more} would share {sidecars.path(first)}; "
             "rename one or caption them apart"
         )
-    metadata = [("--hf-metadata", root / METADATA_FILE) for root in roots if args.hf_metadata and root.is_dir()]
+    metadata = [("--hf-metadata", root / METADATA_FILE) for root in roots if settings.hf_metadata and root.is_dir()]
     for flag, path in metadata:
         if (problem := special_file(path)) is not None:
             raise UsageError(f"cannot use {flag} {path}: {problem}")
     check_targets(metadata + named, roots, [n for f in files if f.kind != "folder" for n in f.names], sidecars)
-    if args.stats_json is not None and (problem := not_our_stats(args.stats_json)) is not None:
-        raise UsageError(f"cannot use --stats-json {args.stats_json}: {problem}")
+    if settings.stats_json is not None and (problem := not_our_stats(settings.stats_json)) is not None:
+        raise UsageError(f"cannot use --stats-json {settings.stats_json}: {problem}")
 
 
 def tidy_outputs(
-    args: argparse.Namespace, roots: list[Path], files: "list[MediaFile]", sidecars: SidecarPolicy,
+    settings: Settings, roots: list[Path], files: "list[MediaFile]", sidecars: SidecarPolicy,
     results: "ResultsFile", text: Callable[[str], str],
 ) -> None:
     """Before the plan (rank 0): the temporaries killed runs left beside this run's outputs
@@ -231,8 +233,8 @@ def tidy_outputs(
 
     media = [name for f in files if f.kind != "folder" for name in f.names]
     targets = [sidecars.path(path) for path in media] if sidecars.enabled else []
-    targets += [root / METADATA_FILE for root in roots if args.hf_metadata and root.is_dir()]
-    targets += [Path(os.path.realpath(args.stats_json))] if args.stats_json is not None else []
+    targets += [root / METADATA_FILE for root in roots if settings.hf_metadata and root.is_dir()]
+    targets += [Path(os.path.realpath(settings.stats_json))] if settings.stats_json is not None else []
     if removed := remove_stale_temporaries(targets):
         print(f"encoder-graphs: removed {removed} temporary files a killed run left", file=sys.stderr)
     if not sidecars.enabled:
@@ -240,7 +242,7 @@ def tidy_outputs(
     written, errors = sidecars.backfill(results.path, media, text)
     results.append(errors)
     if written:
-        print(f"encoder-graphs: wrote {written} sidecars from captions already in {printable(args.out)}", file=sys.stderr)
+        print(f"encoder-graphs: wrote {written} sidecars from captions already in {printable(settings.out)}", file=sys.stderr)
     report_sidecar_errors([error["error"] for error in errors])
 
 
@@ -263,19 +265,20 @@ def write_output(path: Path, text: str) -> None:
         raise OutputError(path, error) from error
 
 
-def run(args: argparse.Namespace, plan: Plan) -> int:
+def run(plan: Plan) -> int:
+    settings = plan.settings
     from encoder_graphs.app.loading import load_model, open_model, pick_device
     from encoder_graphs.report import format_graph_stats, format_run_stats
 
-    device = pick_device(args.device, plan.job.local_rank)
-    source = open_model(args.model, max_tiles=args.max_tiles, max_image_tokens=args.max_image_tokens)
-    limits = load_limits(args, source)
-    longest = check_length(args, plan, source, limits)  # before the weights: GBs for a real model
-    name = printable(args.model) if args.model else "(embedded tiny default)"
+    device = pick_device(settings.device, plan.job.local_rank)
+    source = open_model(settings.model, max_tiles=settings.max_tiles, max_image_tokens=settings.max_image_tokens)
+    limits = load_limits(settings, source)
+    longest = check_length(plan, source, limits)  # before the weights: GBs for a real model
+    name = printable(settings.model) if settings.model else "(embedded tiny default)"
     print(f"encoder-graphs: loading model {name} on {device} ...", file=sys.stderr)
     model = load_model(source, device)
     loaded = time.perf_counter()  # the weights are on the device
-    summary, graph_stats = caption_files(args, plan, model, source.inputs, device, limits, longest)
+    summary, graph_stats = caption_files(plan, model, source.inputs, device, limits, longest)
     summary["load_s"] = loaded - STARTED
     if summary["first_records_s"] is not None:
         summary["first_caption_after_load_s"] = summary["setup_s"] + summary["first_records_s"]
@@ -286,8 +289,8 @@ def run(args: argparse.Namespace, plan: Plan) -> int:
         summary, graph_stats = job_stats
     print(format_run_stats(summary))
     print(format_graph_stats(graph_stats))
-    write_metadata(args, plan)
-    write_stats_json(args, {"pipeline": summary, **graph_stats, "device": str(device)})
+    write_metadata(plan)
+    write_stats_json(settings, {"pipeline": summary, **graph_stats, "device": str(device)})
     if summary["interrupted"]:
         print(f"interrupted: {RESUME_HINT}", file=sys.stderr)
         return EXIT_INTERRUPTED
@@ -313,8 +316,8 @@ def finish_job(plan: Plan, summary: dict, graph_stats: dict) -> tuple[dict, dict
     return job_summary, combined_graph_stats([stats["graphs"] for stats in ranks.values()])
 
 
-def write_metadata(args: argparse.Namespace, plan: Plan) -> None:
-    if not args.hf_metadata or plan.job.rank != 0:
+def write_metadata(plan: Plan) -> None:
+    if not plan.settings.hf_metadata or plan.job.rank != 0:
         return
     from encoder_graphs.app.metadata import write_hf_metadata
 
@@ -329,15 +332,14 @@ def write_metadata(args: argparse.Namespace, plan: Plan) -> None:
               f"which a JSON file_name cannot name (rename them), e.g. {printable(left_out[0])}", file=sys.stderr)
 
 
-def write_stats_json(args: argparse.Namespace, payload: dict) -> None:
+def write_stats_json(settings: Settings, payload: dict) -> None:
     """`--stats-json`, whenever the command ends normally: a run, or nothing to do."""
-    if args.stats_json is not None:
-        payload = {**payload, "model": args.model or "default"}
-        write_output(args.stats_json, json.dumps(payload, indent=2, sort_keys=True, default=str) + "\n")
+    if settings.stats_json is not None:
+        payload = {**payload, "model": settings.model or "default"}
+        write_output(settings.stats_json, json.dumps(payload, indent=2, sort_keys=True, default=str) + "\n")
 
 
 def caption_files(
-    args: argparse.Namespace,
     plan: Plan,
     model: "PreTrainedModel",
     inputs: "CaptionInputs",
@@ -348,6 +350,7 @@ def caption_files(
     """Enable the graphs, caption the files still to do, disable them: the run's and the graphs'
     statistics. `longest`: the longest sequence (`check_length`), which sizes the decoder's
     cache, its length tiers and the batch."""
+    settings = plan.settings
     from encoder_graphs import enable_cuda_graphs
     from encoder_graphs.app.distributed import by_cost, claim_chunk, claimed, part_path
     from encoder_graphs.app.outputs import Outputs
@@ -360,23 +363,23 @@ def caption_files(
     longest_prompt = longest - plan.config.max_new_tokens
     # A batch never holds more files than the job, so the decoder captures no larger bucket.
     files = max(1, len(plan.todo))
-    requested = min(args.batch_size, files) if args.batch_size else None
+    requested = min(settings.batch_size, files) if settings.batch_size else None
     batch_size = min(files, fitting_batch_size(requested, model, longest, longest_prompt, device))
     if requested is not None and batch_size < requested:
-        print(f"encoder-graphs: --batch-size {args.batch_size} capped to {batch_size}: the GPU memory free holds "
+        print(f"encoder-graphs: --batch-size {settings.batch_size} capped to {batch_size}: the GPU memory free holds "
               f"{batch_size} sequences of up to {longest} tokens", file=sys.stderr)
     # Unless given, the vision-token cap lets a batch of the largest items through: the batch
     # size already counts their memory.
-    max_batch_tokens = args.max_batch_tokens or longest_prompt * batch_size
+    max_batch_tokens = settings.max_batch_tokens or longest_prompt * batch_size
     prefetch = 1 if plan.job.distributed else plan.config.prefetch_batches
     config = replace(plan.config, batch_size=batch_size, max_batch_tokens=max_batch_tokens, prefetch_batches=prefetch)
     try:
         handle = enable_cuda_graphs(
             model,
-            budgets=args.budgets,
-            attn_backend=args.attn_backend,
-            enabled=not args.no_graphs,
-            compile=wants_compile(args, plan, device),
+            budgets=settings.budgets,
+            attn_backend=settings.attn_backend,
+            enabled=not settings.no_graphs,
+            compile=wants_compile(plan, device),
             decoder_max_batch_size=config.batch_size,
             decoder_max_cache_len=longest,
             lazy=True,  # each graph at its first use: a job captures only what it needs
@@ -389,12 +392,12 @@ def caption_files(
     # Under torchrun each rank writes its own part file and claims chunks of the costliest first.
     writer = ResultsFile(part_path(plan.results.path, job.rank)) if job.distributed else plan.results
     files = claimed(job, by_cost(plan.todo), claim_chunk(config.batch_size)) if job.distributed else plan.todo
-    progress = None if args.quiet or job.distributed else Progress(len(plan.todo))
+    progress = None if settings.quiet or job.distributed else Progress(len(plan.todo))
     aliases = {str(f.path): f.aliases for f in plan.todo if f.aliases}
     outputs = Outputs(writer, plan.sidecars, progress.advance if progress else None, aliases)
     warm_up = partial(warm_up_language_model, model) if device.type == "cuda" else None
     captioner = Captioner(
-        model, inputs, config, limits, roots=plan.roots, model_name=args.model or "default", warm_up=warm_up
+        model, inputs, config, limits, roots=plan.roots, model_name=settings.model or "default", warm_up=warm_up
     )
     try:
         if job.distributed:  # ranks start claiming together: one whose capture ends first would claim ahead
@@ -415,8 +418,8 @@ def caption_files(
         "sidecars": outputs.sidecars_written,
         "sidecar_errors": len(outputs.sidecar_errors),
         "setup_s": setup_s,
-        "max_image_tokens": args.max_image_tokens,
-        "max_tiles": args.max_tiles,
+        "max_image_tokens": settings.max_image_tokens,
+        "max_tiles": settings.max_tiles,
         "longest_sequence": longest,
     }
     if device.type == "cuda":
@@ -426,30 +429,30 @@ def caption_files(
     return summary, graph_stats
 
 
-def wants_compile(args: argparse.Namespace, plan: Plan, device: "torch.device") -> bool:
+def wants_compile(plan: Plan, device: "torch.device") -> bool:
     """`--compile` / `--no-compile`, else on a GPU with enough files to pay for it: compiling the
     encoder blocks added ~11 s to the start and saved ~6.8 ms an image (Qwen2.5-VL-3B, 512 images,
     29.2 vs 24.3 images/s in the loop, H200 2026-11-22), so it pays from ~1,600 files a GPU (the
     default asks COMPILE_FROM_FILES, a margin for smaller towers). With `--no-graphs` too: the
     compiled blocks speed the eager path as much."""
-    if args.compile is not None:
-        return args.compile
+    if plan.settings.compile is not None:
+        return plan.settings.compile
     return device.type == "cuda" and len(plan.todo) >= COMPILE_FROM_FILES * plan.job.world_size
 
 
-def load_limits(args: argparse.Namespace, source: "ModelSource") -> "LoadLimits":
+def load_limits(settings: Settings, source: "ModelSource") -> "LoadLimits":
     from encoder_graphs.app.media import LoadLimits
 
     inputs = source.inputs
     return LoadLimits(
-        max_frames=args.max_frames,
+        max_frames=settings.max_frames,
         min_side=inputs.min_side,
         max_pixels=inputs.max_image_pixels,
         frame_max_pixels=inputs.max_frame_pixels,
     )
 
 
-def check_length(args: argparse.Namespace, plan: Plan, source: "ModelSource", limits: "LoadLimits") -> int:
+def check_length(plan: Plan, source: "ModelSource", limits: "LoadLimits") -> int:
     """The job's longest sequence (`longest_sequence`); past the model's positions, a usage error
     naming the flag that makes it so: the caption's length, the frames of a video, the prompt, or
     the images' resolution."""
@@ -467,10 +470,10 @@ def check_length(args: argparse.Namespace, plan: Plan, source: "ModelSource", li
         raise UsageError(f"--max-new-tokens {config.max_new_tokens}: the longest prompt ({prompt} tokens) plus the "
                          f"caption reaches {longest} tokens, {past}; at most {positions - prompt}")
     if image_prompt < positions:
-        raise UsageError(f"--max-frames {args.max_frames}: a video's prompt reaches {prompt} tokens, {past}")
+        raise UsageError(f"--max-frames {plan.settings.max_frames}: a video's prompt reaches {prompt} tokens, {past}")
     plain = replace(config, prompt=DEFAULT_PROMPT)
     if longest_sequence(inputs, plain, limits, videos=False) - config.max_new_tokens < positions:
-        flag = "--prompt" if args.prompt_file is None else f"--prompt-file {args.prompt_file}"
+        flag = "--prompt" if plan.settings.prompt_file is None else f"--prompt-file {plan.settings.prompt_file}"
         raise UsageError(f"{flag}: the prompt around the largest image reaches {image_prompt} tokens, {past}")
     raise UsageError(f"the prompt around the largest image reaches {image_prompt} tokens, {past}: "
                      "lower --max-image-tokens (Qwen-VL) or --max-tiles (InternVL)")

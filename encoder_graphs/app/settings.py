@@ -1,0 +1,80 @@
+"""The caption command's request as one frozen, checked object: built once from the parsed
+arguments at the start (`Settings.from_arguments`) and read by every step of the command, so
+argparse stays in `cli.py`. Fields carry the flags' names (`max_new_tokens` is
+`--max-new-tokens`), so an error can name its flag; what needs the files or the model is checked
+where those are known (`command.make_plan`, `command.check_length`)."""
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+
+from encoder_graphs.app.config import DEFAULT_IMAGE_TOKENS, DEFAULT_PROMPT
+from encoder_graphs.app.errors import UsageError
+
+
+@dataclass(frozen=True)
+class Settings:
+    paths: tuple[str, ...] = ()
+    samples: bool = False
+    # The model and what it sees.
+    model: str | None = None  # a checkpoint directory or a preset; None: the embedded tiny default
+    device: str = "auto"
+    max_image_tokens: int | None = DEFAULT_IMAGE_TOKENS  # None: the checkpoint's own limit
+    max_tiles: int | None = None  # None: the checkpoint's
+    max_frames: int = 16
+    # The text.
+    prompt: str = DEFAULT_PROMPT
+    prompt_file: Path | None = None
+    prefix: str = ""
+    suffix: str = ""
+    max_new_tokens: int = 32
+    temperature: float = 0.0
+    top_p: float | None = None
+    seed: int | None = None
+    # The outputs.
+    out: Path | None = None  # None until the command settles it (`command.default_out`)
+    sidecar: bool = False
+    sidecar_ext: str | None = None
+    overwrite: bool = False
+    hf_metadata: bool = False
+    retry_failed: bool = False
+    include_hidden: bool = False
+    no_follow_links: bool = False
+    stats_json: Path | None = None
+    quiet: bool = False
+    # Speed.
+    batch_size: int | None = None  # None: auto
+    max_batch_tokens: int | None = None
+    budgets: tuple[int, ...] | None = None
+    attn_backend: str | None = None
+    no_graphs: bool = False
+    compile: bool | None = None  # None: by the job's size (`command.wants_compile`)
+
+    def __post_init__(self) -> None:
+        if (problem := ignored_flag(self)) is not None:
+            raise UsageError(problem)
+
+    @classmethod
+    def from_arguments(cls, args: argparse.Namespace) -> "Settings":
+        values = {name: value for name, value in vars(args).items() if name != "command"}
+        values["paths"] = tuple(values["paths"])
+        if values["budgets"] is not None:
+            values["budgets"] = tuple(values["budgets"])
+        return cls(**values)
+
+
+def ignored_flag(settings: Settings) -> str | None:
+    """A flag that the others given would make ignored (a usage error, not a silent no-op)."""
+    if not settings.sidecar:
+        for flag, given in (("--overwrite", settings.overwrite), ("--sidecar-ext", settings.sidecar_ext is not None)):
+            if given:
+                return f"{flag} applies to sidecars: add --sidecar"
+    if settings.temperature == 0:
+        for flag, given in (("--top-p", settings.top_p is not None), ("--seed", settings.seed is not None)):
+            if given:
+                return f"{flag} applies to sampling: add --temperature above 0 (0 is greedy)"
+    if settings.samples:  # the samples live in the installed package: nothing is written beside them
+        for flag, given in (("--sidecar", settings.sidecar), ("--hf-metadata", settings.hf_metadata)):
+            if given:
+                return f"{flag} with --samples would write into the installed package; copy the samples elsewhere"
+    return None
