@@ -1,8 +1,7 @@
-"""`encoder-graphs caption`: check the request and every output before a model loads, caption
-what is not done yet, write records, sidecars and metadata, report. Ctrl-C stops after the
-current batch (a second one at once); a rerun of the same command resumes."""
+"""`encoder-graphs caption`: plan the run (`plan.py`: the request and every output checked before
+a model loads), caption what is not done yet, write records, sidecars and metadata, report.
+Ctrl-C stops after the current batch (a second one at once); a rerun of the same command resumes."""
 
-import codecs
 import json
 import os
 import signal
@@ -10,16 +9,16 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from encoder_graphs.app.config import COMPILE_FROM_FILES, DEFAULT_PROMPT, MAX_PROMPT_BYTES, CaptionConfig
-from encoder_graphs.app.distributed import Job, job_from_env
+from encoder_graphs.app.config import COMPILE_FROM_FILES, DEFAULT_PROMPT
+from encoder_graphs.app.distributed import job_from_env
 from encoder_graphs.app.errors import EXIT_FAILURES, EXIT_INTERRUPTED, EXIT_OK, OutputError, UsageError, printable
-from encoder_graphs.app.output_checks import check_targets, not_our_stats, special_file
-from encoder_graphs.app.outputs import METADATA_FILE, SidecarPolicy, unwritable
+from encoder_graphs.app.outputs import METADATA_FILE
+from encoder_graphs.app.plan import Plan, make_plan, report_sidecar_errors
 from encoder_graphs.app.settings import Settings
 
 if TYPE_CHECKING:
@@ -28,8 +27,6 @@ if TYPE_CHECKING:
 
     from encoder_graphs.app.loading import ModelSource
     from encoder_graphs.app.media import LoadLimits
-    from encoder_graphs.app.results import ResultsFile
-    from encoder_graphs.app.walk import MediaFile
     from encoder_graphs.protocols import CaptionInputs
 
 RESUME_HINT = "rerun the same command to resume"
@@ -37,20 +34,6 @@ RESUME_HINT = "rerun the same command to resume"
 # kills its processes 30 s after a Ctrl-C; the merge must end before).
 INTERRUPTED_WAIT_S = 15.0
 STARTED = time.perf_counter()  # the command's start, for the statistics' times (imports after it are counted)
-
-
-@dataclass
-class Plan:
-    """What a run will do, settled before any model loads."""
-
-    settings: Settings
-    roots: list[Path]
-    files: "list[MediaFile]"
-    todo: "list[MediaFile]"
-    config: CaptionConfig
-    sidecars: SidecarPolicy
-    results: "ResultsFile"
-    job: Job = field(default_factory=Job)
 
 
 def caption(settings: Settings) -> int:
@@ -78,178 +61,6 @@ def caption(settings: Settings) -> int:
         # that finished says what failed in its report, and --retry-failed tries those files again.
         return EXIT_OK
     return status
-
-
-def make_plan(settings: Settings, job: Job) -> Plan:
-    """The files, the settings and the outputs: every usage error that needs no model."""
-    from encoder_graphs.app.media import SAMPLES_DIR
-    from encoder_graphs.app.walk import discover
-
-    # abspath, as discover's file paths: `..` resolved, symlinks kept, so the two compare as text.
-    roots = [Path(os.path.abspath(p)) for p in settings.paths] + ([SAMPLES_DIR] if settings.samples else [])
-    if not roots:
-        raise UsageError("give at least one PATH (or --samples)")
-    try:
-        files = discover(roots, include_hidden=settings.include_hidden, follow_links=not settings.no_follow_links)
-    except FileNotFoundError as error:
-        raise UsageError(str(error)) from error
-    if not files:
-        raise UsageError(f"no images or videos found under {' '.join(map(str, roots))}")
-    try:
-        config = CaptionConfig(
-            prompt=read_prompt(settings),
-            max_new_tokens=settings.max_new_tokens,
-            max_batch_tokens=settings.max_batch_tokens or CaptionConfig.max_batch_tokens,
-            prefix=settings.prefix,
-            suffix=settings.suffix,
-            temperature=settings.temperature,
-            top_p=settings.top_p or CaptionConfig.top_p,
-            seed=settings.seed,
-        )
-        sidecars = SidecarPolicy(settings.sidecar, settings.sidecar_ext or SidecarPolicy.ext, settings.overwrite)
-    except ValueError as error:
-        raise UsageError(str(error)) from error
-    check_attention_backend(settings.attn_backend)
-    if settings.out is None:
-        settings = replace(settings, out=default_out(settings.samples, job))
-    check_outputs(settings, roots, files, sidecars)
-    results = open_results(settings, job)
-    if job.rank == 0:
-        tidy_outputs(settings, roots, files, sidecars, results, config.text)
-    if job.distributed and job.rank == 0:  # the other ranks read --out once rank 0 is done writing it
-        job.store.add("opened", 1)
-    todo = [f for f in files if not results.is_done(f.path) and not all(map(sidecars.skips, f.names))]
-    if job.distributed:  # every rank must hold the same list before any starts writing parts
-        job.barrier("planned")
-    return Plan(settings, roots, files, todo, config, sidecars, results, job)
-
-
-def default_out(samples: bool, job: Job) -> Path:
-    """`--out` not given: captions.jsonl here; with `--samples`, in a new temporary folder (printed),
-    so that a demo neither drops a file into the working folder nor finds it done next time."""
-    if not samples:
-        return Path("captions.jsonl")
-    if job.distributed:  # each rank would make a folder of its own
-        raise UsageError("--samples under torchrun: give --out")
-    import tempfile
-
-    out = Path(tempfile.mkdtemp(prefix="encoder-graphs-samples-")) / "captions.jsonl"
-    print(f"encoder-graphs: --samples without --out: writing {printable(out)}", file=sys.stderr)
-    return out
-
-
-def check_attention_backend(name: str | None) -> None:
-    if name is not None:
-        from encoder_graphs.models.attention import get_attention_backend
-
-        try:
-            get_attention_backend(name)
-        except (ValueError, ImportError) as error:
-            raise UsageError(f"--attn-backend {name}: {error}") from error
-
-
-def open_results(settings: Settings, job: Job) -> "ResultsFile":
-    """`--out` with what it holds, once the part files a killed torchrun job left are merged into
-    it (by rank 0, or the only process, which holds the lock; the other ranks then read it)."""
-    from encoder_graphs.app.distributed import part_paths
-    from encoder_graphs.app.results import NotResultsFile, ResultsFile, ResultsLocked
-
-    if job.rank != 0:
-        job.wait_for("opened", 1)  # rank 0 has the lock, a cut last line repaired, parts merged, sidecars backfilled
-    try:
-        # The file the user named (checked), through their symlink: the lock opens no symlink.
-        results = ResultsFile(os.path.realpath(settings.out), retry_failed=settings.retry_failed, lock=job.rank == 0)
-    except ResultsLocked as error:
-        raise UsageError(str(error)) from error
-    except (NotResultsFile, OSError) as error:
-        raise UsageError(f"cannot use --out {settings.out}: {error}") from error
-    if results.repaired_bytes:
-        print(f"encoder-graphs: dropped a half-written last line ({results.repaired_bytes} bytes) of "
-              f"{printable(settings.out)}", file=sys.stderr)
-    if job.rank == 0 and (parts := part_paths(results.path)):
-        try:
-            merged = results.merge(parts)
-        except (ResultsLocked, NotResultsFile, OSError) as error:
-            results.close()
-            raise UsageError(f"cannot merge the part files beside --out {printable(settings.out)}: {error}") from error
-        print(f"encoder-graphs: merged {merged} records from the {len(parts)} part files an earlier torchrun job "
-              f"left beside {printable(settings.out)}", file=sys.stderr)
-    return results
-
-
-def read_prompt(settings: Settings) -> str:
-    """`--prompt`, or `--prompt-file`'s text without its byte-order mark, read no further than a
-    prompt may be long."""
-    if settings.prompt_file is None:
-        return settings.prompt
-    try:
-        with open(settings.prompt_file, "rb") as handle:
-            data = handle.read(MAX_PROMPT_BYTES + len(codecs.BOM_UTF8) + 1).removeprefix(codecs.BOM_UTF8)
-        if len(data) > MAX_PROMPT_BYTES:
-            raise UsageError(f"--prompt-file {settings.prompt_file}: more than the {MAX_PROMPT_BYTES} bytes a prompt may have")
-        return data.decode("utf-8").strip()
-    except (OSError, UnicodeDecodeError) as error:
-        raise UsageError(f"cannot read --prompt-file {settings.prompt_file}: {error}") from error
-
-
-def check_outputs(settings: Settings, roots: list[Path], files: "list[MediaFile]", sidecars: SidecarPolicy) -> None:
-    """Every path the run will write can be written, and is its own: checked now, not after the
-    model loaded (the results file's format: when `open_results` opens it)."""
-    named = [("--out", settings.out)] + ([("--stats-json", settings.stats_json)] if settings.stats_json is not None else [])
-    problems = [(flag, path, special_file(path) or unwritable(path)) for flag, path in named]
-    if sidecars.enabled:
-        folders = {name.parent for f in files for name in f.names}
-        problems += [("--sidecar", folder, unwritable(folder, folder=True)) for folder in sorted(folders)]
-    if settings.hf_metadata:
-        problems += [("--hf-metadata", root, unwritable(root, folder=True)) for root in roots if root.is_dir()]
-    for flag, path, problem in problems:
-        if problem is not None:
-            raise UsageError(f"cannot use {flag} {path}: {problem}")
-    if sidecars.enabled and (clashes := sidecars.collisions([name for f in files for name in f.names])):
-        first, second = clashes[0]
-        others = len(clashes) - 1
-        more = f" (and {others} more pair{'s' * (others > 1)})" if others else ""
-        raise UsageError(
-            f"--sidecar: {first.name} and {second.name}{more} would share {sidecars.path(first)}; "
-            "rename one or caption them apart"
-        )
-    metadata = [("--hf-metadata", root / METADATA_FILE) for root in roots if settings.hf_metadata and root.is_dir()]
-    for flag, path in metadata:
-        if (problem := special_file(path)) is not None:
-            raise UsageError(f"cannot use {flag} {path}: {problem}")
-    check_targets(metadata + named, roots, [n for f in files if f.kind != "folder" for n in f.names], sidecars)
-    if settings.stats_json is not None and (problem := not_our_stats(settings.stats_json)) is not None:
-        raise UsageError(f"cannot use --stats-json {settings.stats_json}: {problem}")
-
-
-def tidy_outputs(
-    settings: Settings, roots: list[Path], files: "list[MediaFile]", sidecars: SidecarPolicy,
-    results: "ResultsFile", text: Callable[[str], str],
-) -> None:
-    """Before the plan (rank 0): the temporaries killed runs left beside this run's outputs
-    removed, and the sidecars of files the results caption already written, each caption with
-    this run's prefix and suffix (`text`; one that cannot be written is its file's error record)."""
-    from encoder_graphs.app.outputs import remove_stale_temporaries
-
-    media = [name for f in files if f.kind != "folder" for name in f.names]
-    targets = [sidecars.path(path) for path in media] if sidecars.enabled else []
-    targets += [root / METADATA_FILE for root in roots if settings.hf_metadata and root.is_dir()]
-    targets += [Path(os.path.realpath(settings.stats_json))] if settings.stats_json is not None else []
-    if removed := remove_stale_temporaries(targets):
-        print(f"encoder-graphs: removed {removed} temporary files a killed run left", file=sys.stderr)
-    if not sidecars.enabled:
-        return
-    written, errors = sidecars.backfill(results.path, media, text)
-    results.append(errors)
-    if written:
-        print(f"encoder-graphs: wrote {written} sidecars from captions already in {printable(settings.out)}", file=sys.stderr)
-    report_sidecar_errors([error["error"] for error in errors])
-
-
-def report_sidecar_errors(errors: list[str]) -> None:
-    if errors:
-        print(f"encoder-graphs: {len(errors)} sidecars could not be written ({printable(errors[0])}); their files are "
-              "recorded as errors", file=sys.stderr)
 
 
 def write_output(path: Path, text: str) -> None:

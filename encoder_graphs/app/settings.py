@@ -2,7 +2,7 @@
 arguments at the start (`Settings.from_arguments`) and read by every step of the command, so
 argparse stays in `cli.py`. Fields carry the flags' names (`max_new_tokens` is
 `--max-new-tokens`), so an error can name its flag; what needs the files or the model is checked
-where those are known (`command.make_plan`, `command.check_length`)."""
+where those are known (`plan.make_plan`, `command.check_length`)."""
 
 import argparse
 from dataclasses import dataclass
@@ -32,7 +32,7 @@ class Settings:
     top_p: float | None = None
     seed: int | None = None
     # The outputs.
-    out: Path | None = None  # None until the command settles it (`command.default_out`)
+    out: Path | None = None  # None until the command settles it (`plan.default_out`)
     sidecar: bool = False
     sidecar_ext: str | None = None
     overwrite: bool = False
