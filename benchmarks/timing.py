@@ -22,9 +22,9 @@ def time_interleaved(
     fns: dict[str, Callable[[], object]], warmup: int, iters: int, rounds: int = 6
 ) -> dict[str, dict[str, float]]:
     """`time_calls` of several ways to do the same work, in alternating rounds (the order reversed
-    every round, an even number of rounds): clock and thermal drift then weighs on each alike. Timed one after the other,
-    graphs and graphs-off of one eager sub-batch differed by 3.6% (H200) and 9.7% (H100);
-    interleaved, by 0.6% (H200, 2026-11-22)."""
+    every round, an even number of rounds): clock and thermal drift then weighs on each alike.
+    Timed one after the other, two ways of doing the same work differed by more than the
+    differences measured; interleaved, they agreed (benchmarks/HISTORY.md)."""
     names = list(fns)
     for name in names:
         for _ in range(warmup):

@@ -2,22 +2,22 @@
 
 A graph replays its whole budget, padding included; the eager path runs only the real tokens but
 pays every kernel launch. Small sub-batches are launch-bound (the graph wins by far); large ones
-are GPU-bound, and there a sub-batch well below its budget runs faster eagerly (8 mixed images on
-the Qwen2.5-VL-7B tower: graphs 91.7 ms, eager 86.0, H200 2026-11-22). So the manager times each
-budget both ways at capture, and a sub-batch replays only where the replay is the cheaper.
+are GPU-bound, and there a sub-batch well below its budget runs faster eagerly (measured on mixed
+images: benchmarks/HISTORY.md). So the manager times each budget both ways at capture, and a
+sub-batch replays only where the replay is the cheaper.
 
 Both timings run on the capture's inputs: an empty layout whose padding is one attention segment
 of the whole budget. Real sub-batches attend within their images, so both ways cost them less
 than timed; the comparison, same layout against same layout, is what the choice uses. It is
 timed on another layout than the real one, so a replay is chosen only where it is estimated
-`replay_margin` (5%) cheaper: 8 mixed images at budget 4096 were estimated 53.4 ms eager against
-53.0 replayed, and measured 40.9 eager against 42.2 replayed (H200, 2026-11-22). In a close call
-eager costs at most about that margin, and a replay that is not clearly cheaper may be slower.
+`replay_margin` (5%) cheaper: mixed images estimated slightly cheaper as a replay ran faster
+eagerly (measured: benchmarks/HISTORY.md). In a close call eager costs at most about that
+margin, and a replay that is not clearly cheaper may be slower.
 
 Each way is timed once; where eager comes within `retime_within` (50%) of the replay, the choice
 could go either way, so both are timed once more and the faster of each kept (a stalled host
-only ever adds). Budget 4096 once timed 67.8 ms eager, against 47.1 at 3444 and 53.6 replayed,
-and 8 mixed images replayed there at 43.3 ms where eager ran them in 41.9 (H100, 2026-11-22).
+only ever adds). A single timing once put a large budget's eager forward above a smaller
+budget's, so mixed images replayed there where eager ran them faster (benchmarks/HISTORY.md).
 """
 
 from bisect import bisect_left

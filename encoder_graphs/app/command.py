@@ -242,10 +242,10 @@ def caption_files(
 
 def wants_compile(plan: Plan, device: "torch.device") -> bool:
     """`--compile` / `--no-compile`, else on a GPU with enough files to pay for it: compiling the
-    encoder blocks added ~11 s to the start and saved ~6.8 ms an image (Qwen2.5-VL-3B, 512 images,
-    29.2 vs 24.3 images/s in the loop, H200 2026-11-22), so it pays from ~1,600 files a GPU (the
-    default asks COMPILE_FROM_FILES, a margin for smaller towers). With `--no-graphs` too: the
-    compiled blocks speed the eager path as much."""
+    encoder blocks adds seconds to the start and saves a few ms an image, so it pays only from
+    well over a thousand files a GPU (COMPILE_FROM_FILES keeps a margin for smaller towers;
+    measured: benchmarks/HISTORY.md). With `--no-graphs` too: the compiled blocks speed the eager
+    path as much."""
     if plan.settings.compile is not None:
         return plan.settings.compile
     return device.type == "cuda" and len(plan.todo) >= COMPILE_FROM_FILES * plan.job.world_size

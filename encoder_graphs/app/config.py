@@ -27,7 +27,7 @@ DEFAULT_IMAGE_TOKENS = 1280
 
 def default_load_workers() -> int:
     """Threads decoding and preprocessing files: every core but the one feeding the GPU, up to 16
-    (a 12 MP JPEG takes ~60 ms of one core at the default resolution, and the threads release
+    (decoding and resizing a phone photo takes tens of ms of one core, and the threads release
     the GIL in PIL's decoder and torch's resize)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2
     return max(2, min(16, cores - 1))
@@ -41,8 +41,8 @@ class CaptionConfig:
     max_batch_tokens: int = 16384  # vision placeholder tokens in one generate call
     load_workers: int = field(default_factory=default_load_workers)
     # Batches of files loading ahead of the model. A torchrun rank claims files as its loaders
-    # take them, so there the caption command loads one batch ahead: four let the first rank to
-    # start claim the 256 largest of 512 files (2 H200s, 1.71x one GPU, 2026-11-22).
+    # take them, so there the caption command loads one batch ahead: with four, the rank that
+    # started first claimed the largest files and the job waited on it (benchmarks/HISTORY.md).
     prefetch_batches: int = 4
     prefix: str = ""  # put before the caption in sidecars and the record's "text" (trigger words)
     suffix: str = ""

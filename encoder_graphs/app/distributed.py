@@ -102,9 +102,9 @@ def by_cost(files: Sequence[MediaFile]) -> list[MediaFile]:
 
 
 def claim_chunk(batch_size: int) -> int:
-    """Files per claim: a quarter batch, so that ranks interleave the costliest files (whole-batch
-    chunks and a rank that started first: 320 of 512 files to one of 2 H200s, 1.63x one GPU,
-    2026-11-22)."""
+    """Files per claim: a quarter batch, so that ranks interleave the costliest files (with
+    whole-batch chunks, a rank that started first claimed most of the files; measured:
+    benchmarks/HISTORY.md)."""
     return max(1, batch_size // 4)
 
 

@@ -147,8 +147,8 @@ class Captioner:
 
     def _collate(self, batch: list[Pending]) -> dict[str, torch.Tensor]:
         """The batch on the host, with its prompts' position ids (Qwen-VL's M-RoPE walks every
-        image on the host: about 0.1 s a batch of 64 photos that the GPU waited for on the model's
-        thread, RESULTS.md); for a GPU in page-locked memory (copied here, on the worker thread),
+        image on the host, work that the GPU waited for while it ran on the model's thread:
+        benchmarks/RESULTS.md); for a GPU in page-locked memory (copied here, on the worker thread),
         so `to_model`'s copies run asynchronously instead of stalling the model's thread."""
         collated = self.inputs.collate([p.item for p in batch], [p.prompt for p in batch])
         ids, mask = collated["input_ids"], collated["attention_mask"]

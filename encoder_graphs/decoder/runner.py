@@ -173,7 +173,7 @@ class DecoderGraphRunner:
     def warm_up(self) -> None:
         """One eager step at the largest bucket and one at a single row, over the shortest tier:
         what `torch.compile` of the step's layers compiles before any capture."""
-        from torch._inductor import config as inductor  # 0.8 s to import: only where compiled
+        from torch._inductor import config as inductor  # slow to import: only where compiled
 
         buffers, tier = self.static_buffers(), self.config.length_tiers[0]
         # With coordinate-descent tuning inductor turns one-row GEMMs (a batch of one) into Triton

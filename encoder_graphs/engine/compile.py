@@ -6,7 +6,7 @@ off: the manager owns capture and the pool). Shapes are dynamic from the first c
 one compilation serves every budget and every eager call. Varlen attention stays out of the
 compiled code (the seam registers its backends `torch.compiler.disable`d): its host-int
 `max_seqlen` differs per budget, and a probe that compiled through it recompiled per budget until
-dynamo's limit of 8 left later blocks uncompiled (H200, 2026-11-22). Dense attention of one shape
+dynamo's limit of 8 left later blocks uncompiled. Dense attention of one shape
 per tile (InternViT's stock sdpa) is compiled in. While compiled, every call of the blocks runs
 the compiled code, stock-only calls (per-layer outputs) included; the `Rewrites` undo ends that.
 """

@@ -35,8 +35,8 @@ GPU_BOUND = "GPU-bound size, not captured"
 BEFORE_CAPTURE = "budget's first call, run eagerly"
 # Sub-batches that run eagerly merge into one forward of up to this many largest budgets (and
 # `max_items` items): fewer launches, fuller kernels, the host-side metadata once a forward. A
-# call of 64 photos of ~1,200 tokens (Qwen2.5-VL-3B, H100): p50 1,148 ms as 22 eager sub-batches
-# of ~3, 1,095 ms merged.
+# call of photos that ran as many small eager sub-batches took less time merged (measured:
+# benchmarks/HISTORY.md).
 EAGER_GROUP_BUDGETS = 8
 
 
@@ -91,8 +91,8 @@ class EncoderCudaGraphManager:
         (a path's first use runs its largest budget eagerly once, to size the shared buffers).
         `capture_from_call`: with `lazy`, a budget is timed and captured only in the Nth `execute`
         call that wants it; calls before run it eagerly, so a job of fewer calls measures nothing
-        (the caption command's 2: one batch of 32 photos spent 0.45 s timing budgets, none of
-        which then replayed, H100 2026-11-25)."""
+        (the caption command's 2: a job of one batch spent time timing budgets, none of which
+        then replayed; measured: benchmarks/HISTORY.md)."""
         check_supports_encoder_cuda_graph(model)
         self.model = model
         self.config = model.get_encoder_cudagraph_config()

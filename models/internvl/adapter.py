@@ -28,9 +28,9 @@ from encoder_graphs.protocols import (
 
 PATH = "tiles"
 # Budgets 1, 2, ..., 13, 15, 16, 17, 19, ..., 59, 64 (31 graphs): every tile count of one image has
-# its own graph and at most ~8% of tiles are padding. Measured on an H200 (InternVL3-1B): with
-# doubling-ish budgets (1, 2, 3, 4, 6, 8, 11, 16, ...) a 13-tile image padded to 16 ran 16% slower
-# than eager; large calls are GPU-bound, so there padding is the whole cost of a graph.
+# its own graph and at most ~8% of tiles are padding. With doubling-ish budgets (1, 2, 3, 4, 6,
+# 8, 11, 16, ...) an InternVL3-1B 13-tile image padded to 16 ran slower than eager (measured:
+# benchmarks/HISTORY.md); large calls are GPU-bound, so there padding is the whole cost of a graph.
 BUDGET_STEPS_PER_DOUBLING = 8
 # Calls that ask for per-layer outputs, which only the stock method returns.
 _STOCK_ONLY_KWARGS = ("output_hidden_states", "output_attentions")

@@ -2,11 +2,11 @@
 static KV cache, grouped-query, split over the cache (split-KV), with the token's own key and
 value written into the cache by the same kernel.
 
-cuDNN's sdpa took 13 us per layer for one token over 512 slots of Qwen2.5-VL-3B (H200,
-2026-11-22: 0.48 ms of a 3.96 ms step); reading those slots takes well under 1 us. Here the
-query heads that share a KV head are one tile's rows, each program reads one slice of the slots,
-and a second kernel merges the slices' softmax statistics. Masked slots are never loaded, so
-NaNs there cannot leak into the output.
+cuDNN's sdpa, for one token over a cache of a few hundred slots, took many times as long per
+layer as reading those slots takes (measured: benchmarks/HISTORY.md). Here the query heads that
+share a KV head are one tile's rows, each program reads one slice of the slots, and a second
+kernel merges the slices' softmax statistics. Masked slots are never loaded, so NaNs there cannot
+leak into the output.
 """
 
 import torch

@@ -1,13 +1,13 @@
 """A gated MLP's gate and up projections and its SiLU gate as one GEMM (Triton, Hopper TMA).
 
 cuBLAS offers no gated epilogue, so the stock MLP writes gate and up (2 x rows x width) and reads
-them back for SiLU(gate) * up: in Qwen2.5-VL-7B's tower that kernel took a fifth of the two
-GEMMs' time (2.3 of 11.5 ms over 15k rows, H200). Here the weight rows interleave gate and up
-(row 2j gate j, row 2j + 1 up j), so each output tile holds matching pairs of columns and the
-epilogue writes only the product, rounded at the stock MLP's three points (gate and up, the
-SiLU, the product): the bf16 result then equals the stock one wherever the two GEMMs' fp32
-accumulators round alike, which keeps generation near the stock model's tokens. A persistent grid, TMA loads, the tile picked per row count: 630-640 TFLOP/s from 4k
-rows up, as fast as cuBLAS's GEMM alone (H200, 2026-11-22, benchmarks/RESULTS.md).
+them back for SiLU(gate) * up: in Qwen2.5-VL-7B's tower that kernel took a sizable share of the two
+GEMMs' time (benchmarks/HISTORY.md). Here the weight rows interleave gate and up (row 2j gate j,
+row 2j + 1 up j), so each output tile holds matching pairs of columns and the epilogue writes only
+the product, rounded at the stock MLP's three points (gate and up, the SiLU, the product): the bf16
+result then equals the stock one wherever the two GEMMs' fp32 accumulators round alike, which keeps
+generation near the stock model's tokens. A persistent grid, TMA loads, the tile picked per row
+count: from a few thousand rows up, as fast as cuBLAS's GEMM alone (benchmarks/RESULTS.md).
 """
 
 from functools import cache
@@ -52,7 +52,7 @@ def _swiglu_kernel(
 
 
 # Tiles (rows, columns, warps) and each one's time relative to 64 x 256's: a 128 x 256 tile runs
-# 9% more FLOPs a second, a 64 x 128 one 10% fewer (H200, 2026-11-22).
+# somewhat more FLOPs a second, a 64 x 128 one somewhat fewer (measured: benchmarks/HISTORY.md).
 TILES = ((64, 128, 4, 0.55), (64, 256, 4, 1.0), (128, 256, 8, 1.82))
 
 
@@ -63,8 +63,7 @@ def _sm_count(device: torch.device) -> int:
 
 def _tile(rows: int, cols: int, sms: int) -> tuple[int, int, int]:
     """The tile of the least time over whole waves of `sms` tiles: with few rows the largest tile
-    leaves SMs idle (256 rows: 10.0 us in 64 x 256 tiles, 16.4 in 128 x 256; 11.5k rows: 0.35 ms
-    and 0.32)."""
+    leaves SMs idle and runs slower; with many rows it runs faster (benchmarks/HISTORY.md)."""
     bm, bn, warps, _ = min(TILES, key=lambda t: -(-triton.cdiv(rows, t[0]) * triton.cdiv(cols, t[1]) // sms) * t[3])
     return bm, bn, warps
 

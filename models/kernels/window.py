@@ -2,16 +2,15 @@
 embedding applied to q and k as they load: one Triton kernel where there were two.
 
 FA2's varlen kernel tiles queries by 128 rows, so a 64-row window fills half a tile, and it
-launches a CTA per segment slot, used or not; rotary ran as a kernel of its own that wrote q and k
-back. At budget 4096 of Qwen2.5-VL-7B's tower (1313 window slots, 300 windows, H200, 2026-11-22)
-they took 0.142 + 0.056 ms a window layer. Here one program holds a whole segment of a few heads,
-one head at a time: one softmax, no running maximum. It loads the window's rotary angles once for
-its heads, and its loop over them is pipelined (the next head's q, k, v load while this one
-computes). Programs are persistent and stop at the first slot past the last segment, so the empty
-slots of a budget's layout cost nothing. Qwen2.5-VL-7B, H200, 2026-11-22: 180 windows of 20
-images 336² took 86 us a layer with a program per head, 59 us with 4 heads a program (the
-memory floor: 30 us); 128 windows of a 16-frame video, 65 -> 44 us. Small budgets take fewer
-heads a program, so that their few windows still fill the GPU.
+launches a CTA per segment slot, used or not (a budget's layout holds far more slots than
+windows); rotary ran as a kernel of its own that wrote q and k back. Here one program holds a
+whole segment of a few heads, one head at a time: one softmax, no running maximum. It loads the
+window's rotary angles once for its heads, and its loop over them is pipelined (the next head's
+q, k, v load while this one computes). Programs are persistent and stop at the first slot past
+the last segment, so the empty slots of a budget's layout cost nothing. Several heads a program
+ran faster than one, for images and video alike, though still above the memory floor (measured:
+benchmarks/HISTORY.md). Small budgets take fewer heads a program, so that their few windows still
+fill the GPU.
 
 Rotary pairs dim i with dim i + head_dim/2 (transformers' `rotate_half`). q and k come with each
 head's dims interleaved by those pairs, i and i + head_dim/2 at 2i and 2i + 1
@@ -109,9 +108,8 @@ def _programs_per_group(device: torch.device, groups: int) -> int:
 
 def _heads_per_program(heads: int, rows: int, device: torch.device) -> int:
     """HEADS_PER_PROGRAM, halved until it divides `heads` and `rows` of full windows give every
-    SM a program: few windows run faster spread over more programs. H100, 16 heads, 2026-11-22
-    (us a layer for 1 / 2 / 4 heads a program): 256 rows 11.6 / 12.0 / 16.6, 1024 rows
-    14.3 / 17.0 / 17.9, 2048 rows 24.2 / 20.5 / 25.1, 4096 rows 42.0 / 34.1 / 31.8."""
+    SM a program: few windows run faster spread over more programs, many windows faster with more
+    heads a program (measured: benchmarks/HISTORY.md)."""
     work = rows // MAX_ROWS * heads  # (window, head) pairs
     per_program = HEADS_PER_PROGRAM
     while per_program > 1 and (heads % per_program or work < per_program * _sm_count(device)):

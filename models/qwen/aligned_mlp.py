@@ -1,7 +1,7 @@
 """Pad a gated MLP's hidden width to a multiple of 8 with zero weights, undone on a `Rewrites`.
 
 Qwen2.5-VL's vision MLP is 3420 wide: not a multiple of 8, so cuBLAS falls back to slow
-`align2` kernels for its three GEMMs (about half the tower's time, measured on an H200). Zero rows
+`align2` kernels for its three GEMMs (much of the tower's time; benchmarks/HISTORY.md). Zero rows
 in gate/up and zero columns in down add exactly zero (act(0) * 0 = 0), so padding is exact.
 """
 

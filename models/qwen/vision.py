@@ -119,8 +119,8 @@ def pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
 def linear_patch_embed(embed: torch.nn.Module, pixels: torch.Tensor) -> torch.Tensor:
     """The stock patch embedding of every Qwen-VL tower, a Conv3d whose kernel is its stride over
     rows that each hold one patch (channels, frames, height, width), as the GEMM it equals.
-    cuDNN ran the conv as an implicit-GEMM sgemm: 1.9 ms of 49 for 15k bf16 patches of
-    Qwen2.5-VL-7B (H200, 2026-11-22); the GEMM's FLOPs take under 0.1 ms there."""
+    cuDNN ran the conv as an implicit-GEMM sgemm, many times as long as the equal GEMM's FLOPs
+    take (measured: benchmarks/HISTORY.md)."""
     proj = embed.proj
     return F.linear(pixels.to(proj.weight.dtype), proj.weight.flatten(1), proj.bias)
 
@@ -130,10 +130,10 @@ class QwenVisionAdapter:
 
     Budgets count output rows (merged tokens); a budget of B holds B * merge**2 patch rows.
     Each frame of an item is its own attention segment, as in transformers. The default budgets
-    stop at 4096: above it the tower is GPU-bound, so replay beat the eager path by only 0.4-3.4%,
-    while those 8 budgets took 7 of the 10 s of capture. Capped, the caption command ran as fast
-    (47.2 images/s in the loop either way, Qwen2.5-VL-3B, batch 64, H200 2026-11-22); larger
-    sub-batches split into budgets of 4096 and a larger single item (over ~3.2 MP) runs eagerly.
+    stop at 4096: above it the tower is GPU-bound, so replay barely beat the eager path, while
+    those budgets took most of the capture's time. Capped, the caption command ran as fast
+    (measured: benchmarks/HISTORY.md); larger sub-batches split into budgets of 4096 and a larger
+    single item (over ~3.2 MP) runs eagerly.
     """
 
     # Keys of the tower forward's precomputed kwargs that `metadata` returns as tensors.
@@ -265,8 +265,8 @@ class QwenVisionAdapter:
     ) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
         """`metadata` on the device, kept for the last `METADATA_CACHE` (grids, layout) asked: a
         sub-batch of sizes seen before costs no host work and no copy. Building and copying it
-        took 1.1 ms of host time per 224² image (Qwen2.5-VL-7B, H200, 2026-11-22), more than
-        half of that image's 2.0 ms replay. The cached tensors are only ever read."""
+        took host time comparable to a small image's replay (measured: benchmarks/HISTORY.md).
+        The cached tensors are only ever read."""
         key = (tuple(grids), layout)
         if key in self._metadata:
             self._metadata.move_to_end(key)

@@ -1,8 +1,8 @@
 """Linear layers over one input run as one GEMM: their weights become row blocks of one tensor.
 
 A decode step's GEMMs read each weight once for a few tokens, so each costs its bytes plus a fixed
-time per kernel: Qwen2.5-VL-3B's k and v projections (1 MB each) took 5.5 us apiece, q's (8 MB)
-6 us (H200, 2026-11-22). Stacked, q, k and v are one read of 10 MB. The stock modules keep
+time per kernel: Qwen2.5-VL-3B's k and v projections (1 MB each) took nearly as long apiece as
+q's (8 MB; benchmarks/HISTORY.md). Stacked, q, k and v are one read of 10 MB. The stock modules keep
 working unchanged, on views of the stacked weight (the same values, no second copy), until the
 `Rewrites` undo gives each its own tensor back, as the model was. Layers that are not plain dense
 `nn.Linear`s (LoRA, quantized, offloaded weights) are left alone and run one by one.

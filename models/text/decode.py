@@ -1,8 +1,8 @@
 """The language model's decode step over Qwen-style decoder layers, in a form torch.compile fuses.
 
 Through the stock layers a decode step launches ~46 kernels per layer (RMSNorm alone is six, the
-rotary ten), so the graphed step of Qwen2.5-VL-3B took 3.8x the time its weights take to read
-(H200, 2026-11-22). `DecodeLayer` runs the stock layer's own modules (projections, norms,
+rotary ten), so the graphed step took several times as long as its weights take to read
+(benchmarks/HISTORY.md). `DecodeLayer` runs the stock layer's own modules (projections, norms,
 activation; q/k/v and gate/up each stacked into one GEMM over views of the same weights) for one
 new token against the static cache, and writes that cache itself: no cache object and no layer
 index reach the code, only tensors, so one compilation serves every layer (the cache write and
@@ -81,8 +81,8 @@ class DecodeLayer(nn.Module):
         gate, up = self.gate_up(x)
         activation = mlp.act_fn(gate) * up
         # Compiled with its producer, the one-row down projection recomputed silu(gate) * up in
-        # each program of its GEMV: 0.82 ms of Qwen2.5-VL-3B's 2.78 ms step. The graph break makes
-        # inductor write the activation once: 0.63 ms (H200, 2026-11-22).
+        # each program of its GEMV, a large share of the step. The graph break makes inductor
+        # write the activation once, and the projection runs faster (benchmarks/HISTORY.md).
         torch._dynamo.graph_break()
         return hidden, mlp.down_proj(activation)
 

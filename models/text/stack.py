@@ -8,7 +8,7 @@ gated MLP's gate, up and SiLU as one GEMM (`kernels/swiglu.py`), for the prefill
 
 Whole decoder layers do not compile well: dynamo specializes on each layer's `layer_idx`, on the
 cache's type and fill state, and reached its recompile limit on the second `generate` call (CPU,
-tiny Qwen2.5-VL, 2026-11-22). Their MLPs and RMSNorms take only hidden states: compiled with
+tiny Qwen2.5-VL). Their MLPs and RMSNorms take only hidden states: compiled with
 dynamic shapes they fuse the activation, the gating and the norms' six kernels, for prompts of
 any batch and length (one compilation, and one more for a batch of one). Decode steps run
 `text/decode.py`'s `DecodeLayer`s, which call these modules inside their own compiled code.
