@@ -7,8 +7,10 @@ own (CUDA events, p50):
 - `fused layers`: the step through `DecodeLayer`s (models/text/decode.py), uncompiled;
 - `fused layers, compiled`: the same layers after `torch.compile` (what `compile=True` runs).
 Beside each: the kernels one step launches, their summed time and the costliest by name
-(torch.profiler over one eager step: the graph holds the same kernels), and the floors: the text stack's and lm_head's weight
-bytes, plus the tier's keys and values, read once at the measured copy rate.
+(torch.profiler over one eager step: the graph holds the same kernels), and the floors: the text
+stack's and lm_head's weight bytes, plus the keys and values of the slots the timed steps attend
+(each lane starts with a prompt that fills the tier but for the steps' own slots), read once at
+the measured copy rate.
     python3 benchmarks/bench_decode.py [--quick] [--presets qwen2.5-vl-3b,qwen3-vl-2b] [--json out.json]
 """
 
@@ -31,19 +33,29 @@ TOP_KERNELS = 12
 VARIANTS = {"model forward": (False, False), "fused layers": (True, False), "fused layers, compiled": (True, True)}
 
 
-def restart(runner: DecoderGraphRunner, bucket: int) -> None:
-    """Idle lanes from slot 0: every replay writes the next slot, so timing starts afresh."""
+WARMUP, ITERS = 3, 30
+STEPS_ROOM = 64  # slots past the prompt: every replay (warm-up and timed) writes the next one
+
+
+def restart(runner: DecoderGraphRunner, bucket: int, prompt: int) -> None:
+    """Every lane continues a prompt of `prompt` slots: each replay writes the next slot and
+    attends all before it, so timing starts afresh at the same length."""
     buffers = runner.static_buffers()
-    buffers.start(
-        batch=0, rows=bucket, prompt_mask=buffers.mask[:0, :0], next_positions=buffers.positions.narrow(-2, 0, 0)
-    )
+    positions = torch.full_like(buffers.positions.narrow(-2, 0, bucket), prompt)
+    mask = torch.ones(bucket, prompt, dtype=torch.bool, device=positions.device)
+    buffers.start(batch=bucket, rows=bucket, prompt_mask=mask, next_positions=positions)
+
+
+def slots_attended(prompt: int) -> float:
+    """The slots a timed step attends, on average: the prompt, the steps before it, its own."""
+    return prompt + WARMUP + (ITERS - 1) / 2 + 1
 
 
 def kernels_per_step(runner: DecoderGraphRunner, bucket: int, tier: int) -> dict:
     """Kernels of one eager step: how many, their summed device time (ms), the costliest names."""
     buffers = runner.static_buffers()
     cache = buffers.store.cache(bucket, tier)
-    restart(runner, bucket)
+    restart(runner, bucket, tier - STEPS_ROOM)
     with torch.inference_mode(), profile(activities=[ProfilerActivity.CUDA]) as prof:
         decode_step(runner.model, runner.stack, buffers, bucket, tier, cache)
         torch.cuda.synchronize()
@@ -71,8 +83,8 @@ def measure(model, tier: int, fused: bool, compiled: bool) -> dict:
     rows = {}
     for bucket in BUCKETS:
         graph = runner.graphs[bucket, tier]
-        restart(runner, bucket)
-        replay = time_calls(graph.replay, warmup=3, iters=30)["p50"]
+        restart(runner, bucket, tier - STEPS_ROOM)
+        replay = time_calls(graph.replay, warmup=WARMUP, iters=ITERS)["p50"]
         rows[bucket] = {"replay_ms": replay, **kernels_per_step(runner, bucket, tier)}
     result = {"setup_s": setup_s, "graph_memory_bytes": runner.stats()["graph_memory_bytes"], "buckets": rows}
     if compiled_layers is not None:
@@ -89,7 +101,8 @@ def kv_bytes_per_slot(model) -> int:
 
 
 def table(results: list[dict]) -> str:
-    header = ["preset", "batch", "step", "replay ms", "kernels", "kernel ms", "floor ms (weights + KV)", "vs floor"]
+    floor_column = "floor ms (weights + KV attended)"
+    header = ["preset", "batch", "step", "replay ms", "kernels", "kernel ms", floor_column, "vs floor"]
     rows = []
     for result in results:
         for bucket in BUCKETS:
@@ -123,12 +136,14 @@ def main() -> None:
     presets = args.presets or ("qwen2.5-vl-3b" if args.quick else "qwen2.5-vl-3b,qwen3-vl-2b")
     for preset in presets.split(","):
         model = build_model(preset, dtype=torch.bfloat16, device="cuda")
-        weights, kv = weight_bytes_per_step(model), kv_bytes_per_slot(model) * args.tier
+        weights = weight_bytes_per_step(model)
+        kv = kv_bytes_per_slot(model) * slots_attended(args.tier - STEPS_ROOM)
         variants = {name: measure(model, args.tier, *how) for name, how in VARIANTS.items()}
         results.append(
             {
                 "preset": preset,
                 "tier": args.tier,
+                "slots_attended": slots_attended(args.tier - STEPS_ROOM),
                 "weight_bytes_per_step": weights,
                 "weights_floor_ms": 1000 * weights / bandwidth,
                 "floor_ms": {str(b): 1000 * (weights + b * kv) / bandwidth for b in BUCKETS},
