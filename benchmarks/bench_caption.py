@@ -131,10 +131,12 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def generate(model: PreTrainedModel, batch: Batch, new_tokens: int) -> torch.Tensor:
+def generate(model: PreTrainedModel, batch: Batch, new_tokens: int, **settings: object) -> torch.Tensor:
     """Exactly `new_tokens` greedy tokens per row: the EOS id lies outside the vocabulary."""
     vocab_size = model.get_output_embeddings().weight.shape[0]
-    out = model.generate(**batch, do_sample=False, max_new_tokens=new_tokens, eos_token_id=vocab_size, pad_token_id=0)
+    out = model.generate(
+        **batch, do_sample=False, max_new_tokens=new_tokens, eos_token_id=vocab_size, pad_token_id=0, **settings
+    )
     generated = out[:, batch["input_ids"].shape[1] :]
     if generated.shape[1] != new_tokens:
         raise RuntimeError(f"generate returned {generated.shape[1]} new tokens, expected {new_tokens}")
@@ -142,16 +144,17 @@ def generate(model: PreTrainedModel, batch: Batch, new_tokens: int) -> torch.Ten
 
 
 def caption_run(
-    model: PreTrainedModel, batches: list[Batch], new_tokens: int, device: torch.device
+    model: PreTrainedModel, batches: list[Batch], new_tokens: int, device: torch.device, **settings: object
 ) -> tuple[dict, torch.Tensor]:
-    """One warm-up batch, then every batch timed on the host clock, synchronised after each."""
-    generate(model, batches[0], new_tokens)
+    """One warm-up batch, then every batch timed on the host clock, synchronised after each.
+    `settings`: more `generate` settings (transformers' static cache, which it compiles)."""
+    generate(model, batches[0], new_tokens, **settings)
     batch_ms, outputs = [], []
     synchronize(device)
     started = time.perf_counter()
     for batch in batches:
         begun = time.perf_counter()
-        outputs.append(generate(model, batch, new_tokens))
+        outputs.append(generate(model, batch, new_tokens, **settings))
         synchronize(device)
         batch_ms.append(1000 * (time.perf_counter() - begun))
     wall_s = time.perf_counter() - started
@@ -344,6 +347,8 @@ def main() -> None:
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                         help="torch.compile the encoder blocks and decode layers (default: on CUDA)")
     parser.add_argument("--json", help="write results here")
+    parser.add_argument("--stock-static", action="store_true",
+                        help="also stock generate over transformers' static cache, which it compiles")
     parser.add_argument(
         "--cache-len", type=int, help="decoder KV slots (default: longest prompt + new tokens + 1; "
         "the caption command sizes it for the largest image the processor allows)"
@@ -374,6 +379,9 @@ def main() -> None:
                                         for i in range(count, len(sweep_images), 64))])
 
     stock, stock_tokens = caption_run(model, batches, args.new_tokens, device)
+    static = None
+    if args.stock_static:
+        static = caption_run(model, batches, args.new_tokens, device, cache_implementation="static")[0]
     stock_decode = {
         b: decode_ms_per_token(model, decode_inputs[b], args.new_tokens, reps, device) for b in DECODE_BATCHES
     }
@@ -415,6 +423,9 @@ def main() -> None:
         + (f" | copy {bandwidth:.0f} GB/s" if bandwidth else "")
     )
     print(throughput_table(workload, stock, ours))
+    if static is not None:
+        print(f"stock generate, static cache (compiled by transformers): {static['images_per_s']:.2f} images/s; "
+              f"ours {ours['images_per_s'] / static['images_per_s']:.2f}x that")
     print(decode_table(decode))
     print(graphs_line(graph_stats, same_tokens_pct))
     if sweep_rows:
@@ -431,7 +442,7 @@ def main() -> None:
             "new_tokens": args.new_tokens,
             "longest_prompt": prompt_len,
             "model_build_s": build_s,
-            "throughput": {"stock": stock, "ours": ours},
+            "throughput": {"stock": stock, "ours": ours, **({"stock_static_cache": static} if static else {})},
             "speedup": ours["images_per_s"] / stock["images_per_s"],
             "identical_tokens_pct": same_tokens_pct,
             "decode_ms_per_token": decode,
