@@ -40,7 +40,8 @@ from encoder_graphs.report import format_graph_stats
 
 class EncoderGraphsHandle:
     """What `enable_cuda_graphs` returns: the encoder manager, the adapter, the decoder runner
-    (None with `decoder=False`), statistics and `disable()`."""
+    (None with `decoder=False` or a language model it cannot graph: `decoder_off` says which),
+    statistics and `disable()`."""
 
     def __init__(
         self,
@@ -50,11 +51,13 @@ class EncoderGraphsHandle:
         decoder: DecoderGraphRunner | None,
         compiled: CompiledBlocks | None,
         rewrites: Rewrites,
+        decoder_off: str | None = None,
     ) -> None:
         self.model = model
         self.adapter = adapter
         self.manager = manager
         self.decoder = decoder
+        self.decoder_off = decoder_off  # why `decoder` is None: `generate` stays stock
         self.compiled = compiled
         self.generate_fallbacks: Counter = Counter()  # reason -> generate calls sent to the original
         self._rewrites = rewrites
@@ -63,6 +66,7 @@ class EncoderGraphsHandle:
         return {
             "encoder": {**self.manager.stats(), "compile": self.compiled.stats() if self.compiled else None},
             "decoder": self.decoder.stats() if self.decoder is not None else None,
+            "decoder_off": self.decoder_off,
             "generate_fallbacks": dict(self.generate_fallbacks),
         }
 
@@ -151,7 +155,8 @@ def enable_cuda_graphs(
         )
         rewrites.push(manager.close)
         runner = None
-        if decoder:
+        decoder_off = "decoder=False" if not decoder else DecoderGraphRunner.unsupported(model)
+        if decoder_off is None:
             runner = DecoderGraphRunner(
                 model,
                 max_batch_size=decoder_max_batch_size,
@@ -168,7 +173,7 @@ def enable_cuda_graphs(
         manager.capture()
         if runner is not None:
             runner.capture()
-        handle = EncoderGraphsHandle(model, adapter, manager, runner, compiled, rewrites)
+        handle = EncoderGraphsHandle(model, adapter, manager, runner, compiled, rewrites, decoder_off)
         for owner in (model, getattr(model, "model", None)):
             if owner is None:
                 continue

@@ -38,10 +38,10 @@ def _compiled(compile: dict | None) -> str:
     return f", {compile['blocks']} blocks compiled in {compile['seconds']:.1f} s"
 
 
-def format_decoder_stats(stats: dict | None) -> str:
-    """`DecoderGraphRunner.stats()` as a table (None: the decoder was not graphed)."""
+def format_decoder_stats(stats: dict | None, off: str | None = None) -> str:
+    """`DecoderGraphRunner.stats()` as a table (None: the decoder was not graphed, for `off`)."""
     if stats is None:
-        return "decoder graphs: off (decoder=False)"
+        return f"decoder graphs: off ({off or 'decoder=False'}); generate runs stock"
     steps = f"sequences {stats['sequences']}, decode steps {stats['steps']}"
     if not stats["enabled"]:
         return _off("decoder", stats, steps)
@@ -73,7 +73,7 @@ def format_graph_stats(stats: dict) -> str:
     return "\n".join(
         [
             format_encoder_stats(stats["encoder"]),
-            format_decoder_stats(stats["decoder"]),
+            format_decoder_stats(stats["decoder"], stats.get("decoder_off")),
             "generate calls sent to stock generate: "
             + (", ".join(f"{reason} x{n}" for reason, n in fallbacks) or "-"),
         ]

@@ -18,6 +18,7 @@ _EXPORTS = {
     "Qwen2VLAdapter": "encoder_graphs.models.qwen.qwen2_vl",
     "Qwen2_5_VLAdapter": "encoder_graphs.models.qwen.qwen2_5_vl",
     "Qwen3VLAdapter": "encoder_graphs.models.qwen.qwen3_vl",
+    "Qwen3_5Adapter": "encoder_graphs.models.qwen.qwen3_5",
     "QwenVisionAdapter": "encoder_graphs.models.qwen.vision",
     "VisionBatch": "encoder_graphs.models.qwen.vision",
 }

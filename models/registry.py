@@ -40,6 +40,10 @@ def families() -> tuple[Family, ...]:
         Qwen2VLConfig,
         Qwen2VLForConditionalGeneration,
         Qwen2VLModel,
+        Qwen3_5Config,
+        Qwen3_5ForConditionalGeneration,
+        Qwen3_5Model,
+        Qwen3_5VisionModel,
         Qwen3VLConfig,
         Qwen3VLForConditionalGeneration,
         Qwen3VLModel,
@@ -51,6 +55,7 @@ def families() -> tuple[Family, ...]:
     from encoder_graphs.models.qwen.inputs import QwenVLInputs
     from encoder_graphs.models.qwen.qwen2_5_vl import Qwen2_5_VLAdapter
     from encoder_graphs.models.qwen.qwen2_vl import Qwen2VLAdapter
+    from encoder_graphs.models.qwen.qwen3_5 import Qwen3_5Adapter
     from encoder_graphs.models.qwen.qwen3_vl import Qwen3VLAdapter
     from encoder_graphs.models.seam.vision import qwen_vision_towers
 
@@ -79,6 +84,14 @@ def families() -> tuple[Family, ...]:
             Qwen3VLVisionModel,
             "visual",
             Qwen3VLAdapter,
+            QwenVLInputs,
+        ),
+        Family(
+            Qwen3_5Config,
+            (Qwen3_5ForConditionalGeneration, Qwen3_5Model),
+            Qwen3_5VisionModel,
+            "visual",
+            Qwen3_5Adapter,
             QwenVLInputs,
         ),
         # The InternVL adapter graphs InternVLModel's whole get_image_features (tower, pixel

@@ -287,6 +287,21 @@ def test_tiny_preset_and_video(tmp_path):
     assert video["vision_tokens"] == 8  # 4 frames of 56x56
 
 
+def test_qwen3_5_captions_images_and_video_with_generate_left_stock(tmp_path):
+    """Qwen3.5: images and a video's frames through its tower's adapter; its language model (Gated
+    DeltaNet layers beside full attention) decodes through stock generate, and the statistics say
+    why."""
+    write_video(tmp_path / "clip.mp4", frames=5)
+    out, stats = tmp_path / "out.jsonl", tmp_path / "stats.json"
+    argv = ["caption", str(tmp_path), "--samples", "--model", "tiny-qwen3.5", "--out", str(out), "--max-frames", "4"]
+    assert main(argv + ["--stats-json", str(stats)] + FAST) == 0
+    records = lines_of(out)
+    assert len(records) == 1 + len(list(SAMPLES_DIR.iterdir())) and all("caption" in r for r in records)
+    graphs = json.loads(stats.read_text())
+    assert graphs["encoder"]["items"] == len(records)
+    assert graphs["decoder"] is None and graphs["decoder_off"].startswith("linear_attention layers")
+
+
 def test_killed_python_dash_m_run_resumes_without_loss_or_repeats(tmp_path):
     """`python -m encoder_graphs` killed with SIGKILL mid-run, then rerun: every file exactly once."""
     good_images(tmp_path / "media", 14)

@@ -143,6 +143,8 @@ FAMILIES = {
         ),
     ),
 }
+# Qwen3.5 checkpoints take the same processor as Qwen3-VL (transformers' processing_auto).
+FAMILIES["qwen3.5"] = dict(FAMILIES["qwen3-vl"], preset="tiny-qwen3.5")
 PROMPT = "Describe this."
 IMAGE_SIZES = [(56, 56), (224, 224), (100, 60), (64, 48), (300, 200), (640, 480), (33, 500), (1000, 30), (20, 20)]
 
@@ -324,12 +326,12 @@ def test_mixed_batch(checkpoint):
 
 
 def test_qwen3_prompt_has_the_frame_times(checkpoint):
-    """Qwen3-VL's prompt names each temporal patch's mean time; the others' has no times."""
+    """Qwen3-VL's and Qwen3.5's prompt names each temporal patch's mean time; the others' has no times."""
     family, inputs, _ = checkpoint
     metadata = {"total_num_frames": 300, "fps": 30.0, "frames_indices": [0, 30, 60, 90]}
     item = inputs.encode_video(clip(4), metadata)
     text = inputs.tokenizer.decode(inputs.batch([item], PROMPT)["input_ids"][0])
-    if family == "qwen3-vl":
+    if family in ("qwen3-vl", "qwen3.5"):
         assert item.timestamps == (0.5, 2.5)
         assert "<0.5 seconds><|vision_start|><|video_pad|>" in text and "<2.5 seconds>" in text
     else:

@@ -20,7 +20,7 @@ from encoder_graphs.models.qwen.vision import pad_offsets
 from encoder_graphs.models.rewrites import Rewrites
 from encoder_graphs.protocols import SupportsEncoderCudaGraph
 
-FAMILIES = ["tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl"]
+FAMILIES = ["tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl", "tiny-qwen3.5"]
 ODD_SIZES = [(37, 211), (333, 97), (501, 499), (64, 64), (120, 450), (29, 29)]
 MAX_PIXELS = 320 * 320
 
@@ -183,7 +183,7 @@ def test_pad_offsets_covers_the_tail_with_bounded_segments():
 def model_inputs(model, batch: VisionBatch) -> dict:
     """input_ids with one placeholder run per image and per video (Qwen3: per video frame)."""
     config = model.config
-    per_frame = config.model_type == "qwen3_vl"
+    per_frame = config.model_type in ("qwen3_vl", "qwen3_5")
     ids = [5, 6]
     for index, (t, h, w) in enumerate(batch.grids):
         is_video = batch.image_grid_thw is None or index >= len(batch.image_grid_thw)

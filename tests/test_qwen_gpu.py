@@ -210,7 +210,7 @@ def run_random_calls(manager, name: str, label: str, items: list, count: int) ->
     return worst, manager.stats()
 
 
-@pytest.mark.parametrize("name", ["tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl"])
+@pytest.mark.parametrize("name", ["tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl", "tiny-qwen3.5"])
 def test_enable_cuda_graphs_on_cuda_keeps_generation(name):
     """The plugin entry on CUDA: graphs captured, forward and generate go through them."""
     model = build_model(name, dtype=torch.bfloat16, device="cuda", seed=0)

@@ -23,7 +23,7 @@ import encoder_graphs.models.text.decode as text_decode
 from encoder_graphs import DecoderGraphRunner, EncoderCudaGraphManager, enable_cuda_graphs
 from encoder_graphs.models.presets import build_model
 
-FAMILIES = ["tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl", "tiny-internvl"]
+FAMILIES = ["tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl", "tiny-qwen3.5", "tiny-internvl"]
 TABLES = ("_parameters", "_buffers", "_modules")  # compared entry by entry, not as objects
 
 
@@ -131,9 +131,12 @@ def test_disable_gives_back_every_parameter_as_it_was(model, mode):
     before = Snapshot.of(model)
     with torch.inference_mode(mode == "inference mode"):
         handle = enable(model)
-        attention = model.get_decoder().layers[0].self_attn
-        q, k = attention.q_proj.weight, attention.k_proj.weight
-        assert q.untyped_storage().data_ptr() == k.untyped_storage().data_ptr(), "q/k/v stacked on the CPU too"
+        if model.config.model_type == "qwen3_5":  # Gated DeltaNet layers: generate stays stock
+            assert handle.decoder is None and handle.decoder_off.startswith("linear_attention layers")
+        else:
+            attention = model.get_decoder().layers[0].self_attn
+            q, k = attention.q_proj.weight, attention.k_proj.weight
+            assert q.untyped_storage().data_ptr() == k.untyped_storage().data_ptr(), "q/k/v stacked on the CPU too"
         if model.config.model_type == "qwen2_5_vl":
             assert model.model.visual.blocks[0].mlp.down_proj.in_features % 8 == 0, "padded on the CPU too"
         handle.disable()

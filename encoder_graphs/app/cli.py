@@ -9,6 +9,7 @@ not be written during the run, 130 interrupted.
 import argparse
 import math
 import sys
+import textwrap
 from pathlib import Path
 
 from encoder_graphs.app.config import COMPILE_FROM_FILES, DEFAULT_IMAGE_TOKENS, DEFAULT_PROMPT, PROMPT_FIELDS
@@ -23,7 +24,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="encoder-graphs", description=description)
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
-    caption = commands.add_parser("caption", help="caption images and videos into a JSONL file")
+    caption = commands.add_parser(
+        "caption", help="caption images and videos into a JSONL file", formatter_class=_WholeNamesFormatter
+    )
     caption.add_argument("paths", nargs="*", metavar="PATH", help="image/video files or folders (recursive)")
     caption.add_argument(
         "--samples",
@@ -174,6 +177,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"\nencoder-graphs: interrupted; {RESUME_HINT}", file=sys.stderr)
         return EXIT_INTERRUPTED
+
+
+class _WholeNamesFormatter(argparse.HelpFormatter):
+    """Help lines broken at spaces only: a preset's name (tiny-internvl) stays whole."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
 
 
 def _positive_int(text: str) -> int:

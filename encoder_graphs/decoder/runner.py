@@ -86,9 +86,8 @@ class DecoderGraphRunner:
         self.config = DecoderGraphConfig(
             max_batch_size, max_cache_len, list(batch_sizes or []), list(length_tiers or [])
         )
-        text_config = model.config.get_text_config(decoder=True)
-        if any(kind != "full_attention" for kind in getattr(text_config, "layer_types", None) or []):
-            raise ValueError("decoder graphs support full-attention layers only (no sliding window)")
+        if (reason := self.unsupported(model)) is not None:
+            raise ValueError(reason)
         self.family = family if family is not None else family_class(model)
         known = DecodeStack.supports(model)  # whether models/text/decode.py knows its decoder layers
         # Prefill over the packed prompts for the same decoders (False: left-padded, as generate).
@@ -113,6 +112,17 @@ class DecoderGraphRunner:
                 gate_ups = fuse_text_kernels(model, self._rewrites)  # the prefill's norms and MLPs
                 if fused_step:
                     self.stack = DecodeStack(model, self._rewrites, gate_ups)
+
+    @staticmethod
+    def unsupported(model: torch.nn.Module) -> str | None:
+        """Why the decode step of `model` cannot be graphed here, or None. The static cache holds
+        keys and values of full-attention layers only: no sliding window, no linear attention's
+        conv and recurrent states (Qwen3.5's Gated DeltaNet layers)."""
+        text_config = model.config.get_text_config(decoder=True)
+        kinds = sorted({kind for kind in getattr(text_config, "layer_types", None) or [] if kind != "full_attention"})
+        if kinds:
+            return f"{' and '.join(kinds)} layers: the static cache holds full-attention layers only"
+        return None
 
     # ----- buffers -------------------------------------------------------------------------
     def _buffers(self, rows: int, max_cache_len: int) -> DecodeBuffers:

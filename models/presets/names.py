@@ -5,6 +5,7 @@ PRESET_NAMES = (
     "tiny-qwen2-vl",
     "tiny-qwen2.5-vl",
     "tiny-qwen3-vl",
+    "tiny-qwen3.5",
     "tiny-internvl",
     "qwen2-vl-2b",
     "qwen2.5-vl-3b",

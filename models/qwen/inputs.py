@@ -32,6 +32,7 @@ from PIL import Image
 from transformers import AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase, Qwen2VLImageProcessorPil
 
 from encoder_graphs.models.qwen.pixels import (
+    QWEN3_PROCESSOR_MODELS,
     VIDEO_DEFAULTS,
     VIDEO_PROCESSOR_OF_MODEL,
     PixelSettings,
@@ -86,7 +87,7 @@ class QwenVLInputs:
         max_image_tokens: int | None = None,
     ) -> None:
         """`video`: the video processor's settings (default: the image processor's, per frame);
-        `model_type`: the checkpoint's config.model_type (qwen2_vl, qwen2_5_vl, qwen3_vl);
+        `model_type`: the checkpoint's config.model_type (qwen2_vl, qwen2_5_vl, qwen3_vl, qwen3_5);
         `chat_template`: the processor's (default: the tokenizer's); `max_image_tokens`: the
         resolution policy, vision tokens an image or a video frame may become (larger ones are
         shrunk, as the processors do when given that `max_pixels`; None: the processors' own limit)."""
@@ -140,8 +141,9 @@ class QwenVLInputs:
 
     @property
     def timestamped_video(self) -> bool:
-        """Qwen3-VL prompts write each temporal patch's time before its tokens."""
-        return self.model_type.startswith("qwen3_vl")
+        """Qwen3-VL and Qwen3.5 prompts (Qwen3VLProcessor) write each temporal patch's time
+        before its tokens."""
+        return self.model_type in QWEN3_PROCESSOR_MODELS
 
     @property
     def eos_token_id(self) -> int:

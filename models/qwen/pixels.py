@@ -32,7 +32,9 @@ VIDEO_DEFAULTS: dict[str, dict[str, Any]] = {
         image_std=[0.5, 0.5, 0.5],
     ),
 }
-VIDEO_PROCESSOR_OF_MODEL = {"qwen3_vl": "Qwen3VLVideoProcessor", "qwen3_vl_moe": "Qwen3VLVideoProcessor"}
+# The model types whose checkpoints take Qwen3VLProcessor (transformers' processing_auto, 5.17.0).
+QWEN3_PROCESSOR_MODELS = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
+VIDEO_PROCESSOR_OF_MODEL = dict.fromkeys(QWEN3_PROCESSOR_MODELS, "Qwen3VLVideoProcessor")
 _COMMON_DEFAULTS: dict[str, Any] = dict(
     temporal_patch_size=2,
     merge_size=2,

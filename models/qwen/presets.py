@@ -1,5 +1,5 @@
 """Qwen2-VL, Qwen2.5-VL and Qwen3-VL presets: real sizes (values from the public config.json files)
-and tiny CPU ones."""
+and tiny CPU ones; Qwen3.5 so far as a tiny one."""
 
 from typing import Any
 
@@ -8,6 +8,9 @@ from transformers import (
     Qwen2_5_VLForConditionalGeneration,
     Qwen2VLConfig,
     Qwen2VLForConditionalGeneration,
+    Qwen3_5Config,
+    Qwen3_5ForConditionalGeneration,
+    Qwen3_5VisionModel,
     Qwen3VLConfig,
     Qwen3VLForConditionalGeneration,
     Qwen3VLVisionModel,
@@ -218,6 +221,37 @@ QWEN_PRESETS: dict[str, Preset] = {
             temporal_patch_size=2,
             num_position_embeddings=144,
             deepstack_visual_indexes=[1, 2],
+        ),
+        extra=dict(tie_word_embeddings=False, **_TINY_TOKENS),
+    ),
+    # Qwen3.5's shape in miniature: three Gated DeltaNet layers, then one of full attention with
+    # partial rotary (a quarter of each head), and the Qwen3-VL tower without deepstack.
+    "tiny-qwen3.5": Preset(
+        Qwen3_5Config,
+        Qwen3_5ForConditionalGeneration,
+        Qwen3_5VisionModel,
+        text=dict(
+            TINY_TEXT,
+            num_hidden_layers=4,
+            head_dim=32,
+            linear_conv_kernel_dim=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            rope_parameters=_mrope([2, 1, 1], 10000.0, mrope_interleaved=True, partial_rotary_factor=0.25),
+        ),
+        vision=dict(
+            depth=4,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=2,
+            out_hidden_size=32,
+            hidden_act="gelu_pytorch_tanh",
+            patch_size=16,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            num_position_embeddings=144,
         ),
         extra=dict(tie_word_embeddings=False, **_TINY_TOKENS),
     ),

@@ -1,7 +1,8 @@
-"""Qwen3-VL: learned position embeddings resampled to each grid, and deepstack features.
+"""The Qwen3 towers (Qwen3-VL's, Qwen3.5's): learned position embeddings resampled to each grid;
+Qwen3-VL's adds deepstack features.
 
 The interpolation taps and weights are computed outside the graph; the tower gathers them inside.
-Each item's output row is [main features | deepstack level 0 | level 1 | ...] on the last dim.
+A Qwen3-VL item's output row is [main features | deepstack level 0 | level 1 | ...] on the last dim.
 """
 
 from typing import Any
@@ -12,12 +13,11 @@ from encoder_graphs.models.qwen.vision import Layout, QwenVisionAdapter, pad_row
 from encoder_graphs.models.seam.vision import deepstack_output, get_vision_interpolation_indices_and_weights
 
 
-class Qwen3VLAdapter(QwenVisionAdapter):
-    tensor_keys = (*QwenVisionAdapter.tensor_keys, "interp_indices", "interp_weights")
+class Qwen3TowerAdapter(QwenVisionAdapter):
+    """A tower whose position embeddings are a learned grid resampled to each image's (Qwen3.5's
+    as it is; Qwen3-VL's adds deepstack levels)."""
 
-    @property
-    def deepstack_levels(self) -> int:
-        return len(self.visual.deepstack_visual_indexes)
+    tensor_keys = (*QwenVisionAdapter.tensor_keys, "interp_indices", "interp_weights")
 
     def _add_metadata(
         self,
@@ -44,6 +44,12 @@ class Qwen3VLAdapter(QwenVisionAdapter):
             indices, weights = pad_rows(indices, layout.rows), pad_rows(weights, layout.rows)
         tensors["interp_indices"] = indices
         tensors["interp_weights"] = weights
+
+
+class Qwen3VLAdapter(Qwen3TowerAdapter):
+    @property
+    def deepstack_levels(self) -> int:
+        return len(self.visual.deepstack_visual_indexes)
 
     def _embeds(self, output) -> torch.Tensor:
         return torch.cat([output.pooler_output, *output.deepstack_features], dim=-1)
