@@ -54,6 +54,21 @@ def _mrope(sections: list[int], theta: float, **extra: Any) -> dict[str, Any]:
     return {"rope_type": "default", "mrope_section": sections, "rope_theta": theta, **extra}
 
 
+# The Qwen3 tower in miniature (Qwen3-VL's adds deepstack levels, Qwen3.5's has none).
+_TINY_QWEN3_VISION = dict(
+    depth=4,
+    hidden_size=32,
+    intermediate_size=64,
+    num_heads=2,
+    out_hidden_size=32,
+    hidden_act="gelu_pytorch_tanh",
+    patch_size=16,
+    spatial_merge_size=2,
+    temporal_patch_size=2,
+    num_position_embeddings=144,
+)
+
+
 QWEN_PRESETS: dict[str, Preset] = {
     # Qwen/Qwen2-VL-2B-Instruct
     "qwen2-vl-2b": Preset(
@@ -209,19 +224,7 @@ QWEN_PRESETS: dict[str, Preset] = {
         text=dict(
             TINY_TEXT, head_dim=16, rope_parameters=_mrope([2, 3, 3], 10000.0, mrope_interleaved=True)
         ),
-        vision=dict(
-            depth=4,
-            hidden_size=32,
-            intermediate_size=64,
-            num_heads=2,
-            out_hidden_size=32,
-            hidden_act="gelu_pytorch_tanh",
-            patch_size=16,
-            spatial_merge_size=2,
-            temporal_patch_size=2,
-            num_position_embeddings=144,
-            deepstack_visual_indexes=[1, 2],
-        ),
+        vision=dict(_TINY_QWEN3_VISION, deepstack_visual_indexes=[1, 2]),
         extra=dict(tie_word_embeddings=False, **_TINY_TOKENS),
     ),
     # Qwen3.5's shape in miniature: three Gated DeltaNet layers, then one of full attention with
@@ -241,18 +244,7 @@ QWEN_PRESETS: dict[str, Preset] = {
             linear_num_value_heads=4,
             rope_parameters=_mrope([2, 1, 1], 10000.0, mrope_interleaved=True, partial_rotary_factor=0.25),
         ),
-        vision=dict(
-            depth=4,
-            hidden_size=32,
-            intermediate_size=64,
-            num_heads=2,
-            out_hidden_size=32,
-            hidden_act="gelu_pytorch_tanh",
-            patch_size=16,
-            spatial_merge_size=2,
-            temporal_patch_size=2,
-            num_position_embeddings=144,
-        ),
+        vision=_TINY_QWEN3_VISION,
         extra=dict(tie_word_embeddings=False, **_TINY_TOKENS),
     ),
 }
