@@ -86,6 +86,19 @@ def test_real_preset_matches_public_config(name):
     assert (config.image_token_id, config.video_token_id) == (151655, 151656)
 
 
+def test_qwen3_5_vision_preset_is_the_default_tower_of_transformers():
+    """qwen3.5-vision: the tower at transformers' Qwen3_5VisionConfig defaults (no public small
+    Qwen3.5 config was checked), feeding one block of the hybrid language model."""
+    from transformers import Qwen3_5VisionConfig
+
+    config, default = get_config("qwen3.5-vision"), Qwen3_5VisionConfig()
+    for key in ("depth", "hidden_size", "intermediate_size", "num_heads", "patch_size", "spatial_merge_size",
+                "temporal_patch_size", "num_position_embeddings", "hidden_act"):
+        assert getattr(config.vision_config, key) == getattr(default, key), key
+    assert config.vision_config.out_hidden_size == config.text_config.hidden_size
+    assert config.text_config.layer_types == ["linear_attention"] * 3 + ["full_attention"]
+
+
 @pytest.mark.parametrize("name", sorted(PUBLIC_INTERNVL))
 def test_real_internvl_preset_matches_public_config(name):
     config = get_config(name)
@@ -102,7 +115,7 @@ def test_real_internvl_preset_matches_public_config(name):
 
 
 def test_every_preset_is_a_supported_architecture():
-    assert set(PUBLIC) | set(PUBLIC_INTERNVL) | set(TINY) == set(PRESETS)
+    assert set(PUBLIC) | set(PUBLIC_INTERNVL) | set(TINY) | {"qwen3.5-vision"} == set(PRESETS)
     for name in PRESETS:
         assert PRESETS[name].model_class.__name__ in supported_architectures()
 

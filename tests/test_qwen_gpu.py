@@ -34,7 +34,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
-PRESETS = ["qwen2-vl-2b", "qwen2.5-vl-3b", "qwen2.5-vl-7b", "qwen3-vl-2b"]
+PRESETS = ["qwen2-vl-2b", "qwen2.5-vl-3b", "qwen2.5-vl-7b", "qwen3-vl-2b", "qwen3.5-vision"]
 BACKENDS = [
     "torch",
     pytest.param(
@@ -44,7 +44,7 @@ BACKENDS = [
         ),
     ),
 ]
-CALLS = {"qwen2-vl-2b": 120, "qwen2.5-vl-3b": 200, "qwen2.5-vl-7b": 200, "qwen3-vl-2b": 200}
+CALLS = {"qwen2-vl-2b": 120, "qwen2.5-vl-3b": 200, "qwen2.5-vl-7b": 200, "qwen3-vl-2b": 200, "qwen3.5-vision": 200}
 BUDGETS = [128, 512, 2048, 8192]
 MAX_ITEMS, MAX_FRAMES = 8, 32
 POOL_IMAGES, POOL_VIDEOS = 28, 8

@@ -11,6 +11,7 @@ PRESET_NAMES = (
     "qwen2.5-vl-3b",
     "qwen2.5-vl-7b",
     "qwen3-vl-2b",
+    "qwen3.5-vision",
     "internvl3-1b",
     "internvl3.5-2b",
     "internvl3-38b-vision",

@@ -227,6 +227,21 @@ QWEN_PRESETS: dict[str, Preset] = {
         vision=dict(_TINY_QWEN3_VISION, deepstack_visual_indexes=[1, 2]),
         extra=dict(tie_word_embeddings=False, **_TINY_TOKENS),
     ),
+    # The Qwen3.5 tower at transformers' Qwen3_5VisionConfig defaults (5.17.0; its docs cite
+    # Qwen/Qwen3.5-27B, and the Qwen3.5 configs published so far share the tower), feeding a
+    # 4096-wide language model cut to one block of four layers (three Gated DeltaNet, one full
+    # attention): the vision side at real size, in little memory. No public small config was at
+    # hand to check the language model against.
+    "qwen3.5-vision": Preset(
+        Qwen3_5Config,
+        Qwen3_5ForConditionalGeneration,
+        Qwen3_5VisionModel,
+        # <|endoftext|> and <|im_end|> where Qwen's earlier vocabularies put them (9 and 7 ids
+        # below <|vision_start|>): the preset's byte-level tokenizer needs ids, not these exactly.
+        text=dict(num_hidden_layers=4, bos_token_id=248044, eos_token_id=248046),
+        vision=dict(out_hidden_size=4096),
+        extra=dict(tie_word_embeddings=False),
+    ),
     # Qwen3.5's shape in miniature: three Gated DeltaNet layers, then one of full attention with
     # partial rotary (a quarter of each head), and the Qwen3-VL tower without deepstack.
     "tiny-qwen3.5": Preset(
