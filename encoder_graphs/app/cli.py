@@ -57,7 +57,7 @@ def _model_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_IMAGE_TOKENS,
         metavar="N|model",
         help="resolution for models that size their grid to the image (Qwen-VL): larger images and video frames "
-        "are shrunk to at most N vision tokens (N x 784 pixels for Qwen2/2.5-VL, N x 1024 for Qwen3-VL); "
+        "are shrunk to at most N vision tokens (N x 784 pixels for Qwen2/2.5-VL, N x 1024 for Qwen3-VL and Qwen3.5); "
         "'model' keeps the checkpoint's own limit (Qwen2.5-VL: 16384 tokens, 12.8 MP) (default: %(default)s)",
     )
     group.add_argument(
