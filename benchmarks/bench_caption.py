@@ -391,6 +391,9 @@ def main() -> None:
         decoder_max_cache_len=args.cache_len or prompt_len + args.new_tokens + 1,
         compile=on_cuda if args.compile is None else args.compile,
     )
+    if handle.decoder is None:
+        handle.disable()
+        raise SystemExit(f"{args.preset}: the decoder is not graphed ({handle.decoder_off}); bench_caption times it")
     weight_bytes = weight_bytes_per_step(model)
     try:
         ours, our_tokens = caption_run(model, batches, args.new_tokens, device)

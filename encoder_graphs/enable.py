@@ -155,7 +155,7 @@ def enable_cuda_graphs(
         )
         rewrites.push(manager.close)
         runner = None
-        decoder_off = "decoder=False" if not decoder else DecoderGraphRunner.unsupported(model)
+        decoder_off = "decoder=False" if not decoder else DecoderGraphRunner.unsupported(model.config)
         if decoder_off is None:
             runner = DecoderGraphRunner(
                 model,

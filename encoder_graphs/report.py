@@ -75,7 +75,8 @@ def format_graph_stats(stats: dict) -> str:
             format_encoder_stats(stats["encoder"]),
             format_decoder_stats(stats["decoder"], stats.get("decoder_off")),
             "generate calls sent to stock generate: "
-            + (", ".join(f"{reason} x{n}" for reason, n in fallbacks) or "-"),
+            + ("all (decoder graphs off)" if stats.get("decoder_off") else
+               ", ".join(f"{reason} x{n}" for reason, n in fallbacks) or "-"),
         ]
     )
 

@@ -302,6 +302,19 @@ def test_qwen3_5_captions_images_and_video_with_generate_left_stock(tmp_path):
     assert graphs["decoder"] is None and graphs["decoder_off"].startswith("linear_attention layers")
 
 
+def test_qwen3_5_samples_without_a_seed_and_refuses_one_before_loading(tmp_path, capsys):
+    """Sampling goes through stock generate too; a seed a file (a generator, which only the
+    decoder graphs take) is refused before the weights load instead of failing every file."""
+    out = tmp_path / "out.jsonl"
+    sampling = ["caption", "--samples", "--model", "tiny-qwen3.5", "--out", str(out), "--temperature", "0.7"]
+    assert main(sampling + FAST) == 0
+    assert all("caption" in r for r in lines_of(out))
+    capsys.readouterr()
+    seeded = ["caption", "--samples", "--model", "tiny-qwen3.5", "--out", str(tmp_path / "seeded.jsonl")]
+    assert main(seeded + ["--temperature", "0.7", "--seed", "1"] + FAST) == 2
+    assert "--seed: this model's language model decodes through stock generate" in capsys.readouterr().err
+
+
 def test_killed_python_dash_m_run_resumes_without_loss_or_repeats(tmp_path):
     """`python -m encoder_graphs` killed with SIGKILL mid-run, then rerun: every file exactly once."""
     good_images(tmp_path / "media", 14)

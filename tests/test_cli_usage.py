@@ -302,12 +302,14 @@ def test_names_with_terminal_escapes_are_printed_escaped(tmp_path, no_model, cap
 def test_the_settings_are_the_parsed_flags_frozen_with_the_same_defaults():
     """One settings object from the arguments: its defaults are the parser's (a flag added to one
     and not the other fails here), it cannot change after the start, it refuses ignored flags."""
-    from dataclasses import FrozenInstanceError
+    from dataclasses import FrozenInstanceError, fields
 
     from encoder_graphs.app.errors import UsageError
     from encoder_graphs.app.settings import Settings
 
-    parsed = Settings.from_arguments(build_parser().parse_args(["caption", "x"]))
+    arguments = build_parser().parse_args(["caption", "x"])
+    assert set(vars(arguments)) - {"command"} == {field.name for field in fields(Settings)}
+    parsed = Settings.from_arguments(arguments)
     assert parsed == Settings(paths=("x",))
     flags = ["caption", "a", "b", "--budgets", "64,16", "--max-image-tokens", "model", "--no-graphs", "--batch-size", "4"]
     settings = Settings.from_arguments(build_parser().parse_args(flags))

@@ -87,14 +87,14 @@ def test_real_preset_matches_public_config(name):
 
 
 def test_qwen3_5_vision_preset_is_the_default_tower_of_transformers():
-    """qwen3.5-vision: the tower at transformers' Qwen3_5VisionConfig defaults (no public small
-    Qwen3.5 config was checked), feeding one block of the hybrid language model."""
-    from transformers import Qwen3_5VisionConfig
-
-    config, default = get_config("qwen3.5-vision"), Qwen3_5VisionConfig()
-    for key in ("depth", "hidden_size", "intermediate_size", "num_heads", "patch_size", "spatial_merge_size",
-                "temporal_patch_size", "num_position_embeddings", "hidden_act"):
-        assert getattr(config.vision_config, key) == getattr(default, key), key
+    """qwen3.5-vision: the tower at transformers' Qwen3_5VisionConfig defaults as of 5.17.0 (no
+    public small Qwen3.5 config was checked), pinned here, feeding one block of the hybrid
+    language model."""
+    config = get_config("qwen3.5-vision")
+    tower = dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, patch_size=16, spatial_merge_size=2,
+                 temporal_patch_size=2, num_position_embeddings=2304, hidden_act="gelu_pytorch_tanh")
+    for key, value in tower.items():
+        assert getattr(config.vision_config, key) == value, key
     assert config.vision_config.out_hidden_size == config.text_config.hidden_size
     assert config.text_config.layer_types == ["linear_attention"] * 3 + ["full_attention"]
 

@@ -147,3 +147,16 @@ def test_transformers_internals_are_reached_only_through_the_seam():
                 module, _, imported = name.rpartition(".")
                 assert module == "transformers" or name.startswith(public) or name == "transformers", (path, name)
                 assert imported not in internals, (path, name)
+
+
+def test_importing_the_decoder_registers_its_attention_implementations():
+    """The packed prefill's and the decode step's attention are registered with transformers by
+    importing the decoder, whatever else was imported first (the seam does it once)."""
+    probe = (
+        "import encoder_graphs.decoder.runner\n"
+        "from transformers import AttentionInterface\n"
+        "names = AttentionInterface()\n"
+        "print(all(n in names for n in ('encoder_graphs_packed_causal', 'encoder_graphs_static_kv_decode')))"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert result.stdout.split()[-1] == "True", result.stderr

@@ -85,6 +85,7 @@ def run(plan: Plan) -> int:
     source = open_model(settings.model, max_tiles=settings.max_tiles, max_image_tokens=settings.max_image_tokens)
     limits = load_limits(settings, source)
     longest = check_length(plan, source, limits)  # before the weights: GBs for a real model
+    check_seeded_sampling(settings, source)
     name = printable(settings.model) if settings.model else "(embedded tiny default)"
     print(f"encoder-graphs: loading model {name} on {device} ...", file=sys.stderr)
     model = load_model(source, device)
@@ -288,6 +289,18 @@ def check_length(plan: Plan, source: "ModelSource", limits: "LoadLimits") -> int
         raise UsageError(f"{flag}: the prompt around the largest image reaches {image_prompt} tokens, {past}")
     raise UsageError(f"the prompt around the largest image reaches {image_prompt} tokens, {past}: "
                      "lower --max-image-tokens (Qwen-VL) or --max-tiles (InternVL)")
+
+
+def check_seeded_sampling(settings: Settings, source: "ModelSource") -> None:
+    """`--seed` draws each file's tokens from its own generator, which only the decoder graphs
+    take: a language model they decline (`DecoderGraphRunner.unsupported`) decodes through stock
+    `generate`, which takes none. A usage error before the weights load, not a failed file each."""
+    from encoder_graphs.decoder.runner import DecoderGraphRunner
+
+    if settings.seed is not None and settings.temperature > 0:
+        if (reason := DecoderGraphRunner.unsupported(source.config)) is not None:
+            raise UsageError(f"--seed: this model's language model decodes through stock generate ({reason}), "
+                             "which takes no seed a file; sample without --seed")
 
 
 def fitting_batch_size(

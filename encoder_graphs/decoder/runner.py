@@ -18,6 +18,7 @@ from functools import partial
 from itertools import product
 
 import torch
+from transformers import PretrainedConfig
 
 from encoder_graphs.decoder.buffers import DecodeBuffers, DecoderGraphConfig, TextDims
 from encoder_graphs.decoder.generation import token_id_list
@@ -86,7 +87,7 @@ class DecoderGraphRunner:
         self.config = DecoderGraphConfig(
             max_batch_size, max_cache_len, list(batch_sizes or []), list(length_tiers or [])
         )
-        if (reason := self.unsupported(model)) is not None:
+        if (reason := self.unsupported(model.config)) is not None:
             raise ValueError(reason)
         self.family = family if family is not None else family_class(model)
         known = DecodeStack.supports(model)  # whether models/text/decode.py knows its decoder layers
@@ -114,11 +115,11 @@ class DecoderGraphRunner:
                     self.stack = DecodeStack(model, self._rewrites, gate_ups)
 
     @staticmethod
-    def unsupported(model: torch.nn.Module) -> str | None:
-        """Why the decode step of `model` cannot be graphed here, or None. The static cache holds
-        keys and values of full-attention layers only: no sliding window, no linear attention's
-        conv and recurrent states (Qwen3.5's Gated DeltaNet layers)."""
-        text_config = model.config.get_text_config(decoder=True)
+    def unsupported(config: PretrainedConfig) -> str | None:
+        """Why the decode step of a model of `config` cannot be graphed here, or None. The static
+        cache holds keys and values of full-attention layers only: no sliding window, no linear
+        attention's conv and recurrent states (Qwen3.5's Gated DeltaNet layers)."""
+        text_config = config.get_text_config(decoder=True)
         kinds = sorted({kind for kind in getattr(text_config, "layer_types", None) or [] if kind != "full_attention"})
         if kinds:
             return f"{' and '.join(kinds)} layers: the static cache holds full-attention layers only"
