@@ -60,8 +60,8 @@ class Captioner:
         """Caption `files` (taken as the loaders need them: a torchrun rank claims them lazily),
         writing each batch's records as it ends. Loaded files gather in a window of
         `prefetch_batches` batches, cut into batches costliest first, so that a batch holds
-        prompts of similar length: of 256 Qwen2.5-VL prompts (images of 224-1024 px) in batches of
-        64, 56% of the prefill's tokens were left-padding in folder order, 23% in sorted windows.
+        prompts of similar length (in folder order, left padding was a large share of the
+        prefill's tokens, sorted windows cut it to about half; measured: benchmarks/HISTORY.md).
         The first window is one batch, so the first captions do not wait for four batches of files.
         `stop` is asked between files and batches: once it says so, the run ends after writing
         what is done (stats.interrupted); files loaded but not captioned are left to a rerun."""

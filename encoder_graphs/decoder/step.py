@@ -70,8 +70,8 @@ def packed_prefill(
 ) -> Prefilled:
     """The model's first forward over left-padded prompts without their padding: one row of every
     real token, causal attention within each prompt (cu_seqlens), each prompt's own position ids,
-    each prompt's last logits. Left padding cost 24-56% of a caption batch's prefill tokens
-    (RESULTS.md)."""
+    each prompt's last logits. Left padding is a sizable share of a caption batch's prefill
+    tokens (measured: benchmarks/HISTORY.md)."""
     positions = prompt_positions(model, input_ids, attention_mask, model_inputs)
     real = attention_mask.bool()
     lengths = real.sum(1)

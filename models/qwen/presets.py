@@ -1,5 +1,6 @@
 """Qwen2-VL, Qwen2.5-VL and Qwen3-VL presets: real sizes (values from the public config.json files)
-and tiny CPU ones; Qwen3.5 so far as a tiny one."""
+and tiny CPU ones; Qwen3.5 as a tiny one and its tower at transformers' defaults (no public small
+config was checked)."""
 
 from typing import Any
 
