@@ -41,7 +41,7 @@ def _compiled(compile: dict | None) -> str:
 def format_decoder_stats(stats: dict | None, off: str | None = None) -> str:
     """`DecoderGraphRunner.stats()` as a table (None: the decoder was not graphed, for `off`)."""
     if stats is None:
-        return f"decoder graphs: off ({off or 'decoder=False'}); generate runs stock"
+        return f"decoder graphs: off ({off}); generate runs stock"
     steps = f"sequences {stats['sequences']}, decode steps {stats['steps']}"
     if not stats["enabled"]:
         return _off("decoder", stats, steps)
@@ -73,9 +73,9 @@ def format_graph_stats(stats: dict) -> str:
     return "\n".join(
         [
             format_encoder_stats(stats["encoder"]),
-            format_decoder_stats(stats["decoder"], stats.get("decoder_off")),
+            format_decoder_stats(stats["decoder"], stats["decoder_off"]),
             "generate calls sent to stock generate: "
-            + ("all (decoder graphs off)" if stats.get("decoder_off") else
+            + ("all (decoder graphs off)" if stats["decoder_off"] else
                ", ".join(f"{reason} x{n}" for reason, n in fallbacks) or "-"),
         ]
     )
