@@ -20,7 +20,9 @@ and for ours.
 Targets (`missed_targets`): against the fp32 forward, ours agrees at no fewer steps than the stock
 `generate` less 2% of the steps, with a worst margin at most 1.5x stock's (or one bf16 step of the
 top logit, the finest margin bf16 logits show), compiled or not; each item's encoder error against
-fp32 at most 1.5x stock bf16's. Against the stock bf16 forward the same two are reported
+fp32 at most 1.5x stock bf16's. On a GPU the stock generate runs twice, and its second run
+(`STOCK_AGAIN`) is judged as ours is: stock's own bf16 tokens differ run to run, and targets it
+could miss would be tighter than bf16 itself. Against the stock bf16 forward the same two are reported
 (`stock_forward_gaps`), not asserted: that forward runs the stock encoder, so it shares the stock
 generate's encoder rounding exactly, and any encoder rounded otherwise (ours: packed items, other
 attention and GEMM kernels, as accurate against fp32) parts from it at the first steps of a
@@ -41,6 +43,7 @@ import torch
 from PIL import Image
 
 from encoder_graphs import enable_cuda_graphs
+from encoder_graphs.models.presets.catalog import buffers_kept
 from encoder_graphs.models.seam.generation import generation_position_ids
 
 # The families and the presets measured on a GPU: real-size language models, random weights.
@@ -58,6 +61,10 @@ ENCODER_RATIO = 1.5  # ours' encoder error against fp32 at most this times stock
 # Ways of generating besides the stock `generate`: enable_cuda_graphs' options for each.
 OURS = {"ours": {"compile": False}, "ours, compile=True": {"compile": True}}
 STOCK = "stock"
+# The stock generate run again on the same inputs, judged by the same targets as ours: on a GPU
+# its bf16 tokens differ from the first run's (measured: 40-50% of an H100's, though one forward
+# is bit for bit the same twice), so this is the spread the targets must leave room for.
+STOCK_AGAIN = "stock, again"
 FP32 = "fp32"  # each way's tokens teacher-forced through the same model in fp32
 TOKEN_TYPES = "mm_token_type_ids"  # a per-token input: generated tokens are text (type 0)
 
@@ -75,7 +82,16 @@ class Workload:
 
 WORKLOADS = {
     "full": Workload(images=((448, 448), (812, 476), (336, 1008)), video=(8, 448, 336)),
-    "quick": Workload(images=((224, 224), (364, 196), (168, 420)), video=(4, 224, 168)),
+    # Twelve images: how many steps agree turns on a few rows that part early from the truth
+    # into regions of near ties, so the workloads are many short rows (stock's own count moved
+    # by 2% between two runs of four rows).
+    "quick": Workload(
+        images=(
+            (224, 224), (364, 196), (168, 420), (280, 280), (448, 252), (196, 364),
+            (336, 336), (420, 168), (252, 448), (308, 224), (224, 308), (392, 392),
+        ),
+        video=(4, 224, 168),
+    ),
     "tiny": Workload(images=((64, 64), (96, 48)), video=(4, 56, 56), new_tokens=8),  # CPU tests
 }
 
@@ -147,16 +163,18 @@ def _qwen_items(output) -> list[torch.Tensor]:
 
 @contextmanager
 def in_fp32(model: torch.nn.Module) -> Iterator[None]:
-    """The model cast to fp32 inside, back outside: exact both ways, and outside inference mode
-    (its weights stay ordinary tensors)."""
+    """The model cast to fp32 inside, back outside: exact both ways (the buffers, such as the fp32
+    rotary frequencies, the very tensors they were), and outside inference mode (its weights stay
+    ordinary tensors)."""
     dtype = model.dtype
-    with torch.no_grad():
-        model.float()
-    try:
-        yield
-    finally:
+    with buffers_kept(model):
         with torch.no_grad():
-            model.to(dtype)
+            model.float()
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                model.to(dtype)
 
 
 def fp32_inputs(batch: dict) -> dict:
@@ -224,7 +242,10 @@ def measure(model: torch.nn.Module, inputs, workload: Workload, ours: dict[str, 
     reference = fp32_features(model, batch, items)
     features = {STOCK: item_features(model, batch, items)}
     tokens = {STOCK: generate_tokens(model, batch, workload.new_tokens)}
-    seconds = {"stock": time.perf_counter() - started}
+    seconds = {STOCK: time.perf_counter() - started}
+    if device.type == "cuda":  # stock's own generate twice: a GPU's bf16 tokens differ run to run
+        features[STOCK_AGAIN] = features[STOCK]
+        tokens[STOCK_AGAIN] = generate_tokens(model, batch, workload.new_tokens)
     graphs = {}
     for name, options in ours.items():
         started = time.perf_counter()
@@ -279,8 +300,8 @@ def _pooled_forward(parts: list[dict]) -> dict:
 
 def pooled(results: list[dict]) -> dict:
     """Several workloads' `measure` results as one (steps and agreements summed, the worst margin
-    the worst, items side by side), its targets judged anew: a few disagreements of 192 steps are
-    too few to compare two ways by: stock's own count moves by several percent between seeds."""
+    the worst, items side by side), its targets judged anew: a few disagreements of one workload's
+    steps are too few to compare two ways by: stock's own count moves by several percent between seeds."""
     ways = results[0]["variants"]
     variants = {}
     for way in ways:

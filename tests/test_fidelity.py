@@ -11,6 +11,7 @@ from fidelity import (
     STOCK,
     TINY_FAMILIES,
     WORKLOADS,
+    in_fp32,
     measure,
     missed_targets,
     pooled,
@@ -124,3 +125,17 @@ def test_pooled_sums_steps_and_judges_the_targets_anew():
     assert (ours["agree"], ours["steps"], ours["worst_margin"]) == (359, 384, 0.11)
     assert len(both["items"]) == 2 and len(ours["first_disagreement"]) == 8
     assert both["missed_targets"] == []  # 359 >= 362 - 7.68, 0.11 <= 1.5 x 0.08
+
+
+def test_in_fp32_gives_back_the_bf16_model_exactly():
+    """Parameters back in bf16 with their values, buffers the very tensors they were: the fp32
+    rotary frequencies are not rounded to bf16 on the way back (the model would then be another)."""
+    model = build_model("tiny-qwen2.5-vl", dtype=torch.bfloat16, seed=1)
+    params = {name: (param, param.detach().clone()) for name, param in model.named_parameters()}
+    buffers = dict(model.named_buffers())
+    assert buffers["model.language_model.rotary_emb.inv_freq"].dtype == torch.float32
+    with in_fp32(model):
+        assert {param.dtype for param in model.parameters()} == {torch.float32}
+    for name, param in model.named_parameters():
+        assert param is params[name][0] and param.dtype == torch.bfloat16 and torch.equal(param, params[name][1]), name
+    assert all(buffer is buffers[name] for name, buffer in model.named_buffers())

@@ -1,9 +1,9 @@
 """The fidelity targets on a GPU, one family a test (tests/fidelity.py says what is measured):
-real-size language models with random weights, bf16, the "quick" workload (three images of
+real-size language models with random weights, bf16, the "quick" workload (twelve images of
 different sizes and a video, left padded, 48 greedy tokens each), through the model's own
-processor-style inputs, over three seeds' images, pooled (576 steps). Ours and ours compiled
-against the stock `generate`, teacher-forced through the model in fp32; each item's encoder
-output against fp32.
+processor-style inputs, over three seeds' images, pooled (1,872 steps). Ours, ours compiled and
+the stock `generate` run a second time against its first run, teacher-forced through the model
+in fp32; each item's encoder output against fp32.
 
     python3 -m pytest -q -s tests/test_fidelity_gpu.py          # about two minutes a family (H100)
 """

@@ -154,6 +154,20 @@ def test_tiny_preset_round_trips(name, tmp_path):
     adapter_for(loaded)  # the loaded model is one our adapters take
 
 
+@pytest.mark.parametrize("name", ["tiny-qwen2.5-vl", "tiny-internvl"])
+def test_a_bf16_preset_keeps_its_buffers_as_a_bf16_checkpoint_load_does(name, tmp_path):
+    """The rotary frequencies stay fp32, as `from_pretrained(dtype=torch.bfloat16)` leaves them:
+    rounded to bf16 they rotate positions far from 0 otherwise than the checkpoint does."""
+    model = build_model(name, dtype=torch.bfloat16, seed=3)
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForImageTextToText.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    buffers, loaded_buffers = dict(model.named_buffers()), dict(loaded.named_buffers())
+    assert buffers.keys() == loaded_buffers.keys() and any(key.endswith("inv_freq") for key in buffers)
+    for key, buffer in buffers.items():
+        assert buffer.dtype == loaded_buffers[key].dtype and torch.equal(buffer, loaded_buffers[key]), key
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+
+
 def test_seed_makes_weights_reproducible():
     first = build_vision_tower("tiny-qwen2.5-vl", seed=4)
     second = build_vision_tower("tiny-qwen2.5-vl", seed=4)

@@ -1,8 +1,10 @@
 """The presets of every family by name, and building their models with random weights."""
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
+from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
 from encoder_graphs.models.internvl.presets import INTERNVL_PRESETS
@@ -35,7 +37,23 @@ def _build(
             model = factory()
     finally:
         torch.set_default_dtype(default_dtype)
-    return model.to(dtype).eval()
+    with buffers_kept(model):
+        model.to(dtype)
+    return model.eval()
+
+
+@contextmanager
+def buffers_kept(model: nn.Module) -> Iterator[None]:
+    """Cast the model's parameters inside (not move them); on leaving, every buffer is again the
+    tensor it was. `from_pretrained(dtype=torch.bfloat16)` leaves transformers' rotary `inv_freq`
+    in fp32; `model.to(torch.bfloat16)` rounds it, and a model so cast rotates positions far from
+    0 otherwise than the checkpoint does."""
+    buffers = [(module, name, buffer) for module in model.modules() for name, buffer in module._buffers.items()]
+    try:
+        yield
+    finally:
+        for module, name, buffer in buffers:
+            module._buffers[name] = buffer
 
 
 def build_model(
