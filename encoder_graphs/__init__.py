@@ -4,8 +4,9 @@ The root exports its names lazily (PEP 562): `import encoder_graphs.packing` loa
 the command line starts without transformers.
 """
 
-from importlib import import_module
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from encoder_graphs.lazy import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -23,13 +24,4 @@ if TYPE_CHECKING:
     from encoder_graphs.engine.manager import EncoderCudaGraphManager
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'encoder_graphs' has no attribute {name!r}")
-    value = getattr(import_module(_EXPORTS[name]), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_EXPORTS])
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

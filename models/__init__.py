@@ -8,8 +8,7 @@ catalog (`presets/`).
 Names are exported lazily: importing one module here (the seam, a kernel) loads no adapter.
 """
 
-from importlib import import_module
-from typing import Any
+from encoder_graphs.lazy import lazy_exports
 
 _EXPORTS = {
     "adapter_for": "encoder_graphs.models.registry",
@@ -25,7 +24,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'encoder_graphs.models' has no attribute {name!r}")
-    return getattr(import_module(_EXPORTS[name]), name)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -7,7 +7,7 @@ from toy_items import random_call
 from toy_vit import GLOBAL, LOCAL, ToyItem, ToyViT, ToyViTConfig
 
 from encoder_graphs import EncoderCudaGraphManager
-from encoder_graphs.engine.manager import fill_buffers
+from encoder_graphs.engine.buffers import fill_buffers
 from encoder_graphs.report import format_encoder_stats
 
 

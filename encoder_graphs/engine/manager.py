@@ -7,21 +7,15 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from encoder_graphs.engine.buffers import BudgetGraph, SharedBuffers, fill_buffers
 from encoder_graphs.engine.capture import GraphCapture, unavailable_reason
-from encoder_graphs.engine.stats import LatencyRecorder, PathStats, elapsed_ms
+from encoder_graphs.engine.stats import EncoderCounters, elapsed_ms
 from encoder_graphs.packing import BudgetCosts, SubBatch, generate_budgets, greedy_pack, merge_eager
-from encoder_graphs.protocols import (
-    CaptureInputs,
-    EncoderItemSpec,
-    ReplayBuffers,
-    SupportsEncoderCudaGraph,
-    check_supports_encoder_cuda_graph,
-)
+from encoder_graphs.protocols import SupportsEncoderCudaGraph, check_supports_encoder_cuda_graph
 from encoder_graphs.report import format_encoder_stats
 
 logger = logging.getLogger(__name__)
@@ -38,35 +32,6 @@ BEFORE_CAPTURE = "budget's first call, run eagerly"
 # call of photos that ran as many small eager sub-batches took less time merged (measured:
 # benchmarks/HISTORY.md).
 EAGER_GROUP_BUDGETS = 8
-
-
-@dataclass
-class BudgetGraph:
-    """One captured graph and prefix views of the shared buffers it reads and writes."""
-
-    budget: int
-    graph: torch.cuda.CUDAGraph
-    inputs: dict[str, torch.Tensor]
-    outputs: dict[str, torch.Tensor]
-
-
-def fill_buffers(buffers: dict[str, torch.Tensor], replay: ReplayBuffers, where: str) -> None:
-    """Refill every captured input buffer: copy the replay value into its head, zero its tail."""
-    extra = set(replay.values) - set(buffers)
-    if extra:
-        raise KeyError(f"replay buffers for {where} name keys the graph lacks: {sorted(extra)}")
-    for key, buffer in buffers.items():
-        if key not in replay.values:
-            raise KeyError(f"replay buffers for {where} lack key {key!r}")
-        value = replay.values[key]
-        rows = value.shape[0]
-        if rows > buffer.shape[0] or value.shape[1:] != buffer.shape[1:]:
-            raise ValueError(
-                f"replay value {key!r} for {where} has shape {tuple(value.shape)}; "
-                f"the captured buffer holds {tuple(buffer.shape)}"
-            )
-        buffer[:rows].copy_(value, non_blocking=True)
-        buffer[rows:].zero_()
 
 
 class EncoderCudaGraphManager:
@@ -122,9 +87,7 @@ class EncoderCudaGraphManager:
         self.disabled_reason = unavailable_reason(enabled, self.config.device)
 
         self.graphs: dict[str, dict[int, BudgetGraph]] = {path: {} for path in self.paths}
-        # Per path and key, the largest budget's buffer; every graph reads/writes a prefix of it.
-        self._input_buffers: dict[str, dict[str, torch.Tensor]] = {}
-        self._output_buffers: dict[str, dict[str, torch.Tensor]] = {}
+        self.buffers = SharedBuffers()
         self._capture = GraphCapture(self.config.device, "encoder")
         self.captured = False
         self._poisoned = False
@@ -152,11 +115,7 @@ class EncoderCudaGraphManager:
         return resolved
 
     def _reset_counters(self) -> None:
-        self.path_stats = {path: PathStats() for path in self.paths}
-        self.calls = 0
-        self.items = 0
-        self.graph_items = 0
-        self.latency = LatencyRecorder()
+        self.counters = EncoderCounters(self.paths)
         self._last_log = time.monotonic()
 
     # ----- capture -------------------------------------------------------------------------
@@ -217,12 +176,12 @@ class EncoderCudaGraphManager:
         """The capture inputs of `budget` in the shared buffers, and the forward over them that
         writes the shared outputs."""
         capture = self.model.prepare_capture_inputs(budget, self.max_items, self.max_frames, path)
-        inputs = self._input_views(path, capture)
+        inputs = self.buffers.input_views(path, capture)
         buffers = {**inputs, **capture.static}
 
         def forward() -> dict[str, torch.Tensor]:
             produced = self.model.graph_forward(buffers, path)
-            outputs = self._output_views(path, produced)
+            outputs = self.buffers.output_views(path, produced)
             for key, view in outputs.items():
                 view.copy_(produced[key])
             return outputs
@@ -267,40 +226,12 @@ class EncoderCudaGraphManager:
     def poison_buffers(self) -> None:
         """Fill every captured input and output buffer with NaN (integers with 2**30): a test hook.
         Replay refills every input, so graphed outputs must stay exactly as they were."""
-        with torch.inference_mode():  # the buffers are inference tensors
-            for buffers in (*self._input_buffers.values(), *self._output_buffers.values()):
-                for tensor in buffers.values():
-                    tensor.fill_(float("nan") if tensor.is_floating_point() else 2**30)
-
-    def _input_views(self, path: str, capture: CaptureInputs) -> dict[str, torch.Tensor]:
-        largest = self._input_buffers.setdefault(path, {})
-        views = {}
-        for key, value in capture.values.items():
-            if key not in largest:  # the largest budget comes first and sizes the buffer
-                largest[key] = value.contiguous().clone()
-            base = largest[key]
-            if value.shape[1:] != base.shape[1:] or value.shape[0] > base.shape[0]:
-                raise ValueError(
-                    f"capture input {key!r} of path {path!r} has shape {tuple(value.shape)}, "
-                    f"not a prefix of the largest budget's {tuple(base.shape)}"
-                )
-            views[key] = base[: value.shape[0]]
-            views[key].copy_(value)
-        return views
-
-    def _output_views(self, path: str, produced: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        largest = self._output_buffers.setdefault(path, {})
-        views = {}
-        for key, value in produced.items():
-            if key not in largest:
-                largest[key] = torch.empty_like(value, memory_format=torch.contiguous_format)
-            views[key] = largest[key][: value.shape[0]]
-        return views
+        self.buffers.poison()
 
     # ----- execute -------------------------------------------------------------------------
     def execute(self, inputs: Any) -> list[torch.Tensor]:
         """Encode every item of `inputs`; one tensor per item, in input order."""
-        started = self.latency.start(self.config.device.type == "cuda")
+        started = self.counters.latency.start(self.config.device.type == "cuda")
         specs = self.model.get_item_specs(inputs)
         results: list[torch.Tensor | None] = [None] * len(specs)
         with torch.inference_mode():
@@ -309,7 +240,7 @@ class EncoderCudaGraphManager:
             for batch in batches:
                 self._capture_first_use(batch)
                 self._eager_where_cheaper(batch)
-                self._count(batch, specs)
+                self.counters.count(batch, specs, self._miss_reason)
             eager_tokens = {path: EAGER_GROUP_BUDGETS * budgets[-1] for path, budgets in self.budgets.items()}
             for batch in merge_eager(batches, self.max_items, eager_tokens):
                 subset = self.model.select_items(inputs, batch.indices)
@@ -317,8 +248,8 @@ class EncoderCudaGraphManager:
                 batch_specs = [specs[i] for i in batch.indices]
                 for index, output in zip(batch.indices, self.model.postprocess(outputs, batch_specs)):
                     results[index] = output
-        self.latency.stop(started)
-        self.calls += 1
+        self.counters.latency.stop(started)
+        self.counters.calls += 1
         self._maybe_log()
         return results
 
@@ -353,7 +284,7 @@ class EncoderCudaGraphManager:
         (`BudgetCosts.gpu_bound`), timing them where not yet timed. A path's first use also runs
         its largest budget eagerly, which sizes the shared buffers every graph takes a prefix of."""
         costs, budgets = self.costs[path], self.budgets[path]
-        if not self._input_buffers.get(path):
+        if not self.buffers.sized(path):
             self._time_eager(path, budgets[-1])
         if not self.choose_by_cost:
             return False
@@ -385,26 +316,6 @@ class EncoderCudaGraphManager:
         rows = batch.tokens[path]
         return {key: out[:rows].clone() for key, out in graph.outputs.items()}
 
-    def _count(self, batch: SubBatch, specs: list[EncoderItemSpec]) -> None:
-        eager_paths = [path for path in self.paths if batch.budget[path] is None]
-        self.items += len(batch.indices)
-        if not eager_paths:
-            self.graph_items += len(batch.indices)
-        for path in self.paths:
-            stats = self.path_stats[path]
-            budget = batch.budget[path]
-            users = sum(1 for i in batch.indices if specs[i].path_tokens.get(path, 0) > 0)
-            if budget == 0:
-                continue
-            if budget is None:
-                stats.misses += users
-                stats.miss_reasons[self._miss_reason(batch, path)] += users
-            else:
-                stats.hits += users
-                stats.replays[budget] += 1
-                stats.real_tokens += batch.tokens[path]
-                stats.padded_tokens += budget
-
     def _miss_reason(self, batch: SubBatch, path: str) -> str:
         if self.disabled_reason is not None:
             return self.disabled_reason
@@ -416,16 +327,10 @@ class EncoderCudaGraphManager:
 
     # ----- statistics ----------------------------------------------------------------------
     def stats(self) -> dict:
-        eager_items = self.items - self.graph_items
         return {
             "enabled": self.disabled_reason is None,
             "disabled_reason": self.disabled_reason,
-            "calls": self.calls,
-            "items": self.items,
-            "graph_items": self.graph_items,
-            "eager_items": eager_items,
-            "hit_rate_pct": 100.0 * self.graph_items / self.items if self.items else 0.0,
-            "paths": {path: stats.as_dict() for path, stats in self.path_stats.items()},
+            **self.counters.as_dict(),
             "budgets": {path: list(values) for path, values in self.budgets.items()},
             "captured_budgets": {path: sorted(graphs) for path, graphs in self.graphs.items()},
             "failed_budgets": self._failed_budgets(),
@@ -438,7 +343,7 @@ class EncoderCudaGraphManager:
                        for budget in sorted(costs.eager_ms)}
                 for path, costs in self.costs.items()
             },
-            "latency_ms": self.latency.summary(),
+            "latency_ms": self.counters.latency.summary(),
         }
 
     def _failed_budgets(self) -> dict[str, dict[int, str]]:
@@ -460,13 +365,11 @@ class EncoderCudaGraphManager:
             self._log_summary()
 
     def _log_summary(self) -> None:
-        if self.calls:
+        counters = self.counters
+        if counters.calls:
             logger.info(
                 "encoder graphs: %d calls, %d items, hit rate %.1f%%, misses %s",
-                self.calls,
-                self.items,
-                100.0 * self.graph_items / self.items if self.items else 0.0,
-                dict(sum((Counter(s.miss_reasons) for s in self.path_stats.values()), Counter())),
+                counters.calls, counters.items, counters.hit_rate_pct(), counters.miss_reasons(),
             )
 
     def close(self) -> None:
@@ -475,6 +378,5 @@ class EncoderCudaGraphManager:
         self.graphs = {path: {} for path in self.paths}
         self.costs = {path: BudgetCosts() for path in self.paths}
         self._calls_wanting.clear()
-        self._input_buffers.clear()
-        self._output_buffers.clear()
+        self.buffers.clear()
         self._capture.pool = None

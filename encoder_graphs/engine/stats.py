@@ -7,6 +7,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from encoder_graphs.packing import SubBatch
+from encoder_graphs.protocols import EncoderItemSpec
+
 LATENCY_WINDOW = 10_000
 
 
@@ -30,6 +33,55 @@ class PathStats:
             "padded_tokens": self.padded_tokens,
             "waste_pct": 100.0 * waste / self.padded_tokens if self.padded_tokens else 0.0,
         }
+
+
+class EncoderCounters:
+    """A manager's calls and items (those whose every path replayed are graph items), and per
+    path the items that replayed or ran eagerly (with the reason), the replays per budget and the
+    padding they carried."""
+
+    def __init__(self, paths: Sequence[str]) -> None:
+        self.paths = list(paths)
+        self.path_stats = {path: PathStats() for path in self.paths}
+        self.calls = 0
+        self.items = 0
+        self.graph_items = 0
+        self.latency = LatencyRecorder()
+
+    def count(self, batch: SubBatch, specs: list[EncoderItemSpec], miss_reason: Callable[[SubBatch, str], str]) -> None:
+        """Count one sub-batch; `miss_reason` says why a path of it runs eagerly."""
+        self.items += len(batch.indices)
+        if all(batch.budget[path] is not None for path in self.paths):
+            self.graph_items += len(batch.indices)
+        for path in self.paths:
+            stats, budget = self.path_stats[path], batch.budget[path]
+            if budget == 0:  # no item of the sub-batch has tokens on this path
+                continue
+            users = sum(1 for i in batch.indices if specs[i].path_tokens.get(path, 0) > 0)
+            if budget is None:
+                stats.misses += users
+                stats.miss_reasons[miss_reason(batch, path)] += users
+            else:
+                stats.hits += users
+                stats.replays[budget] += 1
+                stats.real_tokens += batch.tokens[path]
+                stats.padded_tokens += budget
+
+    def hit_rate_pct(self) -> float:
+        return 100.0 * self.graph_items / self.items if self.items else 0.0
+
+    def as_dict(self) -> dict:
+        return {
+            "calls": self.calls,
+            "items": self.items,
+            "graph_items": self.graph_items,
+            "eager_items": self.items - self.graph_items,
+            "hit_rate_pct": self.hit_rate_pct(),
+            "paths": {path: stats.as_dict() for path, stats in self.path_stats.items()},
+        }
+
+    def miss_reasons(self) -> dict[str, int]:
+        return dict(sum((Counter(stats.miss_reasons) for stats in self.path_stats.values()), Counter()))
 
 
 class LatencyRecorder:

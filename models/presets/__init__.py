@@ -6,15 +6,11 @@ Weights are random: presets exist to measure speed and to test equivalence, not 
 Names are exported lazily: the command line reads `names.PRESET_NAMES` without torch.
 """
 
-from importlib import import_module
-from typing import Any
+from encoder_graphs.lazy import lazy_exports
 
 _CATALOG = "encoder_graphs.models.presets.catalog"
 _EXPORTS = {name: _CATALOG for name in ("PRESETS", "build_model", "build_vision_tower", "get_config")}
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'encoder_graphs.models.presets' has no attribute {name!r}")
-    return getattr(import_module(_EXPORTS[name]), name)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
