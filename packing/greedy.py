@@ -35,10 +35,12 @@ def greedy_pack(
     """Pack items, smallest first, into sub-batches that each fit one budget per path.
 
     A sub-batch closes when the next item would overflow the largest budget of some path, the
-    item cap or the frame cap. Items that fit no sub-batch on their own (larger than the largest
-    budget of a path, or more frames than `max_frames`) are grouped, up to `max_items`, into
-    sub-batches that run eagerly on the paths where they do not fit.
-    A path with no budgets never constrains packing and always runs eagerly.
+    item cap or the frame cap. An item larger than the largest budget of a path runs eagerly on
+    that path, in a sub-batch of items that overflow the same paths, packed as the others on the
+    paths where they fit: a page too large for the local tiles' graphs still replays its global
+    view. An item of more frames than `max_frames` runs eagerly on every path (the frame cap is a
+    sub-batch's), grouped up to `max_items`. A path with no budgets never constrains packing and
+    always runs eagerly.
     """
     if max_items <= 0:
         raise ValueError(f"max_items must be positive, got {max_items}")
@@ -47,41 +49,51 @@ def greedy_pack(
     limits = {path: budgets[path][-1] for path in paths if budgets[path]}
     frame_limit = max_frames if max_frames is not None else float("inf")
 
-    def tokens_of(index: int, path: str) -> int:
-        return specs[index].path_tokens.get(path, 0)
-
-    def fits_alone(index: int) -> bool:
+    def overflows(index: int) -> tuple[bool, frozenset[str]]:
+        """Whether `index`'s frames overflow the cap, and the paths its tokens overflow alone."""
         spec = specs[index]
-        return spec.frames <= frame_limit and all(
-            tokens_of(index, path) <= limit for path, limit in limits.items()
-        )
+        paths_over = frozenset(path for path, limit in limits.items() if spec.path_tokens.get(path, 0) > limit)
+        return spec.frames > frame_limit, paths_over
 
     order = sorted(range(len(specs)), key=lambda i: (sum(specs[i].path_tokens.values()), i))
+    by_overflow: dict[tuple[bool, frozenset[str]], list[int]] = {}
+    for index in order:
+        by_overflow.setdefault(overflows(index), []).append(index)
+    groups = []
+    for (frames_over, paths_over), indices in sorted(by_overflow.items(), key=lambda e: (e[0][0], len(e[0][1]))):
+        if frames_over:  # eager on every path: only the item cap groups them
+            groups += _fill(indices, specs, {}, max_items, float("inf"))
+            continue
+        fitting = {path: limit for path, limit in limits.items() if path not in paths_over}
+        groups += _fill(indices, specs, fitting, max_items, frame_limit)
+    return [_sub_batch(group, specs, budgets, frame_limit) for group in groups]
+
+
+def _fill(
+    order: Sequence[int], specs: Sequence[PackItem], limits: Mapping[str, int], max_items: int, frame_limit: float
+) -> list[list[int]]:
+    """`order`'s items, in order, into groups that stay within `limits` tokens per path, the item
+    cap and the frame cap (each item fits them alone)."""
     groups: list[list[int]] = []
     current: list[int] = []
     totals = dict.fromkeys(limits, 0)
     frames = 0
-    oversize = []
     for index in order:
-        if not fits_alone(index):
-            oversize.append(index)
-            continue
-        overflows = (
+        spec = specs[index]
+        if current and (
             len(current) == max_items
-            or frames + specs[index].frames > frame_limit
-            or any(totals[p] + tokens_of(index, p) > limit for p, limit in limits.items())
-        )
-        if overflows:
+            or frames + spec.frames > frame_limit
+            or any(totals[path] + spec.path_tokens.get(path, 0) > limit for path, limit in limits.items())
+        ):
             groups.append(current)
             current, totals, frames = [], dict.fromkeys(limits, 0), 0
         current.append(index)
-        frames += specs[index].frames
+        frames += spec.frames
         for path in limits:
-            totals[path] += tokens_of(index, path)
+            totals[path] += spec.path_tokens.get(path, 0)
     if current:
         groups.append(current)
-    groups += [oversize[i : i + max_items] for i in range(0, len(oversize), max_items)]
-    return [_sub_batch(group, specs, budgets, frame_limit) for group in groups]
+    return groups
 
 
 def _sub_batch(

@@ -50,6 +50,18 @@ def test_zero_tokens_mean_path_absent_and_oversize_means_eager():
     assert batches[1].eager_reasons == {"a": "tokens over largest budget"}
 
 
+def test_an_item_too_large_for_one_path_still_replays_on_the_other():
+    """Pages of many local tiles: too many for the local graphs, yet each global view replays,
+    packed with the other such pages up to the global budget; a page that fits both goes apart."""
+    items = [Item(1, {"global": 300, "local": 5000}) for _ in range(3)] + [Item(1, {"global": 300, "local": 800})]
+    batches = greedy_pack(items, {"global": [256, 512, 1024], "local": [1024, 4096]}, max_items=8)
+    assert sorted(sorted(b.indices) for b in batches) == [[0, 1, 2], [3]]
+    oversized = next(b for b in batches if 0 in b.indices)
+    assert oversized.budget == {"global": 1024, "local": None}
+    assert oversized.eager_reasons == {"local": "tokens over largest budget"}
+    assert next(b for b in batches if 3 in b.indices).budget == {"global": 512, "local": 1024}
+
+
 def test_path_without_budgets_runs_eager_and_does_not_constrain():
     items = [Item(1, {"a": 10, "b": 10_000}) for _ in range(3)]
     (batch,) = greedy_pack(items, {"a": [64], "b": []}, max_items=8)
@@ -112,6 +124,17 @@ def test_greedy_pack_properties(items, budgets_a, budgets_b, max_items, max_fram
         graphed = any(batch.budget[p] not in (None, 0) for p in budgets)
         if graphed and max_frames is not None:
             assert batch.frames <= max_frames
+        frames_fit = max_frames is None or all(items[i].frames <= max_frames for i in batch.indices)
+        for path, path_budgets in budgets.items():
+            # A path that every item of the sub-batch fits alone replays: an item that overflows
+            # another path does not send this one eager.
+            fits_alone = path_budgets and all(items[i].path_tokens[path] <= path_budgets[-1] for i in batch.indices)
+            if fits_alone and frames_fit and batch.tokens[path]:
+                assert batch.budget[path] is not None, (path, batch)
+        # Items that overflow different paths never share a sub-batch.
+        limits = {path: path_budgets[-1] for path, path_budgets in budgets.items() if path_budgets}
+        over = {frozenset(p for p, limit in limits.items() if items[i].path_tokens[p] > limit) for i in batch.indices}
+        assert len(over) == 1 or not frames_fit
 
 
 @settings(max_examples=200, deadline=None)
