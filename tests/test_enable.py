@@ -11,7 +11,7 @@ from transformers import GenerationConfig
 from encoder_graphs import DecoderGraphRunner, enable_cuda_graphs
 from encoder_graphs.models.presets import PRESETS, build_model
 
-FAMILIES = ["tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl"]
+FAMILIES = ["tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl", "tiny-qwen3.5"]
 NEW_TOKENS = 10
 GRIDS = [(1, 4, 4), (1, 8, 6), (1, 4, 8)]
 

@@ -5,7 +5,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from encoder_graphs.decoder.static_cache import StaticKVStore
+from encoder_graphs.decoder.static_cache import LinearStates, StaticKVStore
+from encoder_graphs.models.seam.text import linear_attention_layers, linear_state_shapes
 from encoder_graphs.packing import generate_budgets
 
 _POWER_BUCKETS = (1, 2, 4, 8, 16, 32)
@@ -56,16 +57,19 @@ class TextDims:
     head_dim: int
     vocab_size: int
     dtype: torch.dtype
+    linear: LinearStates | None = None  # a hybrid model's linear-attention layers
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> "TextDims":
         text = model.config.get_text_config(decoder=True)
+        layers = linear_attention_layers(text)
         return cls(
             num_layers=text.num_hidden_layers,
             num_kv_heads=text.num_key_value_heads,
             head_dim=getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads,
             vocab_size=model.get_output_embeddings().weight.shape[0],
             dtype=model.dtype,
+            linear=LinearStates(layers, *linear_state_shapes(text)) if layers else None,
         )
 
 
@@ -90,6 +94,7 @@ class DecodeBuffers:
             max_cache_len=max_cache_len,
             dtype=dims.dtype,
             device=device,
+            linear=dims.linear,
         )
         self.input_ids = torch.zeros(rows, 1, dtype=torch.long, device=device)
         # Same leading dims as the prefill's position ids ([4] for Qwen-VL: text + 3 M-RoPE axes).
@@ -110,8 +115,9 @@ class DecodeBuffers:
     ) -> None:
         """Set up rows [0, rows) for a decode that continues a prefill of `batch` sequences.
         Rows past `batch` are padded lanes: token 0, position 0, attending only their own new slots
-        (never an empty row, whose softmax would be NaN)."""
+        (never an empty row, whose softmax would be NaN), linear-attention states zeroed."""
         prompt_len = prompt_mask.shape[1]
+        self.store.clear_states(batch)
         self.mask[:rows].zero_()
         self.mask[:batch, :prompt_len].copy_(prompt_mask.bool())
         self.store.slot.fill_(prompt_len)

@@ -30,7 +30,7 @@ from encoder_graphs.engine.capture import GraphCapture, unavailable_reason
 from encoder_graphs.models.registry import family_class
 from encoder_graphs.models.rewrites import Rewrites
 from encoder_graphs.models.seam.generation import generation_position_ids
-from encoder_graphs.models.seam.text import SlotCache, static_rope
+from encoder_graphs.models.seam.text import LINEAR_ATTENTION, SlotCache, static_rope
 from encoder_graphs.models.text.decode import DecodeStack
 from encoder_graphs.models.text.stack import fuse_text_kernels
 from encoder_graphs.packing import smallest_fitting_budget
@@ -117,12 +117,13 @@ class DecoderGraphRunner:
     @staticmethod
     def unsupported(config: PretrainedConfig) -> str | None:
         """Why the decode step of a model of `config` cannot be graphed here, or None. The static
-        cache holds keys and values of full-attention layers only: no sliding window, no linear
-        attention's conv and recurrent states (Qwen3.5's Gated DeltaNet layers)."""
+        cache holds full-attention layers' keys and values and linear-attention layers' conv and
+        recurrent states (Qwen3.5's Gated DeltaNet): no sliding window."""
         text_config = config.get_text_config(decoder=True)
-        kinds = sorted({kind for kind in getattr(text_config, "layer_types", None) or [] if kind != "full_attention"})
+        known = ("full_attention", LINEAR_ATTENTION)
+        kinds = sorted({kind for kind in getattr(text_config, "layer_types", None) or [] if kind not in known})
         if kinds:
-            return f"{' and '.join(kinds)} layers: the static cache holds full-attention layers only"
+            return f"{' and '.join(kinds)} layers: the static cache holds full- and linear-attention layers only"
         return None
 
     # ----- buffers -------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from encoder_graphs.models.seam.attention import (
     packed_sequences,
 )
 from encoder_graphs.models.seam.generation import generation_position_ids
-from encoder_graphs.models.seam.text import SlotCache, dynamic_cache, layer_key_values
+from encoder_graphs.models.seam.text import SlotCache, dynamic_cache, layer_states
 from encoder_graphs.models.text.decode import DecodeStack
 
 KeyValues = list[tuple[torch.Tensor, torch.Tensor]]
@@ -26,7 +26,7 @@ class Prefilled:
     """A prefill's last logits [batch, vocab] (float32), the position ids of the first decode step,
     and its per-layer keys and values: [batch, kv_heads, length, head_dim] in the prompts'
     left-padded layout, or packed [1, kv_heads, tokens, head_dim] with `slots`, each token's
-    (row, slot) in that layout."""
+    (row, slot) in that layout; a linear-attention layer's (conv, recurrent) states instead."""
 
     logits: torch.Tensor
     next_positions: torch.Tensor
@@ -62,7 +62,7 @@ def prefill(
         logits_to_keep=1,
         **model_inputs,
     )
-    return Prefilled(output.logits[:, -1].float(), positions[..., -1:] + 1, layer_key_values(cache))
+    return Prefilled(output.logits[:, -1].float(), positions[..., -1:] + 1, layer_states(cache))
 
 
 def packed_prefill(
@@ -95,7 +95,7 @@ def packed_prefill(
     # Each token's keys and values go to its own (row, column) of the padded prompts: the decode
     # steps attend over the prompts' attention mask.
     slots = real.nonzero(as_tuple=True)
-    return Prefilled(output.logits[0].float(), positions[..., -1:] + 1, layer_key_values(cache), slots)
+    return Prefilled(output.logits[0].float(), positions[..., -1:] + 1, layer_states(cache), slots)
 
 
 def decode_step(

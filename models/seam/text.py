@@ -12,6 +12,14 @@ from transformers import DynamicCache, PretrainedConfig
 # from a list of layers.
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+# 5.17.0, 5.23.0: the cache layer of a linear-attention layer (Qwen3.5's Gated DeltaNet): its
+# `conv_states[0]` [batch, conv_dim, kernel] and `recurrent_states[0]` [batch, heads, k_dim,
+# v_dim]; with `has_previous_state[0]` a one-token step updates the conv state in place
+# (`causal_conv1d_update`) and hands the new recurrent state to `update_recurrent_state`.
+from transformers.cache_utils import LinearAttentionCacheLayerMixin
+
+LINEAR_ATTENTION = "linear_attention"  # 5.17.0, 5.23.0: its name in a text config's `layer_types`
+
 # 5.17.0, 5.23.0: decoder layers, by class name, that `text/decode.py`'s `DecodeLayer` computes
 # over their own modules: pre-norm, q/k/v/o projections (Qwen3: RMSNorm on q and k per head),
 # rotate-half rotary embedding, a gated MLP.
@@ -32,8 +40,34 @@ def dynamic_cache(config: PretrainedConfig) -> Cache:
     return DynamicCache(config=config)
 
 
-def layer_key_values(cache: Cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return [(layer.keys, layer.values) for layer in cache.layers]
+def layer_states(cache: Cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each layer's (keys, values) of a prefill's dynamic cache; a linear-attention layer's
+    (conv state, recurrent state)."""
+    return [
+        (layer.conv_states[0], layer.recurrent_states[0])
+        if isinstance(layer, LinearAttentionCacheLayerMixin)
+        else (layer.keys, layer.values)
+        for layer in cache.layers
+    ]
+
+
+# 5.17.0, 5.23.0: Qwen3.5's Gated DeltaNet convolves q, k and v together (conv_dim channels
+# of `linear_conv_kernel_dim` taps) and keeps an fp32 state per value head (the torch fallback's
+# dtype, and fla's).
+def linear_state_shapes(text_config: PretrainedConfig) -> tuple[tuple[int, int], tuple[int, int, int]]:
+    """The conv state's [conv_dim, kernel] and the recurrent state's [heads, k_dim, v_dim] per
+    sequence of a linear-attention layer."""
+    key_dim = text_config.linear_num_key_heads * text_config.linear_key_head_dim
+    value_dim = text_config.linear_num_value_heads * text_config.linear_value_head_dim
+    conv = (2 * key_dim + value_dim, text_config.linear_conv_kernel_dim)
+    recurrent = (text_config.linear_num_value_heads, text_config.linear_key_head_dim, text_config.linear_value_head_dim)
+    return conv, recurrent
+
+
+def linear_attention_layers(text_config: PretrainedConfig) -> tuple[int, ...]:
+    """The indices of the linear-attention layers (none for a model of full attention only)."""
+    kinds = getattr(text_config, "layer_types", None) or []
+    return tuple(index for index, kind in enumerate(kinds) if kind == LINEAR_ATTENTION)
 
 
 # 5.17.0, 5.23.0: a decoder's `rotary_emb(hidden, position_ids)` gives the (cos, sin) that every
@@ -108,5 +142,28 @@ class SlotLayer(CacheLayerMixin):
         return self.max_cache_len
 
 
+class StateLayer(LinearAttentionCacheLayerMixin):
+    """One linear-attention layer's conv and recurrent states for a decode step, allocated up
+    front (views of the static store): the step updates both in place."""
+
+    def __init__(self, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
+        super().__init__()
+        self.conv_states[0], self.recurrent_states[0] = conv, recurrent
+        self.is_conv_states_initialized[0] = self.is_recurrent_states_initialized[0] = True
+        self.has_previous_state[0] = True
+        self.conv_kernel_size[0] = conv.shape[-1]
+        self.device, self.dtype = conv.device, conv.dtype
+
+    def lazy_initialization(self, *args, **kwargs) -> None:
+        raise RuntimeError("StateLayer is allocated up front")
+
+    def update_conv_state(self, conv_states: torch.Tensor, state_idx: int = 0, **kwargs) -> torch.Tensor:
+        raise RuntimeError("StateLayer takes one token per step: its conv state is updated in place")
+
+    def update_recurrent_state(self, recurrent_states: torch.Tensor, state_idx: int = 0, **kwargs) -> torch.Tensor:
+        self.recurrent_states[0].copy_(recurrent_states)
+        return self.recurrent_states[0]
+
+
 class SlotCache(Cache):
-    """A `Cache` of `SlotLayer`s: `SlotCache(layers)`."""
+    """A `Cache` of `SlotLayer`s (and `StateLayer`s): `SlotCache(layers)`."""
