@@ -9,12 +9,14 @@ own (CUDA events, p50):
 Beside each: the kernels one step launches, their summed time and the costliest by name
 (torch.profiler over one eager step: the graph holds the same kernels), and the floors: the text
 stack's and lm_head's weight bytes, plus the keys and values of the slots the timed steps attend
-(each lane starts with a prompt that fills the tier but for the steps' own slots), read once at
-the measured copy rate.
+(each lane starts with a prompt that fills the tier but for the steps' own slots) and, for a
+hybrid model (Qwen3.5), each lane's linear-attention states read and written, at the measured
+copy rate. A model whose decoder layers the fused step does not know runs the first way only.
     python3 benchmarks/bench_decode.py [--quick] [--presets qwen2.5-vl-3b,qwen3-vl-2b] [--json out.json]
 """
 
 import argparse
+import math
 import time
 
 import torch
@@ -27,6 +29,8 @@ from encoder_graphs.decoder.step import decode_step
 from encoder_graphs.engine.compile import compile_blocks
 from encoder_graphs.models.presets import build_model
 from encoder_graphs.models.rewrites import Rewrites
+from encoder_graphs.models.seam.text import linear_attention_layers, linear_state_shapes
+from encoder_graphs.models.text.decode import DecodeStack
 
 BUCKETS = (1, 8, 64)
 TOP_KERNELS = 12
@@ -95,13 +99,27 @@ def measure(model, tier: int, fused: bool, compiled: bool) -> dict:
 
 
 def kv_bytes_per_slot(model) -> int:
+    """Keys and values of one slot over the full-attention layers."""
     text = model.config.get_text_config(decoder=True)
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    return 2 * text.num_hidden_layers * text.num_key_value_heads * head_dim * model.dtype.itemsize
+    full_layers = text.num_hidden_layers - len(linear_attention_layers(text))
+    return 2 * full_layers * text.num_key_value_heads * head_dim * model.dtype.itemsize
+
+
+def state_bytes_per_row(model) -> int:
+    """The linear-attention layers' conv and recurrent states of one sequence, each read and
+    written once a step (none for a model of full attention only)."""
+    text = model.config.get_text_config(decoder=True)
+    layers = linear_attention_layers(text)
+    if not layers:
+        return 0
+    conv, recurrent = linear_state_shapes(text)
+    per_layer = math.prod(conv) * model.dtype.itemsize + math.prod(recurrent) * 4  # the recurrence in fp32
+    return 2 * len(layers) * per_layer
 
 
 def table(results: list[dict]) -> str:
-    floor_column = "floor ms (weights + KV attended)"
+    floor_column = "floor ms (weights + KV attended + linear states)"
     header = ["preset", "batch", "step", "replay ms", "kernels", "kernel ms", floor_column, "vs floor"]
     rows = []
     for result in results:
@@ -137,8 +155,9 @@ def main() -> None:
     for preset in presets.split(","):
         model = build_model(preset, dtype=torch.bfloat16, device="cuda")
         weights = weight_bytes_per_step(model)
-        kv = kv_bytes_per_slot(model) * slots_attended(args.tier - STEPS_ROOM)
-        variants = {name: measure(model, args.tier, *how) for name, how in VARIANTS.items()}
+        kv = kv_bytes_per_slot(model) * slots_attended(args.tier - STEPS_ROOM) + state_bytes_per_row(model)
+        fusable = DecodeStack.supports(model)  # else only the model's own forward (Qwen3.5's hybrid layers)
+        variants = {name: measure(model, args.tier, *how) for name, how in VARIANTS.items() if fusable or not how[0]}
         results.append(
             {
                 "preset": preset,
