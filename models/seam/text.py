@@ -9,14 +9,11 @@ from transformers import DynamicCache, PretrainedConfig
 
 # 5.17.0, 5.23.0: the cache layer API the decoder's static cache implements (update, lazy init,
 # mask sizes, sequence length; is_compileable / is_sliding / is_initialized), and a Cache built
-# from a list of layers.
-from transformers.cache_utils import Cache, CacheLayerMixin
-
-# 5.17.0, 5.23.0: the cache layer of a linear-attention layer (Qwen3.5's Gated DeltaNet): its
+# from a list of layers. A linear-attention layer's (Qwen3.5's Gated DeltaNet) cache layer keeps
 # `conv_states[0]` [batch, conv_dim, kernel] and `recurrent_states[0]` [batch, heads, k_dim,
 # v_dim]; with `has_previous_state[0]` a one-token step updates the conv state in place
 # (`causal_conv1d_update`) and hands the new recurrent state to `update_recurrent_state`.
-from transformers.cache_utils import LinearAttentionCacheLayerMixin
+from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionCacheLayerMixin
 
 LINEAR_ATTENTION = "linear_attention"  # 5.17.0, 5.23.0: its name in a text config's `layer_types`
 
