@@ -43,7 +43,12 @@ class StaticKVStore:
         linear: LinearStates | None = None,
     ) -> None:
         linear_layers = linear.layers if linear is not None else ()
-        self.kinds = ["linear" if layer in linear_layers else "full" for layer in range(num_layers)]
+        # Each layer's kind and its index among the layers of that kind (into `kv` or the states).
+        self.layers = [
+            ("linear", linear_layers.index(layer)) if layer in linear_layers
+            else ("full", layer - sum(1 for other in linear_layers if other < layer))
+            for layer in range(num_layers)
+        ]
         shape = (2, num_layers - len(linear_layers), rows, num_kv_heads, max_cache_len, head_dim)
         # Zeros, not empty: masked slots still meet a 0 weight in attention, and 0 * NaN is NaN.
         self.kv = torch.zeros(shape, dtype=dtype, device=device)
@@ -59,15 +64,6 @@ class StaticKVStore:
     def nbytes(self) -> int:
         return self.kv.nbytes + self.conv.nbytes + self.recurrent.nbytes
 
-    def _indices(self) -> list[tuple[str, int]]:
-        """Each layer's kind and its index among the layers of that kind."""
-        seen = {"full": 0, "linear": 0}
-        indices = []
-        for kind in self.kinds:
-            indices.append((kind, seen[kind]))
-            seen[kind] += 1
-        return indices
-
     def cache(self, rows: int, length: int) -> SlotCache:
         """A cache over slots [0, length) of the first `rows` sequences (prefix views: no copy)."""
         if rows > self.rows or length > self.max_cache_len:
@@ -78,7 +74,7 @@ class StaticKVStore:
             StateLayer(self.conv[index, :rows], self.recurrent[index, :rows])
             if kind == "linear"
             else SlotLayer(self.kv[0, index, :rows, :, :length], self.kv[1, index, :rows, :, :length], self.slot)
-            for kind, index in self._indices()
+            for kind, index in self.layers
         ]
         return SlotCache(layers)
 
@@ -94,7 +90,7 @@ class StaticKVStore:
         slots [0, length) of the first `batch` rows; or, packed [1, heads, tokens, dim], each token
         to its (row, slot) in `slots`. A linear-attention layer's (conv, recurrent) states go to
         its first `batch` rows."""
-        for (kind, index), (first, second) in zip(self._indices(), layer_states, strict=True):
+        for (kind, index), (first, second) in zip(self.layers, layer_states, strict=True):
             if kind == "linear":
                 self.conv[index, : first.shape[0]].copy_(first)
                 self.recurrent[index, : second.shape[0]].copy_(second)
