@@ -92,3 +92,20 @@ def test_batch_size_for_steps_of_8_and_bounds():
     assert batch_size_for(RESERVE_BYTES + 9 * GIB, one) == 16  # 18 fit: a multiple of 8
     assert batch_size_for(RESERVE_BYTES + 100 * GIB, one) == 64
     assert batch_size_for(RESERVE_BYTES, one) == batch_size_for(0, one) == 1
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3.5", "qwen3.5-vision", "qwen2.5-vl-3b"])
+def test_cache_arithmetic_equals_the_static_store(name):
+    """The sizes count what the decoder's static store allocates: keys and values for attention
+    layers only, a hybrid model's linear layers their conv and fp32 recurrent states."""
+    from encoder_graphs.decoder.buffers import TextDims
+    from encoder_graphs.decoder.static_cache import StaticKVStore
+
+    model = build_model(name, dtype=torch.bfloat16, device="meta")
+    sizes = TextSizes.of(model.config.get_text_config(decoder=True), 2)
+    dims = TextDims.of(model)
+    store = StaticKVStore(num_layers=dims.num_layers, rows=3, num_kv_heads=dims.num_kv_heads, head_dim=dims.head_dim,
+                          max_cache_len=100, dtype=torch.bfloat16, device=torch.device("meta"), linear=dims.linear)
+    assert sizes.linear_layers == (len(dims.linear.layers) if dims.linear else 0)
+    assert store.nbytes == 3 * (100 * sizes.kv_bytes_per_token + sizes.state_bytes // 2)
+    assert (sizes.linear_layers > 0) == name.startswith(("tiny-qwen3.5", "qwen3.5"))

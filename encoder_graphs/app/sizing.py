@@ -1,8 +1,9 @@
 """`--batch-size auto`: the most sequences the GPU memory left after the weights holds, counted
 from the language model's sizes and the resolution policy's longest sequence, not guessed.
 
-A sequence holds, for the whole run, its rows of the decoder's static KV cache (`longest` slots)
-and its logits; while its batch is prefilled it also holds the prefill's own keys and values,
+A sequence holds, for the whole run, its rows of the decoder's static KV cache (`longest` slots;
+Qwen3.5's linear-attention layers hold fixed-size conv and recurrent states instead) and its
+logits; while its batch is prefilled it also holds the prefill's own keys and values,
 the widest layer's activations (the MLP: gate, up and their product) over its prompt, and its
 pixels, features and prompt embeddings. The encoder's eager work is bounded by its largest
 budget (`EncoderCudaGraphManager` packs even eager sub-batches into budgets), so it sits in the
@@ -10,6 +11,8 @@ fixed reserve with the graph pools and library workspaces.
 """
 
 from dataclasses import dataclass
+
+from encoder_graphs.models.seam.text import linear_attention_layers, linear_state_shapes
 
 GIB = 2**30
 # Graph pools (the encoder's ~0.75 GiB at budgets up to 4096 tokens, the decoder's), the encoder's
@@ -35,16 +38,27 @@ class TextSizes:
     head_dim: int
     vocab_size: int
     dtype_bytes: int
+    # Layers of linear attention (no keys and values; a fixed state per sequence), and that state.
+    linear_layers: int = 0
+    linear_state_bytes: int = 0
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():
-            if value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
+            least = 0 if name.startswith("linear") else 1
+            if value < least:
+                raise ValueError(f"{name} must be >= {least}, got {value}")
+        if self.linear_layers >= self.num_layers:
+            raise ValueError(f"linear_layers {self.linear_layers} leaves no attention layer of {self.num_layers}")
 
     @classmethod
     def of(cls, text_config: object, dtype_bytes: int) -> "TextSizes":
         """From a transformers text config (`config.get_text_config(decoder=True)`)."""
         heads = text_config.num_attention_heads
+        linear = len(linear_attention_layers(text_config))
+        state_bytes = 0
+        if linear:
+            (channels, taps), (value_heads, key_dim, value_dim) = linear_state_shapes(text_config)
+            state_bytes = channels * taps * dtype_bytes + value_heads * key_dim * value_dim * 4  # the recurrent state is fp32
         return cls(
             num_layers=text_config.num_hidden_layers,
             hidden_size=text_config.hidden_size,
@@ -54,11 +68,18 @@ class TextSizes:
             head_dim=getattr(text_config, "head_dim", None) or text_config.hidden_size // heads,
             vocab_size=text_config.vocab_size,
             dtype_bytes=dtype_bytes,
+            linear_layers=linear,
+            linear_state_bytes=state_bytes,
         )
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+        return 2 * (self.num_layers - self.linear_layers) * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+    @property
+    def state_bytes(self) -> int:
+        """The linear-attention layers' states of one sequence (twice: the prefill's and the static store's)."""
+        return 2 * self.linear_layers * self.linear_state_bytes
 
 
 @dataclass(frozen=True)
@@ -80,7 +101,7 @@ def sequence_memory(sizes: TextSizes, longest: int, longest_prompt: int) -> Sequ
     if not 0 < longest_prompt <= longest:
         raise ValueError(f"longest_prompt {longest_prompt} must be in [1, longest {longest}]")
     item = sizes.dtype_bytes
-    resident = sizes.kv_bytes_per_token * longest + sizes.vocab_size * (4 + 2 * item)  # logits, fp32 and model dtype
+    resident = sizes.kv_bytes_per_token * longest + sizes.state_bytes + sizes.vocab_size * (4 + 2 * item)  # logits, fp32 and model dtype
     widest = 2 * sizes.hidden_size + 3 * sizes.intermediate_size + (sizes.num_heads + 2 * sizes.num_kv_heads) * sizes.head_dim
     per_prompt_token = (
         sizes.kv_bytes_per_token  # the prefill's own cache, copied into the static one after
