@@ -52,7 +52,7 @@ FAMILIES = {
     "qwen2.5-vl": "qwen2.5-vl-3b",
     "qwen3-vl": "qwen3-vl-2b",
     "internvl": "internvl3.5-2b",
-    "qwen3.5": "qwen3.5-vision",  # the real-size tower; its language model 4 layers of the default width
+    "qwen3.5": "qwen3.5-2b",
 }
 TINY_FAMILIES = {family: f"tiny-{family}" for family in FAMILIES}
 SEEDS = (0, 1, 2)  # the workloads a family's targets are judged over, pooled

@@ -69,6 +69,20 @@ PUBLIC_INTERNVL = {
         image_token_id=151667, rope="dynamic", tie=False,
     ),
 }
+# Qwen/Qwen3.5-0.8B, -2B, -4B config.json: (text, tower) key fields.
+QWEN3_5_SHARED = dict(head_dim=256, linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
+                      linear_num_key_heads=16, vocab_size=248320)
+PUBLIC_QWEN3_5 = {
+    "qwen3.5-0.8b": (dict(hidden_size=1024, intermediate_size=3584, num_hidden_layers=24, num_attention_heads=8,
+                          num_key_value_heads=2, linear_num_value_heads=16),
+                     dict(depth=12, hidden_size=768, intermediate_size=3072, num_heads=12, out_hidden_size=1024)),
+    "qwen3.5-2b": (dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=24, num_attention_heads=8,
+                        num_key_value_heads=2, linear_num_value_heads=16),
+                   dict(depth=24, hidden_size=1024, intermediate_size=4096, num_heads=16, out_hidden_size=2048)),
+    "qwen3.5-4b": (dict(hidden_size=2560, intermediate_size=9216, num_hidden_layers=32, num_attention_heads=16,
+                        num_key_value_heads=4, linear_num_value_heads=32),
+                   dict(depth=24, hidden_size=1024, intermediate_size=4096, num_heads=16, out_hidden_size=2560)),
+}
 TINY = [name for name in PRESETS if name.startswith("tiny-")]
 
 
@@ -87,9 +101,8 @@ def test_real_preset_matches_public_config(name):
 
 
 def test_qwen3_5_vision_preset_is_the_default_tower_of_transformers():
-    """qwen3.5-vision: the tower at transformers' Qwen3_5VisionConfig defaults as of 5.17.0 (no
-    public small Qwen3.5 config was checked), pinned here, feeding one block of the hybrid
-    language model."""
+    """qwen3.5-vision: the tower at transformers' Qwen3_5VisionConfig defaults as of 5.17.0 (the
+    9B's and larger sizes'), pinned here, feeding one block of the hybrid language model."""
     config = get_config("qwen3.5-vision")
     tower = dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, patch_size=16, spatial_merge_size=2,
                  temporal_patch_size=2, num_position_embeddings=2304, hidden_act="gelu_pytorch_tanh")
@@ -97,6 +110,24 @@ def test_qwen3_5_vision_preset_is_the_default_tower_of_transformers():
         assert getattr(config.vision_config, key) == value, key
     assert config.vision_config.out_hidden_size == config.text_config.hidden_size
     assert config.text_config.layer_types == ["linear_attention"] * 3 + ["full_attention"]
+
+
+@pytest.mark.parametrize("name", sorted(PUBLIC_QWEN3_5))
+def test_real_qwen3_5_preset_matches_public_config(name):
+    config = get_config(name)
+    text, tower = PUBLIC_QWEN3_5[name]
+    for key, value in {**QWEN3_5_SHARED, **text}.items():
+        assert getattr(config.text_config, key) == value, key
+    for key, value in dict(tower, patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
+                           num_position_embeddings=2304, deepstack_visual_indexes=[]).items():
+        assert getattr(config.vision_config, key, []) == value, key
+    layers = config.text_config.num_hidden_layers
+    assert config.text_config.layer_types == ["linear_attention", "linear_attention", "linear_attention",
+                                              "full_attention"] * (layers // 4)
+    rope = config.text_config.rope_parameters
+    assert (rope["mrope_section"], rope["rope_theta"], rope["partial_rotary_factor"]) == ([11, 11, 10], 1e7, 0.25)
+    assert rope["mrope_interleaved"] and config.tie_word_embeddings
+    assert (config.image_token_id, config.video_token_id, config.vision_start_token_id) == (248056, 248057, 248053)
 
 
 @pytest.mark.parametrize("name", sorted(PUBLIC_INTERNVL))
@@ -115,7 +146,7 @@ def test_real_internvl_preset_matches_public_config(name):
 
 
 def test_every_preset_is_a_supported_architecture():
-    assert set(PUBLIC) | set(PUBLIC_INTERNVL) | set(TINY) | {"qwen3.5-vision"} == set(PRESETS)
+    assert set(PUBLIC) | set(PUBLIC_QWEN3_5) | set(PUBLIC_INTERNVL) | set(TINY) | {"qwen3.5-vision"} == set(PRESETS)
     for name in PRESETS:
         assert PRESETS[name].model_class.__name__ in supported_architectures()
 

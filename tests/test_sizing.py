@@ -55,6 +55,7 @@ def plan(
         ("qwen2.5-vl-3b", None, None, False, 1),  # the checkpoint's 16384 tokens an image
         ("qwen2-vl-2b", DEFAULT_IMAGE_TOKENS, None, False, 32),
         ("qwen3-vl-2b", DEFAULT_IMAGE_TOKENS, None, False, 16),
+        ("qwen3.5-2b", DEFAULT_IMAGE_TOKENS, None, False, 32),  # 6 of 24 layers hold keys and values
         ("internvl3.5-2b", None, None, False, 16),  # 12 tiles and a thumbnail: 3,328 tokens
     ],
 )
@@ -94,7 +95,7 @@ def test_batch_size_for_steps_of_8_and_bounds():
     assert batch_size_for(RESERVE_BYTES, one) == batch_size_for(0, one) == 1
 
 
-@pytest.mark.parametrize("name", ["tiny-qwen3.5", "qwen3.5-vision", "qwen2.5-vl-3b"])
+@pytest.mark.parametrize("name", ["tiny-qwen3.5", "qwen3.5-2b", "qwen2.5-vl-3b"])
 def test_cache_arithmetic_equals_the_static_store(name):
     """The sizes count what the decoder's static store allocates: keys and values for attention
     layers only, a hybrid model's linear layers their conv and fp32 recurrent states."""

@@ -1,6 +1,5 @@
-"""Qwen2-VL, Qwen2.5-VL and Qwen3-VL presets: real sizes (values from the public config.json files)
-and tiny CPU ones; Qwen3.5 as a tiny one and its tower at transformers' defaults (no public small
-config was checked)."""
+"""Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3.5 presets: real sizes (values from the public
+config.json files) and tiny CPU ones."""
 
 from typing import Any
 
@@ -68,6 +67,63 @@ _TINY_QWEN3_VISION = dict(
     temporal_patch_size=2,
     num_position_embeddings=144,
 )
+
+
+# What the small Qwen3.5 checkpoints share (Qwen/Qwen3.5-0.8B, -2B, -4B, -9B config.json): every
+# fourth layer full attention (head_dim 256, a quarter of it rotary, gated output), the others
+# Gated DeltaNet with 16 key heads of 128; Qwen3's 16 px tower without deepstack. <|endoftext|> and
+# <|im_end|> ids as in qwen3.5-vision.
+_QWEN3_5_TEXT = dict(
+    vocab_size=248320,
+    head_dim=256,
+    linear_conv_kernel_dim=4,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_num_key_heads=16,
+    max_position_embeddings=262144,
+    rms_norm_eps=1e-6,
+    rope_parameters=_mrope([11, 11, 10], 10_000_000.0, mrope_interleaved=True, partial_rotary_factor=0.25),
+    bos_token_id=248044,
+    eos_token_id=248046,
+)
+_QWEN3_5_VISION = dict(
+    hidden_act="gelu_pytorch_tanh",
+    patch_size=16,
+    spatial_merge_size=2,
+    temporal_patch_size=2,
+    num_position_embeddings=2304,
+)
+
+
+def _qwen3_5(
+    layers: int, hidden: int, intermediate: int, heads: int, value_heads: int, tower: tuple[int, int, int, int]
+) -> Preset:
+    """Language model: layers, width, MLP width, query heads (a quarter as KV heads), Gated DeltaNet
+    value heads. Tower: depth, width, MLP width, heads."""
+    depth, width, mlp, tower_heads = tower
+    return Preset(
+        Qwen3_5Config,
+        Qwen3_5ForConditionalGeneration,
+        Qwen3_5VisionModel,
+        text=dict(
+            _QWEN3_5_TEXT,
+            hidden_size=hidden,
+            intermediate_size=intermediate,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=heads // 4,
+            linear_num_value_heads=value_heads,
+        ),
+        vision=dict(
+            _QWEN3_5_VISION,
+            depth=depth,
+            hidden_size=width,
+            intermediate_size=mlp,
+            num_heads=tower_heads,
+            out_hidden_size=hidden,
+        ),
+        extra=dict(tie_word_embeddings=True),
+    )
 
 
 QWEN_PRESETS: dict[str, Preset] = {
@@ -228,11 +284,9 @@ QWEN_PRESETS: dict[str, Preset] = {
         vision=dict(_TINY_QWEN3_VISION, deepstack_visual_indexes=[1, 2]),
         extra=dict(tie_word_embeddings=False, **_TINY_TOKENS),
     ),
-    # The Qwen3.5 tower at transformers' Qwen3_5VisionConfig defaults (5.17.0; its docs cite
-    # Qwen/Qwen3.5-27B, and the Qwen3.5 configs published so far share the tower), feeding a
-    # 4096-wide language model cut to one block of four layers (three Gated DeltaNet, one full
-    # attention): the vision side at real size, in little memory. No public small config was at
-    # hand to check the language model against.
+    # The Qwen3.5 tower at transformers' Qwen3_5VisionConfig defaults (5.17.0: Qwen3.5-9B's and the
+    # larger sizes' tower), feeding a 4096-wide language model cut to one block of four layers
+    # (three Gated DeltaNet, one full attention): the vision side at real size, in little memory.
     "qwen3.5-vision": Preset(
         Qwen3_5Config,
         Qwen3_5ForConditionalGeneration,
@@ -243,6 +297,10 @@ QWEN_PRESETS: dict[str, Preset] = {
         vision=dict(out_hidden_size=4096),
         extra=dict(tie_word_embeddings=False),
     ),
+    # Qwen/Qwen3.5-0.8B, -2B, -4B
+    "qwen3.5-0.8b": _qwen3_5(24, 1024, 3584, 8, 16, tower=(12, 768, 3072, 12)),
+    "qwen3.5-2b": _qwen3_5(24, 2048, 6144, 8, 16, tower=(24, 1024, 4096, 16)),
+    "qwen3.5-4b": _qwen3_5(32, 2560, 9216, 16, 32, tower=(24, 1024, 4096, 16)),
     # Qwen3.5's shape in miniature: three Gated DeltaNet layers, then one of full attention with
     # partial rotary (a quarter of each head), and the Qwen3-VL tower without deepstack.
     "tiny-qwen3.5": Preset(
