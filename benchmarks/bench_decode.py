@@ -1,20 +1,17 @@
-"""The decode step alone: one graph replay per batch bucket, two or three ways, against the floor.
+"""The decode step alone: one graph replay per batch bucket, three ways, against the floor.
 
 For each preset (real-size config, random weights, bf16), a `DecoderGraphRunner` captures its
 decode step at batch buckets 1, 8 and 64 over one length tier, and each graph is replayed on its
 own (CUDA events, p50):
 - `model forward`: the step through the model's own forward (transformers' layers);
 - `fused layers`: the step through `DecodeLayer`s (models/text/decode.py), uncompiled;
-- `fused layers, compiled`: the same layers after `torch.compile` (what `compile=True` runs);
-- `model forward, compiled`: for a model whose decoder layers the fused step does not know
-  (Qwen3.5's hybrid ones), those layers compiled for one-token calls (what `compile=True` runs),
-  in place of the two fused ways.
+- `fused layers, compiled`: the same layers after `torch.compile` (what `compile=True` runs).
 Beside each: the kernels one step launches, their summed time and the costliest by name
 (torch.profiler over one eager step: the graph holds the same kernels), and the floors: the text
 stack's and lm_head's weight bytes, plus the keys and values of the slots the timed steps attend
 (each lane starts with a prompt that fills the tier but for the steps' own slots) and, for a
 hybrid model (Qwen3.5), each lane's linear-attention states read and written, at the measured
-copy rate.
+copy rate. A model whose decoder layers the fused step does not know runs the first way only.
     python3 benchmarks/bench_decode.py [--quick] [--presets qwen2.5-vl-3b,qwen3-vl-2b] [--json out.json]
 """
 
@@ -37,12 +34,7 @@ from encoder_graphs.models.text.decode import DecodeStack
 
 BUCKETS = (1, 8, 64)
 TOP_KERNELS = 12
-VARIANTS = {
-    "model forward": (False, False),
-    "model forward, compiled": (False, True),  # where the layers cannot be fused, as compile=True does
-    "fused layers": (True, False),
-    "fused layers, compiled": (True, True),
-}
+VARIANTS = {"model forward": (False, False), "fused layers": (True, False), "fused layers, compiled": (True, True)}
 
 
 WARMUP, ITERS = 3, 30
@@ -89,10 +81,7 @@ def measure(model, tier: int, fused: bool, compiled: bool) -> dict:
     )
     started = time.perf_counter()
     rewrites = Rewrites()
-    compiled_layers = None
-    if compiled:  # as enable_cuda_graphs(compile=True): the fused layers, or the model's for one-token calls
-        step_layers = [] if fused else list(model.get_decoder().layers)
-        compiled_layers = compile_blocks(runner.stack.layers if fused else [], runner.warm_up, rewrites, step_layers)
+    compiled_layers = compile_blocks(runner.stack.layers, runner.warm_up, rewrites) if compiled else None
     runner.capture()
     setup_s = time.perf_counter() - started
     rows = {}
@@ -168,9 +157,7 @@ def main() -> None:
         weights = weight_bytes_per_step(model)
         kv = kv_bytes_per_slot(model) * slots_attended(args.tier - STEPS_ROOM) + state_bytes_per_row(model)
         fusable = DecodeStack.supports(model)  # else only the model's own forward (Qwen3.5's hybrid layers)
-        # Fused layers where the decoder knows the layers, else the model's own compiled as a fallback.
-        wanted = {name: how for name, how in VARIANTS.items() if how[0] == fusable or name == "model forward"}
-        variants = {name: measure(model, args.tier, *how) for name, how in wanted.items()}
+        variants = {name: measure(model, args.tier, *how) for name, how in VARIANTS.items() if fusable or not how[0]}
         results.append(
             {
                 "preset": preset,
