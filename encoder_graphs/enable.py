@@ -198,17 +198,15 @@ def _compile(
     norms (its prefill) and the decode step's layers, compiled by warm-ups of each before any capture."""
     if runner is None:
         return compile_blocks(adapter.repeated_blocks(), manager.warm_up, rewrites)
-    # The decode step's layers: the runner's fused ones, or else the model's own, for one-token calls.
     decode_layers = runner.stack.layers if runner.stack is not None else []
-    step_layers = [] if decode_layers else list(model.get_decoder().layers)
 
     def warm_up() -> None:
         manager.warm_up()
         warm_up_parts(model)
-        runner.warm_up()
+        if decode_layers:
+            runner.warm_up()
 
-    blocks = [*adapter.repeated_blocks(), *pointwise_parts(model), *decode_layers]
-    return compile_blocks(blocks, warm_up, rewrites, step_blocks=step_layers)
+    return compile_blocks([*adapter.repeated_blocks(), *pointwise_parts(model), *decode_layers], warm_up, rewrites)
 
 
 def _graphed_generate(handle: EncoderGraphsHandle, runner: DecoderGraphRunner, original: Callable) -> Callable:

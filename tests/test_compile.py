@@ -91,29 +91,3 @@ def test_compiled_decode_layers_generate_the_stock_tokens(name):
     finally:
         handle.disable()
     assert all(part._compiled_call_impl is None for part in parts)
-
-
-def test_a_hybrid_models_decode_layers_compile_for_one_token_calls_only():
-    """Qwen3.5 (layers the runner cannot fuse): the model's own decoder layers compiled for the
-    decode step's one-token calls, the prefill's longer calls stock (a chunked Gated DeltaNet
-    would recompile per prompt length); `generate`'s tokens (fp32) and no recompilation after
-    the warm-up; disable() gives the stock forward back."""
-    model = build_model("tiny-qwen3.5", seed=4)
-    layers = list(model.get_decoder().layers)
-    calls = [
-        make_batch(model.config, grids=[(1, 4, 4), (1, 8, 6)], seed=1),
-        make_batch(model.config, grids=[(1, 8, 8), (1, 4, 4), (1, 4, 6)], seed=3),
-    ]
-    expected = [hf_generate(model, inputs, eos_token_id=NO_EOS) for inputs in calls]
-    handle = enable_cuda_graphs(model, compile=True, decoder_max_batch_size=4, decoder_max_cache_len=96)
-    try:
-        assert handle.decoder.stack is None and all("forward" in vars(layer) for layer in layers)
-        parts = [*model.model.visual.blocks, *pointwise_parts(model), *layers]
-        compile_stats = handle.stats()["encoder"]["compile"]
-        assert compile_stats["blocks"] == len(parts) and compile_stats["error"] is None
-        with torch._dynamo.config.patch(error_on_recompile=True):
-            for inputs, want in zip(calls, expected, strict=True):
-                assert torch.equal(hf_generate(model, inputs, eos_token_id=NO_EOS), want)
-    finally:
-        handle.disable()
-    assert not any("forward" in vars(layer) for layer in layers)

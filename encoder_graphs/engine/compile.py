@@ -9,20 +9,13 @@ compiled code (the seam registers its backends `torch.compiler.disable`d): its h
 dynamo's limit of 8 left later blocks uncompiled. Dense attention of one shape
 per tile (InternViT's stock sdpa) is compiled in. While compiled, every call of the blocks runs
 the compiled code, stock-only calls (per-layer outputs) included; the `Rewrites` undo ends that.
-
-`step_blocks` are compiled for their one-token calls only (a decode step of a language model
-whose layers the decoder cannot run as its own fused `DecodeLayer`s: Qwen3.5's): a prefill's
-calls run the stock forward, since Gated DeltaNet's chunked prefill loops over chunks of its
-length, which would recompile for every new prompt length.
 """
 
 import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
-import torch
 from torch import nn
 
 from encoder_graphs.models.rewrites import Rewrites
@@ -41,23 +34,16 @@ class CompiledBlocks:
         return {"blocks": self.blocks, "seconds": self.seconds, "error": self.error}
 
 
-def compile_blocks(
-    blocks: Sequence[nn.Module],
-    warm_up: Callable[[], None],
-    rewrites: Rewrites,
-    step_blocks: Sequence[nn.Module] = (),
-) -> CompiledBlocks:
-    """Compile `blocks` in place (and `step_blocks` for their one-token calls), until `rewrites`
-    is undone, and run `warm_up` (which must call them) to compile now, before any capture. A
-    compiler failure is reported in the result and the blocks stay uncompiled."""
-    compiled = CompiledBlocks(len(blocks) + len(step_blocks))
+def compile_blocks(blocks: Sequence[nn.Module], warm_up: Callable[[], None], rewrites: Rewrites) -> CompiledBlocks:
+    """Compile `blocks` in place, until `rewrites` is undone, and run `warm_up` (which must call
+    them) to compile now, before any capture. A compiler failure is reported in the result and
+    the blocks stay uncompiled."""
+    compiled = CompiledBlocks(len(blocks))
     own = Rewrites()
     rewrites.push(own.undo)
     for block in blocks:
         own.keep(block, "_compiled_call_impl")  # what nn.Module.compile() sets; torch 2.11, 2.13
         block.compile(dynamic=True)
-    for block in step_blocks:
-        own.patch(block, "forward", _one_token_compiled(block.forward))
     started = time.perf_counter()
     try:
         warm_up()
@@ -68,15 +54,3 @@ def compile_blocks(
         warnings.warn(f"torch.compile of the encoder blocks failed; they run uncompiled: {compiled.error}", stacklevel=2)
     compiled.seconds = time.perf_counter() - started
     return compiled
-
-
-def _one_token_compiled(forward: Callable[..., Any]) -> Callable[..., Any]:
-    """`forward` compiled for calls over one token a sequence ([batch, 1, hidden]); the stock one
-    for longer ones."""
-    compiled = torch.compile(forward, dynamic=True)
-
-    def dispatch(*args: Any, **kwargs: Any) -> Any:
-        hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-        return (compiled if hidden.shape[1] == 1 else forward)(*args, **kwargs)
-
-    return dispatch
