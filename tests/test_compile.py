@@ -67,7 +67,7 @@ def test_the_undo_gives_back_a_compilation_made_before():
     assert blocks[0]._compiled_call_impl is users and "_compiled_call_impl" not in vars(blocks[1])
 
 
-@pytest.mark.parametrize("name", ["tiny-qwen2-vl", "tiny-qwen3-vl"])
+@pytest.mark.parametrize("name", ["tiny-qwen2-vl", "tiny-qwen3-vl", "tiny-qwen3.5"])
 def test_compiled_decode_layers_generate_the_stock_tokens(name):
     """The decode step's layers and the prefill's MLPs and norms compiled with the encoder:
     `generate`'s tokens (fp32; the runner's eager path on the CPU); the warm-up compiled every

@@ -69,12 +69,17 @@ def assert_kernels_took_the_weights(model: torch.nn.Module, handle) -> None:
     """What enable rewrote on this GPU: stacked projections everywhere, and where the Triton
     kernels run the language model's norms and MLPs (gate and up interleaved); on Qwen2.5-VL the
     window attention, the fused MLPs and the chained blocks too."""
-    if handle.decoder.stack is None:  # Qwen3.5's hybrid layers: the model's own forward, nothing rewritten
-        assert model.config.model_type == "qwen3_5"
-        return
-    layer = model.get_decoder().layers[0]
+    def shared(first: torch.nn.Module, last: torch.nn.Module) -> bool:
+        return first.weight.untyped_storage().data_ptr() == last.weight.untyped_storage().data_ptr()
+
+    layers = model.get_decoder().layers
+    layer = next(layer for layer in layers if hasattr(layer, "self_attn"))
     attention = layer.self_attn
-    assert attention.q_proj.weight.untyped_storage().data_ptr() == attention.v_proj.weight.untyped_storage().data_ptr()
+    assert shared(attention.q_proj, attention.v_proj)
+    if model.config.model_type == "qwen3_5":  # Gated DeltaNet's four input projections; its norms and MLPs are its own
+        net = layers[0].linear_attn
+        assert shared(net.in_proj_qkv, net.in_proj_a)
+        return
     if triton_runs(attention.q_proj.weight.device):
         assert "forward" in layer.input_layernorm.__dict__ and "forward" in layer.post_attention_layernorm.__dict__
         assert "forward" in layer.mlp.__dict__

@@ -1,8 +1,10 @@
 """The decoder runner over a hybrid language model (Qwen3.5: Gated DeltaNet linear-attention layers
 beside full attention), on the CPU (eager path, the same step function the graphs hold): its
 static cache holds the full-attention layers' keys and values and the linear-attention layers'
-conv and recurrent states; prefill writes them, each step updates them in place. Tokens identical
-to `generate`, fp32. A tiny Qwen3.5, saved and reloaded for real."""
+conv and recurrent states; prefill writes them, each step updates them in place, through the
+fused step's layers (`DecodeLayer` with its output gate and partial rotary, `DeltaNetDecodeLayer`)
+or the model's own forward. Tokens identical to `generate`, fp32. A tiny Qwen3.5, saved and
+reloaded for real."""
 
 import pytest
 import torch
@@ -21,11 +23,17 @@ def model(tmp_path_factory):
     return PRESETS["tiny-qwen3.5"].model_class.from_pretrained(path).eval()
 
 
-def test_greedy_matches_generate_and_no_state_leaks_between_calls(model):
+@pytest.mark.parametrize("fused", [True, False], ids=["fused step", "model forward"])
+def test_greedy_matches_generate_and_no_state_leaks_between_calls(model, fused):
     """One runner for every case, the largest batch first: the rows and states an earlier call
     left behind must not reach a later one."""
-    runner = DecoderGraphRunner(model, max_batch_size=4, max_cache_len=96)
-    assert runner.stack is None and not runner.packed_prefill  # the model's own forward, padded prefill
+    runner = DecoderGraphRunner(model, max_batch_size=4, max_cache_len=96, fused_step=fused)
+    assert not runner.packed_prefill  # the recurrence would cross packed prompts' bounds
+    if fused:
+        kinds = [type(layer).__name__ for layer in runner.stack.layers]
+        assert kinds == ["DeltaNetDecodeLayer"] * 3 + ["DecodeLayer"] and runner.stack.layers[-1].gated
+    else:
+        assert runner.stack is None
     for name in ["three images, left padded", "one image", "text only, left padded"]:
         inputs = make_batch(model.config, **CASES[name])
         expected = hf_generate(model, inputs, eos_token_id=NO_EOS)

@@ -91,9 +91,10 @@ class DecoderGraphRunner:
             raise ValueError(reason)
         self.family = family if family is not None else family_class(model)
         known = DecodeStack.supports(model)  # whether models/text/decode.py knows its decoder layers
-        # Prefill over the packed prompts for the same decoders (False: left-padded, as generate).
-        self.packed_prefill = packed_prefill and known
         self._dims = TextDims.of(model)
+        # Prefill over the packed prompts for the same decoders (False: left-padded, as generate),
+        # but linear attention's: its conv and recurrence would run across the prompts' bounds.
+        self.packed_prefill = packed_prefill and known and self._dims.linear is None
         self.device = model.get_output_embeddings().weight.device
         self.disabled_reason = unavailable_reason(enabled, self.device)
         self._position_dims: tuple[int, ...] | None = None

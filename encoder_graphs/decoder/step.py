@@ -108,8 +108,7 @@ def decode_step(
     mask.index_fill_(1, slot, True)
     positions = buffers.positions.narrow(-2, 0, rows)
     if stack is not None:
-        key_values = [(layer.keys, layer.values) for layer in cache.layers]
-        logits = stack(buffers.input_ids[:rows], positions, mask, key_values, slot)
+        logits = stack(buffers.input_ids[:rows], positions, mask, layer_states(cache), slot)
     else:
         logits = _stock_step(model, buffers.input_ids[:rows], positions, mask, cache)
     buffers.logits[:rows].copy_(logits)

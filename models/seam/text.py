@@ -19,7 +19,9 @@ LINEAR_ATTENTION = "linear_attention"  # 5.17.0, 5.23.0: its name in a text conf
 
 # 5.17.0, 5.23.0: decoder layers, by class name, that `text/decode.py`'s `DecodeLayer` computes
 # over their own modules: pre-norm, q/k/v/o projections (Qwen3: RMSNorm on q and k per head),
-# rotate-half rotary embedding, a gated MLP.
+# rotate-half rotary embedding, a gated MLP. Qwen3.5's: its full-attention layers as Qwen3's with
+# an output gate (`q_proj` twice as wide: each head's query, then its gate) and rotary over a part
+# of each head; its Gated DeltaNet layers (`delta_net`) through `DeltaNetDecodeLayer`.
 FUSED_LAYERS = frozenset(
     {
         "Qwen2DecoderLayer",
@@ -27,8 +29,17 @@ FUSED_LAYERS = frozenset(
         "Qwen2_5_VLDecoderLayer",
         "Qwen3DecoderLayer",
         "Qwen3VLTextDecoderLayer",
+        "Qwen3_5DecoderLayer",
     }
 )
+
+
+# 5.17.0, 5.23.0: a Qwen3.5 decoder layer of linear attention holds its Gated DeltaNet as
+# `linear_attn` (in_proj_qkv / _z / _b / _a, conv1d, A_log, dt_bias, a gated RMSNorm `norm`,
+# out_proj; num_k_heads / num_v_heads, head_k_dim / head_v_dim, key_dim / value_dim); a layer of
+# full attention holds `self_attn`.
+def delta_net(layer: torch.nn.Module) -> bool:
+    return hasattr(layer, "linear_attn")
 
 
 # 5.17.0, 5.23.0: DynamicCache(config=...) builds one layer per decoder layer; each layer holds
