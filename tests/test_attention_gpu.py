@@ -126,11 +126,12 @@ def reference_decode(query, key, value, keys, values, slot, mask, scale):
 
 @pytest.mark.parametrize(
     "batch, heads, kv_heads, dim, slots",
-    [(1, 16, 2, 128, 512), (8, 16, 2, 128, 512), (3, 28, 4, 128, 1000), (64, 16, 8, 128, 300), (2, 14, 2, 64, 70)],
+    [(1, 16, 2, 128, 512), (8, 16, 2, 128, 512), (3, 28, 4, 128, 1000), (64, 16, 8, 128, 300), (2, 14, 2, 64, 70),
+     (4, 8, 2, 256, 300)],  # Qwen3.5's full-attention heads: 256 wide (fp32 tiles halved)
 )
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_decode_kernel_writes_and_attends_like_sdpa(batch, heads, kv_heads, dim, slots, dtype):
-    """Each head sizes of the served models (Qwen2.5-VL-3B, -7B, Qwen3-VL), odd slot counts, NaN in
+    """Each head sizes of the served models (Qwen2.5-VL-3B, -7B, Qwen3-VL, Qwen3.5), odd slot counts, NaN in
     every slot the mask hides and in the write slot: the kernel matches float64 attention and
     writes exactly the new key and value."""
     from encoder_graphs.models.kernels import decode as decode_kernel

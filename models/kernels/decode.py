@@ -16,6 +16,9 @@ import triton.language as tl
 from encoder_graphs.models.kernels.checks import check_decode_inputs
 
 BLOCK_N = 64  # slots per tile
+# Rows of a key or value tile wider than this many bytes halve the tile: an fp32 head of 256
+# (Qwen3.5's) in tiles of 64 slots asked for 276 KiB of shared memory, over an H100's 227.
+TILE_ROW_BYTES = 512
 
 
 @triton.jit
@@ -95,12 +98,12 @@ def _merge_kernel(
     tl.store(Out + b * so_b + heads[:, None] * so_h + dims[None, :], out.to(Out.dtype.element_ty), mask=(rows < G)[:, None])
 
 
-def _split_size(programs: int, slots: int, device: torch.device) -> int:
+def _split_size(programs: int, slots: int, block_n: int, device: torch.device) -> int:
     # About two programs per SM: a slice per program no shorter than one tile.
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    tiles = triton.cdiv(slots, BLOCK_N)
+    tiles = triton.cdiv(slots, block_n)
     splits = max(1, min(tiles, triton.cdiv(2 * sms, programs)))
-    return triton.cdiv(tiles, splits) * BLOCK_N
+    return triton.cdiv(tiles, splits) * block_n
 
 
 def write_and_attend(
@@ -123,7 +126,8 @@ def write_and_attend(
     kv_heads, slots = keys.shape[1], keys.shape[2]
     group = heads // kv_heads
     group_pad = max(16, triton.next_power_of_2(group))
-    split_size = _split_size(batch * kv_heads, slots, query.device)
+    block_n = BLOCK_N if dim * query.element_size() <= TILE_ROW_BYTES else BLOCK_N // 2
+    split_size = _split_size(batch * kv_heads, slots, block_n, query.device)
     splits = triton.cdiv(slots, split_size)
     acc = torch.empty(batch, kv_heads, splits, group_pad, dim, dtype=torch.float32, device=query.device)
     stats = torch.empty(batch, kv_heads, splits, group_pad, 2, dtype=torch.float32, device=query.device)
@@ -136,7 +140,7 @@ def write_and_attend(
             query.stride(0), query.stride(1), key.stride(0), key.stride(1),
             keys.stride(0), keys.stride(1), keys.stride(2), mask.stride(0),
             scale, slots, split_size,
-            G=group, G_PAD=group_pad, D=dim, BLOCK_N=BLOCK_N, IEEE=query.dtype == torch.float32,
+            G=group, G_PAD=group_pad, D=dim, BLOCK_N=block_n, IEEE=query.dtype == torch.float32,
         )  # fmt: skip
         _merge_kernel[(batch, kv_heads)](
             acc, stats, out, out.stride(0), out.stride(2), splits, G=group, G_PAD=group_pad, D=dim
