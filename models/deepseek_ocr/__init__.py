@@ -1,0 +1,2 @@
+"""DeepSeek-OCR 2 (transformers' `DeepseekOcr2ForConditionalGeneration`): two vision paths, each
+page's global view and its local tiles, graphed apart (`adapter.py`)."""

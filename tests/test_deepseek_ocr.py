@@ -1,0 +1,123 @@
+"""DeepSeek-OCR 2 on its two vision paths (CPU: the manager's eager path, the same packing and
+per-path outputs the graphs replay): each page's global view on the "global" path, its local
+tiles on the "local" one; features equal the stock `get_image_features` for pages of 0 to 6
+tiles, a call with no tiles at all, and per-path statistics. A tiny model, saved and reloaded for
+real; the caption command refuses its checkpoint with a clear message (no caption inputs yet)."""
+
+import pytest
+import torch
+from transformers import DeepseekOcr2Config, DeepseekOcr2ForConditionalGeneration
+
+from encoder_graphs import enable_cuda_graphs
+from encoder_graphs.app.errors import UsageError
+from encoder_graphs.app.loading import open_model
+from encoder_graphs.models.deepseek_ocr.adapter import GLOBAL, LOCAL, Pages
+from encoder_graphs.models.registry import adapter_for
+
+# The tower keeps its real image sides (1024 px views, 768 px tiles: its query banks are sized for
+# them) and shrinks everything else.
+TINY = dict(
+    image_token_id=60,
+    vision_config=dict(
+        sam_config=dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, mlp_dim=64, output_channels=16,
+                        downsample_channels=[32, 64], window_size=14, global_attn_indexes=[1]),
+        encoder_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, vocab_size=1),
+    ),
+    text_config=dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=4, n_routed_experts=8, n_shared_experts=2, num_experts_per_tok=2,
+                     moe_intermediate_size=32, topk_method="greedy", n_group=1, topk_group=1,
+                     mlp_layer_types=["dense", "sparse"], max_position_embeddings=4096, bos_token_id=1,
+                     eos_token_id=2, pad_token_id=3),
+)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-deepseek-ocr2")
+    torch.manual_seed(0)
+    DeepseekOcr2ForConditionalGeneration(DeepseekOcr2Config(**TINY)).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def model(checkpoint):
+    return DeepseekOcr2ForConditionalGeneration.from_pretrained(checkpoint).eval()
+
+
+def pages(tiles_per_page: list[int], seed: int) -> dict:
+    generator = torch.Generator().manual_seed(seed)
+    views = torch.randn(len(tiles_per_page), 3, 1024, 1024, generator=generator)
+    local = torch.randn(sum(tiles_per_page), 3, 768, 768, generator=generator)
+    return dict(pixel_values=views, pixel_values_local=local if sum(tiles_per_page) else None,
+                num_local_patches=torch.tensor(tiles_per_page))
+
+
+CALLS = [[0, 3, 6, 2], [6], [0, 0], [2, 0, 4]]  # small, large, none, small: buffers reused across sizes
+
+
+def test_both_paths_give_the_stock_features(model):
+    calls = [pages(tiles, seed) for seed, tiles in enumerate(CALLS)]
+    with torch.inference_mode():
+        expected = [model.get_image_features(**call).pooler_output for call in calls]
+    handle = enable_cuda_graphs(model, decoder=False)
+    try:
+        with torch.inference_mode():
+            got = [model.get_image_features(**call).pooler_output for call in calls]
+        paths = handle.stats()["encoder"]["paths"]
+    finally:
+        handle.disable()
+    for tiles, ours, theirs in zip(CALLS, got, expected, strict=True):
+        assert [page.shape[0] for page in ours] == [256 + 144 * count + 1 for count in tiles]
+        for page, stock in zip(ours, theirs, strict=True):
+            torch.testing.assert_close(page, stock, rtol=1e-5, atol=1e-5)
+    pages_seen = sum(len(tiles) for tiles in CALLS)
+    with_tiles = sum(1 for tiles in CALLS for count in tiles if count)
+    assert paths[GLOBAL]["hits"] + paths[GLOBAL]["misses"] == pages_seen  # every page's view
+    assert paths[LOCAL]["hits"] + paths[LOCAL]["misses"] == with_tiles  # the local path skipped where no tiles
+
+
+def test_generate_through_the_paths_and_the_static_cache_gives_stock_tokens(model):
+    """Its MoE language model decodes through the runner's static cache (the model's own forward:
+    its layers are not the fused step's), left-padded prompts of a page without tiles and one
+    with two: greedy tokens equal the stock `generate`'s, fp32."""
+    prompts = [[1] + [TINY["image_token_id"]] * (257 + 144 * tiles) + [10, 11, 12] for tiles in (0, 2)]
+    longest = max(map(len, prompts))
+    ids = torch.tensor([[3] * (longest - len(prompt)) + prompt for prompt in prompts])
+    inputs = dict(input_ids=ids, attention_mask=(ids != 3).long(), **pages([0, 2], seed=1))
+    with torch.inference_mode():
+        expected = model.generate(**inputs, max_new_tokens=8, do_sample=False, eos_token_id=None)
+    handle = enable_cuda_graphs(model)
+    try:
+        with torch.inference_mode():
+            got = model.generate(**inputs, max_new_tokens=8, do_sample=False, eos_token_id=None)
+        stats = handle.stats()
+    finally:
+        handle.disable()
+    assert torch.equal(got, expected)
+    assert len(set(expected[:, -8:].flatten().tolist())) > 2  # the check means something
+    assert stats["generate_fallbacks"] == {} and stats["decoder"]["steps"] == 7
+
+
+def test_pages_select_each_pages_own_tiles():
+    views = torch.arange(3, dtype=torch.float32)[:, None, None, None].expand(3, 3, 1024, 1024)
+    tiles = torch.arange(5, dtype=torch.float32)[:, None, None, None].expand(5, 3, 768, 768)
+    picked = Pages(views, tiles, [2, 0, 3]).select([2, 0])
+    assert picked.tiles_per_page == [3, 2]
+    assert picked.views[:, 0, 0, 0].tolist() == [2, 0] and picked.tiles[:, 0, 0, 0].tolist() == [2, 3, 4, 0, 1]
+    with pytest.raises(ValueError, match="tile counts"):
+        Pages(views, tiles, [2, 0, 2])
+    with pytest.raises(ValueError, match="the tower takes"):
+        Pages(views[:, :, :768, :768], tiles, [2, 0, 3])
+
+
+def test_the_adapter_specs_count_views_and_tiles(model):
+    adapter = adapter_for(model)
+    specs = adapter.get_item_specs(adapter.feature_inputs("get_image_features", pages([0, 4], seed=9)))
+    assert [spec.path_tokens for spec in specs] == [{GLOBAL: 1, LOCAL: 0}, {GLOBAL: 1, LOCAL: 4}]
+    assert [spec.output_tokens for spec in specs] == [257, 257 + 4 * 144]
+
+
+def test_the_caption_command_refuses_the_checkpoint_clearly(checkpoint):
+    with pytest.raises(UsageError, match="does not read DeepseekOcr2ForConditionalGeneration checkpoints yet"):
+        open_model(str(checkpoint))
