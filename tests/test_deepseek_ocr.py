@@ -13,6 +13,7 @@ from encoder_graphs.app.errors import UsageError
 from encoder_graphs.app.loading import open_model
 from encoder_graphs.models.deepseek_ocr.adapter import GLOBAL, LOCAL, Pages
 from encoder_graphs.models.registry import adapter_for
+from encoder_graphs.models.seam.vision import rel_pos_on_device
 
 # The tower keeps its real image sides (1024 px views, 768 px tiles: its query banks are sized for
 # them) and shrinks everything else.
@@ -60,13 +61,17 @@ def test_both_paths_give_the_stock_features(model):
     calls = [pages(tiles, seed) for seed, tiles in enumerate(CALLS)]
     with torch.inference_mode():
         expected = [model.get_image_features(**call).pooler_output for call in calls]
+    attentions = [layer.attn for layer in model.model.vision_tower.sam_encoder.layers]
     handle = enable_cuda_graphs(model, decoder=False)
     try:
+        # SAM's relative positions indexed on the device (capturable), until disable().
+        assert all(vars(attention)["get_rel_pos"] is rel_pos_on_device for attention in attentions)
         with torch.inference_mode():
             got = [model.get_image_features(**call).pooler_output for call in calls]
         paths = handle.stats()["encoder"]["paths"]
     finally:
         handle.disable()
+    assert not any("get_rel_pos" in vars(attention) for attention in attentions)
     for tiles, ours, theirs in zip(CALLS, got, expected, strict=True):
         assert [page.shape[0] for page in ours] == [256 + 144 * count + 1 for count in tiles]
         for page, stock in zip(ours, theirs, strict=True):
@@ -99,6 +104,13 @@ def test_generate_through_the_paths_and_the_static_cache_gives_stock_tokens(mode
     assert stats["generate_fallbacks"] == {} and stats["decoder"]["steps"] == 7
 
 
+@pytest.mark.parametrize("q_size, k_size", [(14, 14), (64, 64), (48, 48), (8, 16), (16, 8)])
+def test_relative_positions_on_the_device_equal_stocks(model, q_size, k_size):
+    attention = model.model.vision_tower.sam_encoder.layers[0].attn
+    table = torch.randn(2 * max(q_size, k_size) + 5, 8, generator=torch.Generator().manual_seed(q_size))
+    assert torch.equal(rel_pos_on_device(q_size, k_size, table), attention.get_rel_pos(q_size, k_size, table))
+
+
 def test_pages_select_each_pages_own_tiles():
     views = torch.arange(3, dtype=torch.float32)[:, None, None, None].expand(3, 3, 1024, 1024)
     tiles = torch.arange(5, dtype=torch.float32)[:, None, None, None].expand(5, 3, 768, 768)
@@ -116,6 +128,8 @@ def test_the_adapter_specs_count_views_and_tiles(model):
     specs = adapter.get_item_specs(adapter.feature_inputs("get_image_features", pages([0, 4], seed=9)))
     assert [spec.path_tokens for spec in specs] == [{GLOBAL: 1, LOCAL: 0}, {GLOBAL: 1, LOCAL: 4}]
     assert [spec.output_tokens for spec in specs] == [257, 257 + 4 * 144]
+    # A tuple's first entry is the tower's last hidden state, which the graphs do not keep: stock.
+    assert adapter.feature_inputs("get_image_features", {**pages([1], seed=9), "return_dict": False}) is None
 
 
 def test_the_caption_command_refuses_the_checkpoint_clearly(checkpoint):

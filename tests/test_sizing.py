@@ -76,12 +76,12 @@ def test_the_policy_not_the_checkpoint_sizes_the_batch():
 
 
 def test_sequence_memory_counts_cache_and_prefill():
-    sizes = TextSizes(num_layers=2, hidden_size=8, intermediate_size=16, num_heads=2, num_kv_heads=1, head_dim=4,
+    sizes = TextSizes(num_layers=2, hidden_size=8, intermediate_size=16, mixer_width=16, num_kv_heads=1, head_dim=4,
                       vocab_size=10, dtype_bytes=2)
     assert sizes.kv_bytes_per_token == 2 * 2 * 1 * 4 * 2
     memory = sequence_memory(sizes, longest=100, longest_prompt=60)
     assert memory.resident == 32 * 100 + 10 * 8
-    widest = 2 * 8 + 3 * 16 + (2 + 2) * 4
+    widest = 2 * 8 + 3 * 16 + 16
     assert memory.prefill == 60 * (32 + widest * 2 + 2 * 8 * 2 + 4 * 2 * 3 * 16 * 16 * 2)
     with pytest.raises(ValueError):
         sequence_memory(sizes, longest=10, longest_prompt=11)
@@ -110,3 +110,17 @@ def test_cache_arithmetic_equals_the_static_store(name):
     assert sizes.linear_layers == (len(dims.linear.layers) if dims.linear else 0)
     assert store.nbytes == 3 * (100 * sizes.kv_bytes_per_token + sizes.state_bytes // 2)
     assert (sizes.linear_layers > 0) == name.startswith(("tiny-qwen3.5", "qwen3.5"))
+
+
+def test_the_widest_mixer_counts_qwen3_5s_gate_and_its_delta_net_projections():
+    """Qwen3.5-2B: attention's q with its gate, k, v: (2 x 8 + 2 x 2) x 256 = 5,120 a token; its
+    Gated DeltaNet's convolved q, k, v (2 x 2,048 + 2,048) plus z (2,048), b and a (16 each): 8,224."""
+    model = build_model("qwen3.5-2b", dtype=torch.bfloat16, device="meta")
+    assert TextSizes.of(model.config.get_text_config(decoder=True), 2).mixer_width == 8224
+    layer = model.get_decoder().layers[0].linear_attn
+    projections = (layer.in_proj_qkv, layer.in_proj_z, layer.in_proj_b, layer.in_proj_a)
+    assert sum(linear.out_features for linear in projections) == 8224
+    attention = model.get_decoder().layers[3].self_attn
+    assert sum(p.out_features for p in (attention.q_proj, attention.k_proj, attention.v_proj)) == 5120
+    qwen2_5 = get_config("qwen2.5-vl-3b").get_text_config(decoder=True)
+    assert TextSizes.of(qwen2_5, 2).mixer_width == (16 + 2 * 2) * 128

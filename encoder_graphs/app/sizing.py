@@ -12,7 +12,7 @@ fixed reserve with the graph pools and library workspaces.
 
 from dataclasses import dataclass
 
-from encoder_graphs.models.seam.text import linear_attention_layers, linear_state_shapes
+from encoder_graphs.models.seam.text import linear_attention_layers, linear_state_shapes, mixer_width
 
 GIB = 2**30
 # Graph pools (the encoder's ~0.75 GiB at budgets up to 4096 tokens, the decoder's), the encoder's
@@ -33,7 +33,7 @@ class TextSizes:
     num_layers: int
     hidden_size: int
     intermediate_size: int
-    num_heads: int
+    mixer_width: int  # the widest token mixer's projection outputs a token (`seam.text.mixer_width`)
     num_kv_heads: int
     head_dim: int
     vocab_size: int
@@ -63,7 +63,7 @@ class TextSizes:
             num_layers=text_config.num_hidden_layers,
             hidden_size=text_config.hidden_size,
             intermediate_size=text_config.intermediate_size,
-            num_heads=heads,
+            mixer_width=mixer_width(text_config),
             num_kv_heads=text_config.num_key_value_heads,
             head_dim=getattr(text_config, "head_dim", None) or text_config.hidden_size // heads,
             vocab_size=text_config.vocab_size,
@@ -102,7 +102,7 @@ def sequence_memory(sizes: TextSizes, longest: int, longest_prompt: int) -> Sequ
         raise ValueError(f"longest_prompt {longest_prompt} must be in [1, longest {longest}]")
     item = sizes.dtype_bytes
     resident = sizes.kv_bytes_per_token * longest + sizes.state_bytes + sizes.vocab_size * (4 + 2 * item)  # logits, fp32 and model dtype
-    widest = 2 * sizes.hidden_size + 3 * sizes.intermediate_size + (sizes.num_heads + 2 * sizes.num_kv_heads) * sizes.head_dim
+    widest = 2 * sizes.hidden_size + 3 * sizes.intermediate_size + sizes.mixer_width
     per_prompt_token = (
         sizes.kv_bytes_per_token  # the prefill's own cache, copied into the static one after
         + widest * item

@@ -20,6 +20,7 @@ from torch import nn
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from encoder_graphs.models.rewrites import Rewrites
+from encoder_graphs.models.seam.vision import sam_rel_pos_on_device
 from encoder_graphs.protocols import (
     CaptureInputs,
     EncoderCudaGraphConfig,
@@ -56,6 +57,8 @@ class Pages:
                 raise ValueError(f"{name} of shape {tuple(pixels.shape)}; the tower takes [n, 3, {side}, {side}]")
 
     def select(self, indices: Sequence[int]) -> "Pages":
+        if list(indices) == list(range(len(self.tiles_per_page))):
+            return self  # the whole call: no copy
         starts = [0]
         for count in self.tiles_per_page:
             starts.append(starts[-1] + count)
@@ -89,8 +92,9 @@ class DeepseekOcrAdapter:
 
     # ----- ModelFamily -----------------------------------------------------------------------
     def feature_inputs(self, method: str, arguments: dict) -> Pages | None:
-        """The pages of one `get_image_features` call; None (stock) for per-layer outputs."""
-        if any(arguments.get(key) for key in _STOCK_ONLY_KWARGS):
+        """The pages of one `get_image_features` call; None (stock) for per-layer outputs or a
+        tuple asked for (whose first entry is the tower's last hidden state, not kept)."""
+        if any(arguments.get(key) for key in _STOCK_ONLY_KWARGS) or arguments.get("return_dict") is False:
             return None
         views = arguments["pixel_values"]
         tiles, counts = arguments.get("pixel_values_local"), arguments.get("num_local_patches")
@@ -102,11 +106,13 @@ class DeepseekOcrAdapter:
     def feature_output(self, method: str, items: list[torch.Tensor], arguments: dict) -> Any:
         """What the stock method returns: `pooler_output` a list of each page's features; the
         tower's hidden states are not kept by the graphs (None)."""
-        output = BaseModelOutputWithPooling(pooler_output=items)
-        return output if arguments.get("return_dict", True) else output.to_tuple()
+        return BaseModelOutputWithPooling(pooler_output=items)
 
     def align_weights(self, rewrites: Rewrites) -> None:
-        """SAM's and the encoder's widths (768, 3072; 896, 4864) are multiples of 8: nothing to align."""
+        """SAM's and the encoder's widths (768, 3072; 896, 4864) are multiples of 8: nothing to
+        align. SAM's relative positions are indexed on the device instead of from the host (the
+        same values), so that its forward can be captured."""
+        sam_rel_pos_on_device(self.model.vision_tower.sam_encoder, rewrites)
 
     def repeated_blocks(self) -> list[nn.Module]:
         tower = self.model.vision_tower

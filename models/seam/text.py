@@ -1,7 +1,7 @@
 """The language models' decoder layers, rotary embeddings and caches as this package uses them,
 and the cache layers of its static decode cache (subclasses of transformers' cache API)."""
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -42,6 +42,13 @@ def delta_net(layer: torch.nn.Module) -> bool:
     return hasattr(layer, "linear_attn")
 
 
+# 5.17.0, 5.23.0: its conv's activation, by name ("silu" in every Qwen3.5 config).
+def delta_net_activation(net: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    from transformers.activations import ACT2FN
+
+    return ACT2FN[net.activation]
+
+
 # 5.17.0, 5.23.0: DynamicCache(config=...) builds one layer per decoder layer; each layer holds
 # `keys` and `values` [batch, kv_heads, length, head_dim].
 def dynamic_cache(config: PretrainedConfig) -> Cache:
@@ -70,6 +77,20 @@ def linear_state_shapes(text_config: PretrainedConfig) -> tuple[tuple[int, int],
     conv = (2 * key_dim + value_dim, text_config.linear_conv_kernel_dim)
     recurrent = (text_config.linear_num_value_heads, text_config.linear_key_head_dim, text_config.linear_value_head_dim)
     return conv, recurrent
+
+
+# 5.17.0, 5.23.0: Qwen3.5's attention projects each head's query and its output gate together.
+def mixer_width(text_config: PretrainedConfig) -> int:
+    """The widest token mixer's projection outputs a token: attention's q (with Qwen3.5's gate),
+    k and v; a Gated DeltaNet's convolved q, k, v and its z, b and a."""
+    heads, kv_heads = text_config.num_attention_heads, text_config.num_key_value_heads
+    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // heads
+    gate = 2 if text_config.model_type == "qwen3_5_text" else 1
+    width = (gate * heads + 2 * kv_heads) * head_dim
+    if linear_attention_layers(text_config):
+        (channels, _), (value_heads, _, value_dim) = linear_state_shapes(text_config)
+        width = max(width, channels + value_heads * value_dim + 2 * value_heads)
+    return width
 
 
 def linear_attention_layers(text_config: PretrainedConfig) -> tuple[int, ...]:

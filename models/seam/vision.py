@@ -147,3 +147,27 @@ def deepstack_output(main: torch.Tensor, levels: list[torch.Tensor], sizes: list
         pooler_output=tuple(torch.split(main, sizes)),
         deepstack_features=[torch.split(level, sizes) for level in levels] if _DEEPSTACK_PER_ITEM else levels,
     )
+
+
+# 5.17.0, 5.23.0: DeepSeek-OCR 2's SAM attention reads its relative-position tables through
+# `self.get_rel_pos(q_size, k_size, rel_pos)`, which builds the coordinates with `torch.arange` on
+# the CPU and indexes the device table with them: a copy from the host every call, which a CUDA
+# graph capture forbids. The same computation with the coordinates made on the table's device.
+def rel_pos_on_device(q_size: int, k_size: int, rel_pos: torch.Tensor) -> torch.Tensor:
+    distances = int(2 * max(q_size, k_size) - 1)
+    resized = torch.nn.functional.interpolate(
+        rel_pos.reshape(1, rel_pos.shape[0], -1).transpose(1, 2), size=distances, mode="linear"
+    )
+    resized = resized.reshape(-1, distances).permute(1, 0)
+    q_coords = torch.arange(q_size, device=rel_pos.device)[:, None] * max(k_size / q_size, 1.0)
+    k_coords = torch.arange(k_size, device=rel_pos.device)[None, :] * max(q_size / k_size, 1.0)
+    relative = (q_coords - k_coords) + (k_size - 1) * max(q_size / k_size, 1.0)
+    return resized[relative.long()]
+
+
+def sam_rel_pos_on_device(tower: torch.nn.Module, rewrites: Rewrites) -> None:
+    """Every SAM attention of `tower` reads its relative positions through `rel_pos_on_device`
+    until `rewrites` is undone."""
+    for module in tower.modules():
+        if callable(getattr(module, "get_rel_pos", None)) and hasattr(module, "rel_pos_h"):
+            rewrites.patch(module, "get_rel_pos", rel_pos_on_device)

@@ -28,7 +28,7 @@ from encoder_graphs.models.attention import write_and_decode
 from encoder_graphs.models.rewrites import Rewrites
 from encoder_graphs.models.rewrites.fused_mlp import InterleavedGateUp
 from encoder_graphs.models.rewrites.stacked_linear import StackedLinear
-from encoder_graphs.models.seam.text import FUSED_LAYERS, decode_rotary, delta_net
+from encoder_graphs.models.seam.text import FUSED_LAYERS, decode_rotary, delta_net, delta_net_activation
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -131,6 +131,7 @@ class DeltaNetDecodeLayer(_DecodeBlock):
         super().__init__(layer, rewrites, gate_up)
         self.net = net = layer.linear_attn
         self.proj = StackedLinear([net.in_proj_qkv, net.in_proj_z, net.in_proj_b, net.in_proj_a], rewrites)
+        self.activation = delta_net_activation(net)
 
     def forward(
         self,
@@ -154,7 +155,7 @@ class DeltaNetDecodeLayer(_DecodeBlock):
         window = torch.cat((conv[..., 1:], mixed.to(conv.dtype).unsqueeze(-1)), dim=-1)
         conv.copy_(window)
         weight = net.conv1d.weight
-        mixed = F.silu(F.conv1d(window.to(weight.dtype), weight, net.conv1d.bias, groups=weight.shape[0]))
+        mixed = self.activation(F.conv1d(window.to(weight.dtype), weight, net.conv1d.bias, groups=weight.shape[0]))
         query, key, value = mixed[..., 0].to(x.dtype).split([net.key_dim, net.key_dim, net.value_dim], dim=-1)
         decay = -net.A_log.float().exp() * F.softplus(a.float() + net.dt_bias)
         out = delta_rule_step(
@@ -199,8 +200,9 @@ def delta_rule_step(
 
 
 class DecodeStack:
-    """Embedding, rotary tables, `DecodeLayer`s, final norm and LM head: one decode step, over
-    projections stacked until `rewrites` is undone (`gate_ups`: the fused MLPs', by module)."""
+    """Embedding, rotary tables, `DecodeLayer`s (and `DeltaNetDecodeLayer`s), final norm and LM
+    head: one decode step, over projections stacked until `rewrites` is undone (`gate_ups`: the
+    fused MLPs', by module)."""
 
     def __init__(
         self, model: nn.Module, rewrites: Rewrites, gate_ups: dict[nn.Module, InterleavedGateUp] | None = None
