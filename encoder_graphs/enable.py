@@ -239,7 +239,8 @@ def _graphed_features(handle: EncoderGraphsHandle, name: str, original: Callable
 
     def features(*args, **kwargs):
         arguments = _named_arguments(signature, args, kwargs)  # a wrong call raises TypeError here
-        inputs = adapter.feature_inputs(name, arguments)
+        # A tuple asked for leads with the tower's last hidden state, which the graphs do not keep.
+        inputs = None if arguments.get("return_dict") is False else adapter.feature_inputs(name, arguments)
         if inputs is None:
             return original(*args, **kwargs)
         return adapter.feature_output(name, handle.manager.execute(inputs), arguments)

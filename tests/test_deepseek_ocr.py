@@ -128,8 +128,6 @@ def test_the_adapter_specs_count_views_and_tiles(model):
     specs = adapter.get_item_specs(adapter.feature_inputs("get_image_features", pages([0, 4], seed=9)))
     assert [spec.path_tokens for spec in specs] == [{GLOBAL: 1, LOCAL: 0}, {GLOBAL: 1, LOCAL: 4}]
     assert [spec.output_tokens for spec in specs] == [257, 257 + 4 * 144]
-    # A tuple's first entry is the tower's last hidden state, which the graphs do not keep: stock.
-    assert adapter.feature_inputs("get_image_features", {**pages([1], seed=9), "return_dict": False}) is None
 
 
 def test_the_caption_command_refuses_the_checkpoint_clearly(checkpoint):

@@ -109,6 +109,28 @@ def test_decoder_false_leaves_generate_alone(model):
         handle.disable()
 
 
+def test_a_tuple_asked_of_the_features_is_stocks(model):
+    """`return_dict=False` gives stock's tuple (its first entry the tower's last hidden state, which
+    the graphs do not keep), from the stock method: the manager is not called."""
+    from synthetic_prompts import random_pixels
+
+    pixels = random_pixels(model.config.vision_config, GRIDS, torch.Generator().manual_seed(1))
+    grid = torch.tensor(GRIDS)
+    with torch.inference_mode():
+        stock = model.get_image_features(pixels, grid, return_dict=False)
+    handle = enable_cuda_graphs(model, budgets=[64], decoder=False)
+    try:
+        with torch.inference_mode():
+            got = model.get_image_features(pixels, grid, return_dict=False)
+            graphed = model.get_image_features(pixels, grid).pooler_output
+        assert handle.stats()["encoder"]["calls"] == 1
+    finally:
+        handle.disable()
+    assert isinstance(got, tuple) and len(got) == len(stock)
+    torch.testing.assert_close(got, stock, rtol=1e-4, atol=1e-4)  # stock over the aligned weights
+    torch.testing.assert_close(tuple(graphed), tuple(stock[1]), rtol=1e-4, atol=1e-4)
+
+
 def test_token_id_list_accepts_what_generation_configs_hold():
     from encoder_graphs.decoder.generation import token_id_list
 

@@ -92,9 +92,8 @@ class DeepseekOcrAdapter:
 
     # ----- ModelFamily -----------------------------------------------------------------------
     def feature_inputs(self, method: str, arguments: dict) -> Pages | None:
-        """The pages of one `get_image_features` call; None (stock) for per-layer outputs or a
-        tuple asked for (whose first entry is the tower's last hidden state, not kept)."""
-        if any(arguments.get(key) for key in _STOCK_ONLY_KWARGS) or arguments.get("return_dict") is False:
+        """The pages of one `get_image_features` call; None (stock) for per-layer outputs."""
+        if any(arguments.get(key) for key in _STOCK_ONLY_KWARGS):
             return None
         views = arguments["pixel_values"]
         tiles, counts = arguments.get("pixel_values_local"), arguments.get("num_local_patches")

@@ -78,8 +78,7 @@ class InternVLAdapter:
     def feature_output(self, method: str, items: list[torch.Tensor], arguments: dict) -> Any:
         """What the stock method returns: `pooler_output` [tiles, tokens per tile, hidden]; the
         tower's hidden states are not kept by the graphs (None)."""
-        output = BaseModelOutputWithPooling(pooler_output=torch.stack(items) if items else None)
-        return output if arguments.get("return_dict", True) else output.to_tuple()
+        return BaseModelOutputWithPooling(pooler_output=torch.stack(items) if items else None)
 
     def align_weights(self, rewrites: Rewrites) -> None:
         """InternViT's widths (1024/4096, 3200/12800) are multiples of 8: nothing to align."""

@@ -181,8 +181,7 @@ class QwenVisionAdapter:
     def feature_output(self, method: str, items: list[torch.Tensor], arguments: dict) -> Any:
         """The object transformers' get_*_features returns, `pooler_output` one tensor per item.
         `last_hidden_state` (the unmerged patch states) is not kept by the graphs: None."""
-        output = self._feature_output(items)
-        return output if arguments.get("return_dict", True) else output.to_tuple()
+        return self._feature_output(items)
 
     def _feature_output(self, items: list[torch.Tensor]) -> Any:
         return BaseModelOutputWithPooling(pooler_output=tuple(items))
