@@ -12,7 +12,7 @@ fixed reserve with the graph pools and library workspaces.
 
 from dataclasses import dataclass
 
-from encoder_graphs.models.seam.text import linear_attention_layers, linear_state_shapes, mixer_width
+from encoder_graphs.models.seam.text import linear_attention_layers, linear_state_shapes, mixer_width, text_head_dim
 
 GIB = 2**30
 # Graph pools (the encoder's ~0.75 GiB at budgets up to 4096 tokens, the decoder's), the encoder's
@@ -53,19 +53,19 @@ class TextSizes:
     @classmethod
     def of(cls, text_config: object, dtype_bytes: int) -> "TextSizes":
         """From a transformers text config (`config.get_text_config(decoder=True)`)."""
-        heads = text_config.num_attention_heads
         linear = len(linear_attention_layers(text_config))
         state_bytes = 0
         if linear:
             (channels, taps), (value_heads, key_dim, value_dim) = linear_state_shapes(text_config)
-            state_bytes = channels * taps * dtype_bytes + value_heads * key_dim * value_dim * 4  # the recurrent state is fp32
+            # The conv state in the model's dtype, the recurrent state in fp32 (as the static store).
+            state_bytes = channels * taps * dtype_bytes + value_heads * key_dim * value_dim * 4
         return cls(
             num_layers=text_config.num_hidden_layers,
             hidden_size=text_config.hidden_size,
             intermediate_size=text_config.intermediate_size,
             mixer_width=mixer_width(text_config),
             num_kv_heads=text_config.num_key_value_heads,
-            head_dim=getattr(text_config, "head_dim", None) or text_config.hidden_size // heads,
+            head_dim=text_head_dim(text_config),
             vocab_size=text_config.vocab_size,
             dtype_bytes=dtype_bytes,
             linear_layers=linear,
@@ -101,7 +101,8 @@ def sequence_memory(sizes: TextSizes, longest: int, longest_prompt: int) -> Sequ
     if not 0 < longest_prompt <= longest:
         raise ValueError(f"longest_prompt {longest_prompt} must be in [1, longest {longest}]")
     item = sizes.dtype_bytes
-    resident = sizes.kv_bytes_per_token * longest + sizes.state_bytes + sizes.vocab_size * (4 + 2 * item)  # logits, fp32 and model dtype
+    logits = sizes.vocab_size * (4 + 2 * item)  # fp32 and the model's dtype
+    resident = sizes.kv_bytes_per_token * longest + sizes.state_bytes + logits
     widest = 2 * sizes.hidden_size + 3 * sizes.intermediate_size + sizes.mixer_width
     per_prompt_token = (
         sizes.kv_bytes_per_token  # the prefill's own cache, copied into the static one after

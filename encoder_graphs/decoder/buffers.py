@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 import torch
 
 from encoder_graphs.decoder.static_cache import LinearStates, StaticKVStore
-from encoder_graphs.models.seam.text import linear_attention_layers, linear_state_shapes
+from encoder_graphs.models.seam.text import linear_attention_layers, linear_state_shapes, text_head_dim
 from encoder_graphs.packing import generate_budgets
 
 _POWER_BUCKETS = (1, 2, 4, 8, 16, 32)
@@ -66,7 +66,7 @@ class TextDims:
         return cls(
             num_layers=text.num_hidden_layers,
             num_kv_heads=text.num_key_value_heads,
-            head_dim=getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads,
+            head_dim=text_head_dim(text),
             vocab_size=model.get_output_embeddings().weight.shape[0],
             dtype=model.dtype,
             linear=LinearStates(layers, *linear_state_shapes(text)) if layers else None,

@@ -5,10 +5,10 @@ padding where `models/text/decode.py` knows the decoder and it has no linear att
 exactly what `generate` runs); its keys and values (linear layers: their states) are copied into
 a static cache, and each decode step then replays the graph of the smallest bucket that holds
 the batch and the smallest length tier that holds its sequences: that graph's attention reads
-only the tier's first slots of the one cache allocation. The tier of each
-step is known on the host (prompt length + step index), so switching tiers needs no sync. Without
-CUDA, with `enabled=False`, or when no graph fits, the same step function runs eagerly over the
-same tiers, so the CPU path exercises the same logic.
+only the tier's first slots of the one cache allocation. The tier of each step is known on the
+host (prompt length + step index), so switching tiers needs no sync. Without CUDA, with
+`enabled=False`, or when no graph fits, the same step function runs eagerly over the same tiers,
+so the CPU path exercises the same logic.
 """
 
 import logging

@@ -79,12 +79,18 @@ def linear_state_shapes(text_config: PretrainedConfig) -> tuple[tuple[int, int],
     return conv, recurrent
 
 
+def text_head_dim(text_config: PretrainedConfig) -> int:
+    """The attention heads' width: `head_dim` where the config sets it (Qwen3, Qwen3.5), else
+    hidden_size / heads."""
+    return getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+
+
 # 5.17.0, 5.23.0: Qwen3.5's attention projects each head's query and its output gate together.
 def mixer_width(text_config: PretrainedConfig) -> int:
     """The widest token mixer's projection outputs a token: attention's q (with Qwen3.5's gate),
     k and v; a Gated DeltaNet's convolved q, k, v and its z, b and a."""
     heads, kv_heads = text_config.num_attention_heads, text_config.num_key_value_heads
-    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // heads
+    head_dim = text_head_dim(text_config)
     gate = 2 if text_config.model_type == "qwen3_5_text" else 1
     width = (gate * heads + 2 * kv_heads) * head_dim
     if linear_attention_layers(text_config):
