@@ -3,8 +3,7 @@
 Each entry names the family's config class, its model classes (the *ForConditionalGeneration and
 the inner *Model), the class of the module its adapter wraps (the vision tower, or for InternVL
 the inner model) and the attribute that holds it, the adapter
-(`SupportsEncoderCudaGraph` + `ModelFamily`) and the caption inputs builder (`CaptionInputs`; None
-for a family that `enable_cuda_graphs` serves but the caption command does not read yet).
+(`SupportsEncoderCudaGraph` + `ModelFamily`) and the caption inputs builder (`CaptionInputs`).
 The table is built at the first lookup, so importing this module loads no adapter.
 """
 
@@ -22,21 +21,11 @@ class Family:
     tower_class: type
     tower_attribute: str
     adapter: type
-    inputs: type | None
+    inputs: type
 
     @property
     def architecture(self) -> str:
         return self.model_classes[0].__name__
-
-    @property
-    def caption_inputs(self) -> type:
-        """The caption inputs builder; ValueError where the command does not read this family."""
-        if self.inputs is None:
-            raise ValueError(
-                f"the caption command does not read {self.architecture} checkpoints yet; "
-                "enable_cuda_graphs serves the model from Python"
-            )
-        return self.inputs
 
 
 @cache
@@ -65,6 +54,7 @@ def families() -> tuple[Family, ...]:
     )
 
     from encoder_graphs.models.deepseek_ocr.adapter import DeepseekOcrAdapter
+    from encoder_graphs.models.deepseek_ocr.inputs import DeepseekOcrInputs
     from encoder_graphs.models.internvl.adapter import InternVLAdapter
     from encoder_graphs.models.internvl.inputs import InternVLInputs
     from encoder_graphs.models.qwen.inputs import QwenVLInputs
@@ -112,15 +102,14 @@ def families() -> tuple[Family, ...]:
         # The InternVL adapter graphs InternVLModel's whole get_image_features (tower, pixel
         # shuffle, projector), so the module it wraps is the inner model.
         Family(InternVLConfig, (InternVLForConditionalGeneration,), InternVLModel, "model", InternVLAdapter, InternVLInputs),
-        # DeepSeek-OCR 2 (5.17.0, 5.23.0): the same, over both of its vision paths; no caption
-        # inputs yet.
+        # DeepSeek-OCR 2 (5.17.0, 5.23.0): the same, over both of its vision paths.
         Family(
             DeepseekOcr2Config,
             (DeepseekOcr2ForConditionalGeneration,),
             DeepseekOcr2Model,
             "model",
             DeepseekOcrAdapter,
-            None,
+            DeepseekOcrInputs,
         ),
     )
 

@@ -71,6 +71,10 @@ class EncodedMedia(Protocol):
 class CaptionInputs(Protocol):
     """Prompts and pixels for one family's checkpoints, built without torchvision."""
 
+    # The instruction the caption command gives where the user names none; None: a caption's
+    # (`--prompt`'s default). A document reader's is its model card's OCR instruction.
+    default_prompt: str | None
+
     @classmethod
     def from_pretrained(
         cls, directory: str | Path, *, max_tiles: int | None = None, max_image_tokens: int | None = None

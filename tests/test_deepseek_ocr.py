@@ -2,15 +2,18 @@
 per-path outputs the graphs replay): each page's global view on the "global" path, its local
 tiles on the "local" one; features equal the stock `get_image_features` for pages of 0 to 6
 tiles, a call with no tiles at all, and per-path statistics. A tiny model, saved and reloaded for
-real; the caption command refuses its checkpoint with a clear message (no caption inputs yet)."""
+real; the caption command over a folder of pages."""
+
+import json
+from pathlib import Path
 
 import pytest
 import torch
+from PIL import Image
 from transformers import DeepseekOcr2Config, DeepseekOcr2ForConditionalGeneration
 
 from encoder_graphs import enable_cuda_graphs
-from encoder_graphs.app.errors import UsageError
-from encoder_graphs.app.loading import open_model
+from encoder_graphs.app.cli import main
 from encoder_graphs.models.deepseek_ocr.adapter import GLOBAL, LOCAL, Pages
 from encoder_graphs.models.registry import adapter_for
 from encoder_graphs.models.seam.vision import rel_pos_on_device
@@ -130,6 +133,25 @@ def test_the_adapter_specs_count_views_and_tiles(model):
     assert [spec.output_tokens for spec in specs] == [257, 257 + 4 * 144]
 
 
-def test_the_caption_command_refuses_the_checkpoint_clearly(checkpoint):
-    with pytest.raises(UsageError, match="does not read DeepseekOcr2ForConditionalGeneration checkpoints yet"):
-        open_model(str(checkpoint))
+def test_the_caption_command_reads_a_folder_of_pages(tmp_path, monkeypatch):
+    """The tiny preset through the command: a page under one tile (no local rows), a tall and a
+    wide one (tiles); each page's record carries the OCR prompt (the
+    model's default), its statistics per path."""
+    monkeypatch.setenv("ENCODER_GRAPHS_CACHE", str(tmp_path / "cache"))
+    pages = tmp_path / "pages"
+    pages.mkdir()
+    for name, size in {"note": (600, 400), "letter": (850, 1100), "slide": (1600, 900)}.items():
+        Image.new("RGB", size, (250, 250, 245)).save(pages / f"{name}.png")
+    out, stats = tmp_path / "pages.jsonl", tmp_path / "stats.json"
+    argv = ["caption", str(pages), "--model", "tiny-deepseek-ocr-2", "--out", str(out), "--stats-json", str(stats),
+            "--max-new-tokens", "3", "--quiet"]
+    assert main(argv) == 0
+    records = {Path(r["path"]).stem: r for r in map(json.loads, out.read_text().splitlines())}
+    for name in ("note", "letter", "slide"):
+        assert "error" not in records[name], records[name]
+        assert records[name]["prompt"] == "Free OCR." and 0 <= records[name]["tokens"] <= 3
+    encoder = json.loads(stats.read_text())["encoder"]
+    assert encoder["items"] == 3
+    views, tiles = (encoder["paths"][path] for path in (GLOBAL, LOCAL))
+    assert views["hits"] + views["misses"] == 3  # every page has a view
+    assert tiles["hits"] + tiles["misses"] == 2  # the note, under one tile, has no tiles

@@ -145,8 +145,36 @@ def test_real_internvl_preset_matches_public_config(name):
     assert config.vision_feature_select_strategy == "default"
 
 
+# deepseek-community/DeepSeek-OCR-2's config.json (transformers' conversion of deepseek-ai/DeepSeek-OCR-2).
+PUBLIC_DEEPSEEK_OCR = {
+    "deepseek-ocr-2": dict(
+        text=dict(vocab_size=129280, hidden_size=1280, intermediate_size=6848, moe_intermediate_size=896,
+                  num_hidden_layers=12, num_attention_heads=10, num_key_value_heads=10, n_routed_experts=64,
+                  n_shared_experts=2, num_experts_per_tok=6, topk_method="greedy", bos_token_id=0, eos_token_id=1,
+                  max_position_embeddings=8192, mlp_layer_types=["dense"] + ["sparse"] * 11),
+        sam=dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, global_attn_indexes=[2, 5, 8, 11],
+                 output_channels=256, downsample_channels=[512, 896], image_size=1024, patch_size=16),
+        encoder=dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                     num_key_value_heads=2),
+        image_token_id=128815,
+    )
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLIC_DEEPSEEK_OCR))
+def test_real_deepseek_ocr_preset_matches_public_config(name):
+    config, expected = get_config(name), PUBLIC_DEEPSEEK_OCR[name]
+    parts = {"text": config.text_config, "sam": config.vision_config.sam_config,
+             "encoder": config.vision_config.encoder_config}
+    for part, sub_config in parts.items():
+        for key, value in expected[part].items():
+            assert getattr(sub_config, key) == value, (part, key)
+    assert config.image_token_id == expected["image_token_id"] and not config.tie_word_embeddings
+
+
 def test_every_preset_is_a_supported_architecture():
-    assert set(PUBLIC) | set(PUBLIC_QWEN3_5) | set(PUBLIC_INTERNVL) | set(TINY) | {"qwen3.5-vision"} == set(PRESETS)
+    public = set(PUBLIC) | set(PUBLIC_QWEN3_5) | set(PUBLIC_INTERNVL) | set(PUBLIC_DEEPSEEK_OCR)
+    assert public | set(TINY) | {"qwen3.5-vision"} == set(PRESETS)
     for name in PRESETS:
         assert PRESETS[name].model_class.__name__ in supported_architectures()
 
@@ -172,6 +200,8 @@ def test_tiny_preset_round_trips(name, tmp_path):
     config = model.config.vision_config
     if "internvl" in name:
         assert model.config.image_seq_length == (config.image_size[0] // config.patch_size[0] // 2) ** 2
+    elif "deepseek" in name:  # the real view side: its encoder's query banks are sized for it
+        assert config.sam_config.image_size == 1024 and config.sam_config.patch_size == 16
     else:
         assert config.spatial_merge_size == 2 and config.temporal_patch_size == 2
     model.save_pretrained(tmp_path)

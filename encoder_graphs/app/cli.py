@@ -77,8 +77,8 @@ def _text_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("prompt and caption text")
     prompt = group.add_mutually_exclusive_group()
     prompt.add_argument(
-        "--prompt", default=DEFAULT_PROMPT, help=f"the instruction given with each file; may use {fields} "
-        "(default: %(default)r)"
+        "--prompt", default=None, help=f"the instruction given with each file; may use {fields} "
+        f"(default: {DEFAULT_PROMPT!r}; for DeepSeek-OCR its model card's plain OCR instruction)"
     )
     prompt.add_argument("--prompt-file", type=Path, default=None, help="read the prompt (template) from this file")
     group.add_argument("--prefix", default="", help="text put before each caption (trigger words), e.g. 'photo of sks, '")

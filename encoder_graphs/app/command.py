@@ -83,6 +83,8 @@ def run(plan: Plan) -> int:
 
     device = pick_device(settings.device, plan.job.local_rank)
     source = open_model(settings.model, max_tiles=settings.max_tiles, max_image_tokens=settings.max_image_tokens)
+    if settings.prompt is None and settings.prompt_file is None and source.inputs.default_prompt is not None:
+        plan.config = replace(plan.config, prompt=source.inputs.default_prompt)  # e.g. an OCR model's
     limits = load_limits(settings, source)
     longest = check_length(plan, source, limits)  # before the weights: GBs for a real model
     check_seeded_sampling(settings, source)

@@ -54,7 +54,7 @@ def open_model(name: str | None, *, max_tiles: int | None = None, max_image_toke
         from encoder_graphs.models.presets import get_config
 
         config = get_config(name)
-        inputs = family_for_config(config).caption_inputs.from_pretrained(preset_files_dir(name), **resolution)
+        inputs = family_for_config(config).inputs.from_pretrained(preset_files_dir(name), **resolution)
         inputs.check_model(config)
         return ModelSource(config, inputs, preset=name)
     from encoder_graphs.models.presets.default_model import default_model_dir
@@ -66,7 +66,7 @@ def open_model(name: str | None, *, max_tiles: int | None = None, max_image_toke
         )
     try:
         config = AutoConfig.from_pretrained(directory, trust_remote_code=False)
-        inputs = family_for_config(config).caption_inputs.from_pretrained(directory, **resolution)
+        inputs = family_for_config(config).inputs.from_pretrained(directory, **resolution)
         inputs.check_model(config)
     except (OSError, ValueError) as error:
         raise UsageError(f"cannot load the model from {directory}: {error}") from error

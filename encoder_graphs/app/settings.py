@@ -8,7 +8,7 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
-from encoder_graphs.app.config import DEFAULT_IMAGE_TOKENS, DEFAULT_PROMPT
+from encoder_graphs.app.config import DEFAULT_IMAGE_TOKENS
 from encoder_graphs.app.errors import UsageError
 
 
@@ -23,7 +23,7 @@ class Settings:
     max_tiles: int | None = None  # None: the checkpoint's
     max_frames: int = 16
     # The text.
-    prompt: str = DEFAULT_PROMPT
+    prompt: str | None = None  # None: the model's (`CaptionInputs.default_prompt`), else DEFAULT_PROMPT
     prompt_file: Path | None = None
     prefix: str = ""
     suffix: str = ""

@@ -51,6 +51,8 @@ class EncodedTiles:
 class InternVLInputs:
     """CaptionInputs for InternVL checkpoints (`InternVLForConditionalGeneration`)."""
 
+    default_prompt = None
+
     def __init__(
         self,
         tokenizer: PreTrainedTokenizerBase,

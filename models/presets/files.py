@@ -79,6 +79,8 @@ def write_preset_files(name: str, directory: Path) -> PretrainedConfig:
     tiny = name.startswith("tiny-")
     if config.model_type == "internvl":
         _write_internvl_files(config, directory, max_tiles=6 if tiny else 12)
+    elif config.model_type == "deepseek_ocr2":
+        _write_deepseek_ocr_files(config, directory)
     else:
         _write_qwen_files(config, directory, tiny)
     return config
@@ -148,6 +150,25 @@ def _write_internvl_files(config: PretrainedConfig, directory: Path, max_tiles: 
         dict(processor_class="InternVLProcessor", image_seq_length=config.image_seq_length),
     )
     (directory / "chat_template.jinja").write_text(INTERNVL_CHAT_TEMPLATE)
+
+
+def _write_deepseek_ocr_files(config: PretrainedConfig, directory: Path) -> None:
+    """DeepSeek's tokenizer puts `<｜begin▁of▁sentence｜>` at 0, `<｜end▁of▁sentence｜>` at 1 and pads
+    with 2; the processor (no chat template: prompts are plain text after `<image>`) nests its
+    image processor in processor_config.json, as the converted checkpoint does, named as there
+    (`DeepseekOcr2ImageProcessor`, the torchvision one; the caption command reads its PIL twin)."""
+    from transformers import DeepseekOcr2Processor
+    from transformers.models.deepseek_ocr2.image_processing_pil_deepseek_ocr2 import DeepseekOcr2ImageProcessorPil
+
+    text = config.get_text_config()
+    specials = {
+        "<｜begin▁of▁sentence｜>": text.bos_token_id,
+        "<|im_end|>": text.eos_token_id,
+        "<|endoftext|>": text.pad_token_id,
+        "<image>": config.image_token_id,
+    }
+    tokenizer = build_tokenizer(specials, {"image_token": "<image>"}, vocab_size=text.vocab_size)
+    DeepseekOcr2Processor(image_processor=DeepseekOcr2ImageProcessorPil(), tokenizer=tokenizer).save_pretrained(directory)
 
 
 def _free_id(after: int, specials: dict[str, int]) -> int:

@@ -7,6 +7,7 @@ PRESET_NAMES = (
     "tiny-qwen3-vl",
     "tiny-qwen3.5",
     "tiny-internvl",
+    "tiny-deepseek-ocr-2",
     "qwen2-vl-2b",
     "qwen2.5-vl-3b",
     "qwen2.5-vl-7b",
@@ -18,4 +19,5 @@ PRESET_NAMES = (
     "internvl3-1b",
     "internvl3.5-2b",
     "internvl3-38b-vision",
+    "deepseek-ocr-2",
 )

@@ -76,6 +76,8 @@ class EncodedItem:
 class QwenVLInputs:
     """CaptionInputs for the Qwen-VL families."""
 
+    default_prompt = None
+
     def __init__(
         self,
         tokenizer: PreTrainedTokenizerBase,
