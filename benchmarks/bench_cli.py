@@ -1,5 +1,6 @@
 """The headline: the caption command end to end, as a user runs it, on a folder of photo-sized
-files (`photos.py`: phone and camera photos, screenshots, panoramas; fixed seed). Three runs in
+files (`photos.py`: phone and camera photos, screenshots, panoramas; fixed seed; `--pages`: document
+pages from `pages.py`, scans to snippets, for an OCR model such as deepseek-ocr-2). Three runs in
 one call, each a fresh process over the same files at the same resolution policy:
 - `defaults`: `python -m encoder_graphs caption FOLDER --model PRESET` (graphs, auto batch);
 - `no_graphs`: the same with `--no-graphs`;
@@ -16,7 +17,7 @@ run of the defaults on 16 files reads the libraries into the page cache and fill
 cache, so the first timed run does not pay what a user pays once per machine. `--gpus N` runs the defaults as one torchrun job of N GPUs. Random weights (presets):
 captions are noise, speed is real.
     python3 benchmarks/bench_cli.py [--preset qwen2.5-vl-3b] [--images 1024] [--runs defaults,no_graphs,stock]
-        [--sizes 32,256] [--card-gib 24] [--cli-args=--compile] [--json out.json]
+        [--sizes 32,256] [--card-gib 24] [--cli-args=--compile] [--pages] [--json out.json]
 """
 
 import argparse
@@ -29,6 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from pages import write_page_folder
 from photos import write_photo_folder
 from timing import environment, markdown_table, write_json
 
@@ -147,15 +149,16 @@ def main() -> None:
     parser.add_argument("--gpus", type=int, default=1, help="also the defaults under torchrun on this many GPUs")
     parser.add_argument("--cli-args", default="", help="more arguments for every caption command, as --cli-args=--compile")
     parser.add_argument("--folder", type=Path, help="a folder of files to use instead of the generated photos")
+    parser.add_argument("--pages", action="store_true", help="generated document pages (pages.py) instead of photos")
     parser.add_argument("--json", help="write results here")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench-cli-"))
     try:
-        folder = args.folder or work / "photos"
+        folder = args.folder or work / ("pages" if args.pages else "photos")
         if args.folder is None:
             started = time.perf_counter()
-            write_photo_folder(folder, args.images)
-            print(f"wrote {args.images} photos in {time.perf_counter() - started:.1f} s", file=sys.stderr)
+            (write_page_folder if args.pages else write_photo_folder)(folder, args.images)
+            print(f"wrote {args.images} {folder.name} in {time.perf_counter() - started:.1f} s", file=sys.stderr)
         runs: dict[str, dict] = {}
         print("untimed warm-up run ...", file=sys.stderr)
         run_ours(subset(folder, work, 16), work, "warm_up", args, [])
@@ -196,13 +199,20 @@ def medians(args: argparse.Namespace, runs: dict[str, dict]) -> dict[str, float]
 
 def report(args: argparse.Namespace, runs: dict[str, dict]) -> None:
     env = environment()
-    source = str(args.folder) if args.folder else f"{args.images} generated photos (photos.py, seed 0)"
+    generated = "pages (pages.py" if args.pages else "photos (photos.py"
+    source = str(args.folder) if args.folder else f"{args.images} generated {generated}, seed 0)"
     print(f"\n{args.preset}, {source}, {args.new_tokens} new tokens | {env}")
     rows = [[name, str(r["images"]), str(r["batch_size"]), f"{r['wall_s']:.1f}", f"{r['images_per_s_end_to_end']:.2f}",
              f"{r['images_per_s_in_loop']:.2f}", f"{r['start_s']:.1f}", f"{r['first_caption_after_load_s']:.1f}",
              f"{r['input_wait_pct']:.1f}", f"{r['peak_gpu_memory_gib']:.1f}"] for name, r in runs.items()]
     print(markdown_table(["run", "images", "batch", "wall s", "images/s end to end", "images/s in loop", "start s",
                           "first caption s after load", "input wait % of loop", "peak GPU GiB"], rows))
+    for name, r in runs.items():
+        paths = (r.get("encoder") or {}).get("paths") or {}
+        replays = ", ".join(f"{path} {p['hits']} replayed / {p['misses']} eager" for path, p in paths.items())
+        decoder = r.get("decoder") or {}
+        if replays or decoder.get("steps"):
+            print(f"{name}: encoder {replays or '-'}; decode steps {decoder.get('graph_steps')} of {decoder.get('steps')} replayed")
     result = {"preset": args.preset, "images": args.images, "source": source, "new_tokens": args.new_tokens,
               "cli_args": args.cli_args, "environment": env, "runs": runs}
     if args.repeats > 1:

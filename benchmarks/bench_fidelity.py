@@ -26,7 +26,7 @@ import torch
 from timing import environment, markdown_table, write_json
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the measure, shared with the tests
-from fidelity import FAMILIES, FP32, OURS, STOCK, STOCK_AGAIN, TINY_FAMILIES, WORKLOADS, measure, pooled  # noqa: E402
+from fidelity import FAMILIES, FP32, OURS, STOCK, STOCK_AGAIN, TINY_FAMILIES, measure, pooled, workload_for  # noqa: E402
 
 from encoder_graphs.app.loading import load_model, open_model  # noqa: E402
 
@@ -78,7 +78,7 @@ def encoder_table(results: dict[str, dict]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--family", choices=sorted(FAMILIES), help="one family (default: all four)")
+    parser.add_argument("--family", choices=sorted(FAMILIES), help="one family (default: all)")
     parser.add_argument("--quick", action="store_true", help="smaller images and video (all four in a few minutes)")
     parser.add_argument("--device", default="cuda", help="cpu: a smoke run of the tiny presets, fp32, uncompiled")
     parser.add_argument("--seeds", default="0", help="workload seeds, each a row (e.g. 0,1,2: three times the steps)")
@@ -89,7 +89,7 @@ def main() -> None:
     device = torch.device(args.device)
     on_cuda = device.type == "cuda"
     size = ("quick" if args.quick else "full") if on_cuda else "tiny"
-    workload, presets = WORKLOADS[size], FAMILIES if on_cuda else TINY_FAMILIES
+    presets = FAMILIES if on_cuda else TINY_FAMILIES
     ours = OURS if on_cuda else {"ours": OURS["ours"]}
     if args.attribute:
         ours = {**ours, "ours, enabled=False": {"enabled": False}, "ours, decoder=False": {"decoder": False}}
@@ -100,7 +100,7 @@ def main() -> None:
         model, inputs = load_model(source, device), source.inputs
         for seed in seeds:
             key = family if seed == seeds[0] else f"{family} seed {seed}"
-            measured = measure(model, inputs, replace(workload, seed=seed), ours)
+            measured = measure(model, inputs, replace(workload_for(family, size), seed=seed), ours)
             results[key] = {"preset": presets[family], **measured}
         if len(seeds) > 1:  # the targets as the GPU test judges them
             seeded = [r for key, r in results.items() if key == family or key.startswith(f"{family} seed ")]
@@ -112,9 +112,10 @@ def main() -> None:
             torch.cuda.empty_cache()
         print(f"{family}: seconds {results[family]['seconds']}", flush=True)
     env = environment()
-    prompts = len(workload.images) + 1
     dtype = next(iter(results.values()))["dtype"]
-    print(f"\nfidelity, {dtype}, random weights, {prompts} prompts x {workload.new_tokens} greedy tokens | {env}")
+    shapes = sorted({(len(r["prompt_tokens"]), r["workload"]["new_tokens"]) for r in results.values() if isinstance(r["workload"], dict)})
+    workloads = ", ".join(f"{prompts} prompts x {tokens} greedy tokens" for prompts, tokens in shapes)
+    print(f"\nfidelity, {dtype}, random weights, {workloads} | {env}")
     print("against the fp32 forward (the targets):")
     print(agreement_table(results, FP32))
     print("against the stock bf16 forward (reported):")

@@ -3,6 +3,7 @@ batches of 8, over the same files at the same resolution policy, captions to JSO
 best plain settings: bf16, the fast (torchvision) processor running its resize on the GPU, files
 decoded on threads one batch ahead, left padding, greedy. Prints one JSON line of timings.
     python3 benchmarks/stock_caption.py FOLDER --preset qwen2.5-vl-3b [--max-image-tokens 1280] --out out.jsonl
+DeepSeek-OCR (no chat template): "<image>\n" + the prompt, "Free OCR." unless given, as its model card.
 """
 
 import time
@@ -22,6 +23,7 @@ from encoder_graphs.models.presets import build_model  # noqa: E402
 from encoder_graphs.models.presets.files import preset_files_dir  # noqa: E402
 
 EXTENSIONS = {".jpg", ".jpeg", ".png", ".webp"}
+PROMPT = "Describe this in one sentence."  # the caption command's default
 
 
 def open_image(path: Path) -> Image.Image:
@@ -36,24 +38,27 @@ def main() -> None:
     parser.add_argument("--max-image-tokens", type=int, default=1280, help="Qwen: max_pixels = this x (patch x merge)^2")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--prompt", default="Describe this in one sentence.")
+    parser.add_argument("--prompt", default=None, help="default: the caption command's for this model")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
 
     files = sorted(p for p in args.folder.rglob("*") if p.suffix.lower() in EXTENSIONS)
     model = build_model(args.preset, dtype=torch.bfloat16, device="cuda")
     resolution = {}  # the model card's way: max_pixels given to from_pretrained
-    if model.config.model_type != "internvl":
+    if model.config.model_type.startswith("qwen"):
         vision = model.config.vision_config
         resolution["max_pixels"] = args.max_image_tokens * (vision.patch_size * vision.spatial_merge_size) ** 2
     processor = AutoProcessor.from_pretrained(preset_files_dir(args.preset), **resolution)
     processor.tokenizer.padding_side = "left"
     loaded = time.perf_counter()
     settings = {"device": "cuda"}  # the fast image processor resizes and normalises on the GPU
-    text = processor.apply_chat_template(
-        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": args.prompt}]}],
-        add_generation_prompt=True, tokenize=False,
-    )
+    if processor.chat_template is None:  # DeepSeek-OCR: plain text after the image, as its model card writes it
+        text = f"<image>\n{args.prompt or 'Free OCR.'}"
+    else:
+        text = processor.apply_chat_template(
+            [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": args.prompt or PROMPT}]}],
+            add_generation_prompt=True, tokenize=False,
+        )
     batches = [files[i : i + args.batch_size] for i in range(0, len(files), args.batch_size)]
     first_caption_s, wait_s, captions, refused = None, 0.0, 0, None
     with ThreadPoolExecutor(8) as pool, args.out.open("w") as out:

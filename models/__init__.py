@@ -1,9 +1,8 @@
-"""Model families, one folder each (`qwen/`, `internvl/`: adapter over the stock transformers
-modules, caption inputs, presets, rewrites only that family takes; `deepseek_ocr/`: its adapter so
-far), beside what they share: the registry that finds a model's family, the one seam to
-transformers' internals (`seam/`),
-attention backends (`attention/`), Triton kernels and their guards (`kernels/`), the decode
-layers (`text/`), the rewrite recorder and shared weight re-layouts (`rewrites/`), and the preset
+"""Model families, one folder each (`qwen/`, `internvl/`, `deepseek_ocr/`: adapter over the stock
+transformers modules, caption inputs, presets, rewrites only that family takes), beside what they
+share: the registry that finds a model's family, the one seam to transformers' internals
+(`seam/`), attention backends (`attention/`), Triton kernels and their guards (`kernels/`), the
+decode layers (`text/`), the rewrite recorder and shared weight re-layouts (`rewrites/`), and the preset
 catalog (`presets/`).
 
 Names are exported lazily: importing one module here (the seam, a kernel) loads no adapter.

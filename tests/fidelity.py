@@ -53,6 +53,7 @@ FAMILIES = {
     "qwen3-vl": "qwen3-vl-2b",
     "internvl": "internvl3.5-2b",
     "qwen3.5": "qwen3.5-2b",
+    "deepseek-ocr-2": "deepseek-ocr-2",
 }
 TINY_FAMILIES = {family: f"tiny-{family}" for family in FAMILIES}
 SEEDS = (0, 1, 2)  # the workloads a family's targets are judged over, pooled
@@ -72,10 +73,10 @@ TOKEN_TYPES = "mm_token_type_ids"  # a per-token input: generated tokens are tex
 
 @dataclass(frozen=True)
 class Workload:
-    """One prompt per image (width, height), one with a video (frames, width, height)."""
+    """One prompt per image (width, height), one with a video (frames, width, height) unless None."""
 
     images: tuple[tuple[int, int], ...]
-    video: tuple[int, int, int]
+    video: tuple[int, int, int] | None
     new_tokens: int = 48
     prompt: str = "Describe this in detail."
     seed: int = 0
@@ -95,6 +96,25 @@ WORKLOADS = {
     ),
     "tiny": Workload(images=((64, 64), (96, 48)), video=(4, 56, 56), new_tokens=8),  # CPU tests
 }
+# DeepSeek-OCR reads pages, not videos: pages under one tile (its global view only) and larger
+# ones of 2 to 6 tiles, each of the processor's grids at least once.
+PAGE_WORKLOADS = {
+    "full": Workload(images=((700, 300), (1240, 1754), (1920, 1080), (2480, 3508)), video=None, prompt="Free OCR."),
+    "quick": Workload(
+        images=(
+            (700, 300), (850, 1100), (1600, 900), (760, 760), (1240, 1754), (500, 700),
+            (1920, 1080), (576, 1800), (1100, 850), (900, 1200), (2400, 800), (400, 600),
+        ),
+        video=None,
+        prompt="Free OCR.",
+    ),
+    "tiny": Workload(images=((600, 400), (900, 1200)), video=None, new_tokens=8, prompt="Free OCR."),
+}
+
+
+def workload_for(family: str, size: str) -> Workload:
+    """The `size` workload ("full", "quick", "tiny") that `family` reads."""
+    return (PAGE_WORKLOADS if family.startswith("deepseek-ocr") else WORKLOADS)[size]
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -122,8 +142,9 @@ def prompt_batch(inputs, workload: Workload, device: torch.device, dtype: torch.
     padded), and what each item is: kind, size the model sees, vision tokens, tiles (InternVL)."""
     rng = np.random.default_rng(workload.seed)
     items = [inputs.encode_image(noise_image(width, height, rng)) for width, height in workload.images]
-    frames, width, height = workload.video
-    items.append(inputs.encode_video([noise_image(width, height, rng) for _ in range(frames)]))
+    if workload.video is not None:
+        frames, width, height = workload.video
+        items.append(inputs.encode_video([noise_image(width, height, rng) for _ in range(frames)]))
     batch = inputs.batch(items, workload.prompt, device, dtype)
     described = [
         {"kind": it.kind, "size": list(it.size), "vision_tokens": it.vision_tokens, "tiles": getattr(it, "tiles", None)}
@@ -136,9 +157,15 @@ def prompt_batch(inputs, workload: Workload, device: torch.device, dtype: torch.
 def item_features(model: torch.nn.Module, batch: dict, items: list[dict]) -> list[torch.Tensor]:
     """Each image's and video's encoder output [tokens, hidden] through the model's own
     `get_image_features` / `get_video_features` (the graphed ones while enabled): Qwen3-VL's
-    deepstack levels beside the main features; InternVL's tiles of an item together."""
+    deepstack levels beside the main features; InternVL's tiles of an item together; a
+    DeepSeek-OCR page's tiles, view and separator."""
     inner = model.model
     with torch.inference_mode():
+        if model.config.model_type == "deepseek_ocr2":
+            pages = inner.get_image_features(
+                batch["pixel_values"], batch.get("pixel_values_local"), batch["num_local_patches"], return_dict=True
+            )
+            return list(pages.pooler_output)
         if model.config.model_type == "internvl":
             tiles = inner.get_image_features(batch["pixel_values"], return_dict=True).pooler_output
             return [part.flatten(0, 1) for part in torch.split(tiles, [item["tiles"] for item in items])]

@@ -14,7 +14,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from fidelity import FAMILIES, SEEDS, WORKLOADS, measure, pooled
+from fidelity import FAMILIES, SEEDS, measure, pooled, workload_for
 
 from encoder_graphs.app.loading import load_model, open_model
 
@@ -30,7 +30,7 @@ def test_ours_meets_the_fidelity_targets(family):
     model, inputs = load_model(source, torch.device("cuda")), source.inputs
     try:
         assert model.dtype == torch.bfloat16
-        results = [measure(model, inputs, replace(WORKLOADS["quick"], seed=seed)) for seed in SEEDS]
+        results = [measure(model, inputs, replace(workload_for(family, "quick"), seed=seed)) for seed in SEEDS]
     finally:
         del model
         gc.collect()
