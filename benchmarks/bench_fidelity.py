@@ -12,7 +12,8 @@ steps than stock's generate less 2% of the steps, worst margin at most 1.5x stoc
 at most 1.5x stock bf16's (tests/fidelity.py says why, shared with tests/test_fidelity_gpu.py).
 `--seeds 0,1,2` measures other images (a row each); `--attribute` adds ours with graphs off and
 ours without the decoder's graphs, to tell the encoder's drift from the decoder's.
-    python3 benchmarks/bench_fidelity.py [--family qwen2.5-vl] [--quick] [--seeds 0,1,2] [--attribute] [--json out.json]
+    python3 benchmarks/bench_fidelity.py [--family qwen2.5-vl] [--quick] [--seeds 0,1,2] [--attribute] [--no-compile]
+        [--json out.json]
     python3 benchmarks/bench_fidelity.py --device cpu   # smoke run: tiny presets, fp32, uncompiled
 """
 
@@ -84,13 +85,15 @@ def main() -> None:
     parser.add_argument("--seeds", default="0", help="workload seeds, each a row (e.g. 0,1,2: three times the steps)")
     parser.add_argument("--attribute", action="store_true",
                         help="also ours with graphs off (enabled=False) and without the decoder's (decoder=False)")
+    parser.add_argument("--no-compile", action="store_true",
+                        help="without ours compiled (the caption command compiles from 2,000 files only)")
     parser.add_argument("--json", help="write results here")
     args = parser.parse_args()
     device = torch.device(args.device)
     on_cuda = device.type == "cuda"
     size = ("quick" if args.quick else "full") if on_cuda else "tiny"
     presets = FAMILIES if on_cuda else TINY_FAMILIES
-    ours = OURS if on_cuda else {"ours": OURS["ours"]}
+    ours = OURS if on_cuda and not args.no_compile else {"ours": OURS["ours"]}
     if args.attribute:
         ours = {**ours, "ours, enabled=False": {"enabled": False}, "ours, decoder=False": {"decoder": False}}
     seeds = [int(seed) for seed in args.seeds.split(",")]

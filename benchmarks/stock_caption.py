@@ -76,7 +76,7 @@ def main() -> None:
                     raise
                 refused = f"{type(error).__name__}: {error}"[:200]
                 inputs = processor(text=[text] * len(images), images=images, padding=True, return_tensors="pt", **settings)
-            inputs = inputs.to("cuda")
+            inputs = inputs.to("cuda", dtype=torch.bfloat16)  # pixels as the model's weights (DeepSeek-OCR casts none)
             with torch.inference_mode():
                 generated = model.generate(**inputs, max_new_tokens=args.new_tokens, do_sample=False)
             new = generated[:, inputs["input_ids"].shape[1] :]

@@ -3,8 +3,11 @@
 Encoder, per path: graphs over NaN-poisoned pools and buffers against the stock model's own
 `get_image_features`, over random calls of pages of 0 to 6 tiles (1 to 6 pages; every 10th call
 small-large-small), each path with its own budgets (global in views, local in tiles). Decoder (a
-small MoE: 64 routed experts through transformers' grouped_mm): fp32 greedy tokens identical to
-the stock `generate`, every decode step replayed; bf16 replay of every step.
+small MoE: 64 routed experts, 6 a token): every decode step replayed, in bf16 through transformers'
+default experts kernel (grouped_mm), in fp32 through its batched_mm, where fp32 greedy tokens equal
+the stock `generate`'s. grouped_mm itself does not capture in fp32: transformers falls back there
+to a loop over the experts' token counts read to the host (`offs.tolist()`), and each such step
+runs eagerly (counted: the graph's capture fails, and is dropped).
 """
 
 import random
@@ -18,6 +21,7 @@ from encoder_graphs import EncoderCudaGraphManager, enable_cuda_graphs
 from encoder_graphs.models import adapter_for
 from encoder_graphs.models.deepseek_ocr.adapter import GLOBAL, LOCAL, TILE_SIDE, VIEW_SIDE, Pages
 from encoder_graphs.models.presets import build_model
+from encoder_graphs.models.rewrites import Rewrites
 
 pytestmark = [
     pytest.mark.gpu,
@@ -43,8 +47,9 @@ def pages(tiles_per_page: list[int], generator: torch.Generator) -> Pages:
 def test_graphs_match_stock_features_per_path_with_poisoned_pool():
     model = build_model(PRESET, dtype=torch.bfloat16, device="cuda")
     inner = model.model
-    manager = EncoderCudaGraphManager(adapter_for(model), budgets=BUDGETS, poison_pool_bytes=256 << 20,
-                                      choose_by_cost=False)
+    adapter = adapter_for(model)
+    adapter.align_weights(Rewrites())  # as enable_cuda_graphs does: SAM's relative positions made on the device
+    manager = EncoderCudaGraphManager(adapter, budgets=BUDGETS, poison_pool_bytes=256 << 20, choose_by_cost=False)
     manager.capture()
     assert not manager.stats()["failed_budgets"], manager.stats()["failed_budgets"]
     manager.poison_buffers()
@@ -81,6 +86,8 @@ def prompts(config, tiles_per_page: list[int], generator: torch.Generator) -> di
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_generate_replays_every_step_and_fp32_tokens_equal_stock(dtype):
     model = build_model(PRESET, dtype=dtype, device="cuda")
+    if dtype == torch.float32:
+        model.set_experts_implementation("batched_mm")  # stock and ours alike
     inputs = prompts(model.config, [0, 2, 6], torch.Generator().manual_seed(1))
     inputs = {key: value.to(dtype) if value.is_floating_point() else value for key, value in inputs.items()}
     settings = dict(max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=2)
