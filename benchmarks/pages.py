@@ -8,10 +8,10 @@ sensor noise, so their JPEGs are as large and slow to decode as real ones.
 
 import argparse
 import random
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
+from photos import write_drawn_folder
 from PIL import Image, ImageDraw, ImageFont
 
 # (width, height, format, noisy, weight in %)
@@ -74,14 +74,7 @@ def write_one(job: tuple[Path, int, int, str, bool, int]) -> None:
 
 def write_page_folder(folder: Path, count: int, seed: int = 0, workers: int = 16) -> list[Path]:
     """`count` pages drawn from SIZES by weight (seeded), written in parallel; their paths."""
-    rng = random.Random(seed)
-    folder.mkdir(parents=True, exist_ok=True)
-    picks = rng.choices(SIZES, weights=[w for *_, w in SIZES], k=count)
-    jobs = [(folder / f"page_{i:05d}.{kind}", w, h, kind, noisy, seed * 100_000 + i)
-            for i, (w, h, kind, noisy, _) in enumerate(picks)]
-    with ProcessPoolExecutor(workers) as pool:
-        list(pool.map(write_one, jobs, chunksize=2))
-    return [job[0] for job in jobs]
+    return write_drawn_folder(folder, "page", SIZES, write_one, count, seed, workers)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ shapes and sensor-like noise, so a 12 MP JPEG is ~3-4 MB and decodes as slowly a
 
 import argparse
 import random
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
@@ -78,12 +79,20 @@ def write_one(job: tuple[Path, int, int, str, int]) -> None:
 
 def write_photo_folder(folder: Path, count: int, seed: int = 0, workers: int = 16) -> list[Path]:
     """`count` files drawn from SIZES by weight (seeded), written in parallel; their paths."""
+    return write_drawn_folder(folder, "photo", SIZES, write_one, count, seed, workers)
+
+
+def write_drawn_folder(
+    folder: Path, stem: str, sizes: list[tuple], write: Callable[[tuple], None], count: int, seed: int, workers: int
+) -> list[Path]:
+    """`count` files drawn from `sizes` (rows of width, height, format, ..., weight in %) by weight
+    (seeded), each `write((path, *row without its weight, seed))` in parallel; their paths."""
     rng = random.Random(seed)
     folder.mkdir(parents=True, exist_ok=True)
-    picks = rng.choices(SIZES, weights=[w for *_, w in SIZES], k=count)
-    jobs = [(folder / f"photo_{i:05d}.{kind}", w, h, kind, seed * 100_000 + i) for i, (w, h, kind, _) in enumerate(picks)]
+    picks = rng.choices(sizes, weights=[row[-1] for row in sizes], k=count)
+    jobs = [(folder / f"{stem}_{i:05d}.{row[2]}", *row[:-1], seed * 100_000 + i) for i, row in enumerate(picks)]
     with ProcessPoolExecutor(workers) as pool:
-        list(pool.map(write_one, jobs, chunksize=4))
+        list(pool.map(write, jobs, chunksize=2))
     return [job[0] for job in jobs]
 
 

@@ -39,10 +39,10 @@ from typing import Any
 import numpy as np
 import torch
 from PIL import Image
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
-from transformers.models.deepseek_ocr2.image_processing_pil_deepseek_ocr2 import DeepseekOcr2ImageProcessorPil
+from transformers import AutoTokenizer, DeepseekOcr2ImageProcessorPil, PreTrainedTokenizerBase
 
 from encoder_graphs.models.deepseek_ocr.adapter import MOST_TILES, TILE_FEATURES, TILE_SIDE, VIEW_FEATURES, VIEW_SIDE
+from encoder_graphs.models.pil_pixels import normalized
 from encoder_graphs.models.seam.vision import tiled_canvas
 
 # What `DeepseekOcr2Processor` hands its image processor unless told otherwise (crop_to_patches=True,
@@ -50,9 +50,6 @@ from encoder_graphs.models.seam.vision import tiled_canvas
 # `DeepseekOcr2ProcessorKwargs._defaults`, 5.23.0's `DeepseekOcr2Processor.images_kwargs`.
 FEWEST_TILES = 2
 IMAGE_TOKEN = "<image>"
-# Values normalised at a time: the float64 step of the PIL processor's rescale is 8 bytes a value
-# (128 MiB here: 5 views or 9 tiles).
-CHUNK_VALUES = 1 << 24
 
 
 @dataclass
@@ -236,41 +233,12 @@ class DeepseekOcrInputs:
         self, collated: dict[str, torch.Tensor], device: torch.device | str, dtype: torch.dtype
     ) -> dict[str, torch.Tensor]:
         """`collate`'s batch on `device`, the views and tiles rescaled and normalised there as the
-        PIL processor does it (a float64 product rounded to float32, then float32 arithmetic: the
-        same correctly rounded operations on a GPU), then cast to `dtype`."""
+        PIL processor does it (`pil_pixels.normalized`), then cast to `dtype`."""
         moved = {key: value.to(device, non_blocking=True) for key, value in collated.items()}
-        if "pixel_values" in moved:
-            affine = self._affine(moved["pixel_values"].device)
-            for key in ("pixel_values", "pixel_values_local"):
-                if key in moved:
-                    moved[key] = self._normalized(moved[key], affine, dtype)
+        for key in ("pixel_values", "pixel_values_local"):
+            if key in moved:
+                moved[key] = normalized(moved[key], self.image_processor, dtype)
         return moved
-
-    def _affine(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The processor's mean and std on `device`, made once a batch: each is a copy from
-        pageable host memory, which waits for the device's queue."""
-        processor = self.image_processor
-        if not processor.do_normalize:
-            return None
-        mean = torch.tensor(processor.image_mean, dtype=torch.float32, device=device).view(-1, 1, 1)
-        std = torch.tensor(processor.image_std, dtype=torch.float32, device=device).view(-1, 1, 1)
-        return mean, std
-
-    def _normalized(
-        self, pixels: torch.Tensor, affine: tuple[torch.Tensor, torch.Tensor] | None, dtype: torch.dtype
-    ) -> torch.Tensor:
-        out = torch.empty(pixels.shape, dtype=dtype, device=pixels.device)
-        rows = max(1, CHUNK_VALUES // pixels[0].numel())
-        for start in range(0, pixels.shape[0], rows):
-            values = pixels[start : start + rows].to(torch.float64)
-            if self.image_processor.do_rescale:
-                values = values * self.image_processor.rescale_factor
-            values = values.to(torch.float32)
-            if affine is not None:
-                mean, std = affine
-                values = (values - mean) / std
-            out[start : start + rows] = values
-        return out
 
     def decode(self, tokens: Sequence[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=True).strip()

@@ -19,6 +19,7 @@ import torch
 from PIL import Image
 from transformers import AutoTokenizer, GotOcr2ImageProcessorPil, PreTrainedTokenizerBase
 
+from encoder_graphs.models.pil_pixels import normalized
 from encoder_graphs.models.seam.vision import tiled_canvas
 
 # The tokenizer's named special tokens (`tokenizer.context_image_token` ...) and their usual text.
@@ -28,9 +29,6 @@ TOKENS = {
     "context_image_token": "<IMG_CONTEXT>",
     "video_token": "<video>",
 }
-
-
-TILE_CHUNK = 32  # tiles normalised at a time: the float64 step of the PIL processor's rescale is 8 bytes a value
 
 
 @dataclass
@@ -185,37 +183,11 @@ class InternVLInputs:
         self, collated: dict[str, torch.Tensor], device: torch.device | str, dtype: torch.dtype
     ) -> dict[str, torch.Tensor]:
         """`collate`'s batch on `device`, the tiles rescaled and normalised there as the PIL
-        processor does it (a float64 product rounded to float32, then float32 arithmetic: the same
-        correctly rounded operations on a GPU), then cast to `dtype`."""
+        processor does it (`pil_pixels.normalized`), then cast to `dtype`."""
         moved = {key: value.to(device, non_blocking=True) for key, value in collated.items()}
         if "pixel_values" in moved:
-            tiles = moved["pixel_values"]
-            out = torch.empty(tiles.shape, dtype=dtype, device=tiles.device)
-            affine = self._affine(tiles.device)
-            for start in range(0, tiles.shape[0], TILE_CHUNK):
-                out[start : start + TILE_CHUNK] = self._normalize(tiles[start : start + TILE_CHUNK], affine)
-            moved["pixel_values"] = out
+            moved["pixel_values"] = normalized(moved["pixel_values"], self.image_processor, dtype)
         return moved
-
-    def _affine(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The processor's mean and std on `device`, made once a batch: each is a copy from
-        pageable host memory, which waits for the device's queue."""
-        processor = self.image_processor
-        if not processor.do_normalize:
-            return None
-        mean = torch.tensor(processor.image_mean, dtype=torch.float32, device=device).view(-1, 1, 1)
-        std = torch.tensor(processor.image_std, dtype=torch.float32, device=device).view(-1, 1, 1)
-        return mean, std
-
-    def _normalize(self, tiles: torch.Tensor, affine: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        values = tiles.to(torch.float64)
-        if self.image_processor.do_rescale:
-            values = values * self.image_processor.rescale_factor
-        values = values.to(torch.float32)
-        if affine is not None:
-            mean, std = affine
-            values = (values - mean) / std
-        return values
 
     def decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=True).strip()

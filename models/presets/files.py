@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from transformers import PretrainedConfig
+from transformers import DeepseekOcr2ImageProcessorPil, DeepseekOcr2Processor, PretrainedConfig
 
 from encoder_graphs.models.presets import get_config
 from encoder_graphs.models.presets.tokenizer import build_tokenizer, write_json
@@ -157,9 +157,6 @@ def _write_deepseek_ocr_files(config: PretrainedConfig, directory: Path) -> None
     with 2; the processor (no chat template: prompts are plain text after `<image>`) nests its
     image processor in processor_config.json, as the converted checkpoint does, named as there
     (`DeepseekOcr2ImageProcessor`, the torchvision one; the caption command reads its PIL twin)."""
-    from transformers import DeepseekOcr2Processor
-    from transformers.models.deepseek_ocr2.image_processing_pil_deepseek_ocr2 import DeepseekOcr2ImageProcessorPil
-
     text = config.get_text_config()
     specials = {
         "<｜begin▁of▁sentence｜>": text.bos_token_id,
