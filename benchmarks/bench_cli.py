@@ -212,7 +212,8 @@ def report(args: argparse.Namespace, runs: dict[str, dict]) -> None:
         replays = ", ".join(f"{path} {p['hits']} replayed / {p['misses']} eager" for path, p in paths.items())
         decoder = r.get("decoder") or {}
         if replays or decoder.get("steps"):
-            print(f"{name}: encoder {replays or '-'}; decode steps {decoder.get('graph_steps')} of {decoder.get('steps')} replayed")
+            steps = f"{decoder.get('graph_steps')} of {decoder.get('steps')}"
+            print(f"{name}: encoder {replays or '-'}; decode steps {steps} replayed")
     result = {"preset": args.preset, "images": args.images, "source": source, "new_tokens": args.new_tokens,
               "cli_args": args.cli_args, "environment": env, "runs": runs}
     if args.repeats > 1:

@@ -27,7 +27,17 @@ import torch
 from timing import environment, markdown_table, write_json
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the measure, shared with the tests
-from fidelity import FAMILIES, FP32, OURS, STOCK, STOCK_AGAIN, TINY_FAMILIES, measure, pooled, workload_for  # noqa: E402
+from fidelity import (  # noqa: E402
+    FAMILIES,
+    FP32,
+    OURS,
+    STOCK,
+    STOCK_AGAIN,
+    TINY_FAMILIES,
+    measure,
+    pooled,
+    workload_for,
+)
 
 from encoder_graphs.app.loading import load_model, open_model  # noqa: E402
 
@@ -80,7 +90,7 @@ def encoder_table(results: dict[str, dict]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--family", choices=sorted(FAMILIES), help="one family (default: all)")
-    parser.add_argument("--quick", action="store_true", help="smaller images and video (all four in a few minutes)")
+    parser.add_argument("--quick", action="store_true", help="smaller images and video (a few minutes a family)")
     parser.add_argument("--device", default="cuda", help="cpu: a smoke run of the tiny presets, fp32, uncompiled")
     parser.add_argument("--seeds", default="0", help="workload seeds, each a row (e.g. 0,1,2: three times the steps)")
     parser.add_argument("--attribute", action="store_true",
@@ -116,7 +126,8 @@ def main() -> None:
         print(f"{family}: seconds {results[family]['seconds']}", flush=True)
     env = environment()
     dtype = next(iter(results.values()))["dtype"]
-    shapes = sorted({(len(r["prompt_tokens"]), r["workload"]["new_tokens"]) for r in results.values() if isinstance(r["workload"], dict)})
+    seeded = [r for r in results.values() if isinstance(r["workload"], dict)]  # not the pooled rows
+    shapes = sorted({(len(r["prompt_tokens"]), r["workload"]["new_tokens"]) for r in seeded})
     workloads = ", ".join(f"{prompts} prompts x {tokens} greedy tokens" for prompts, tokens in shapes)
     print(f"\nfidelity, {dtype}, random weights, {workloads} | {env}")
     print("against the fp32 forward (the targets):")

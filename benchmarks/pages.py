@@ -1,5 +1,5 @@
-"""A folder of document-like pages at the sizes people OCR (fixed seed): A4 and letter scans at
-150-300 dpi, PDF pages rendered to PNG, slides, phone photos of a page, receipts and small
+"""A folder of document-like pages at the sizes people OCR (fixed seed): A4 scans at 150-300 dpi,
+letter pages rendered from PDF to PNG, slides, phone photos of a page, receipts and small
 snippets (under one 768 px tile: no local tiles). Each is a white page of lines of real glyphs
 (PIL's font, random words) in paragraphs under a title; scans and photos get paper tone and
 sensor noise, so their JPEGs are as large and slow to decode as real ones.

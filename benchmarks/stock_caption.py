@@ -19,11 +19,12 @@ import torch  # noqa: E402
 from PIL import Image, ImageOps  # noqa: E402
 from transformers import AutoProcessor  # noqa: E402
 
+from encoder_graphs.app.config import DEFAULT_PROMPT  # noqa: E402
 from encoder_graphs.models.presets import build_model  # noqa: E402
 from encoder_graphs.models.presets.files import preset_files_dir  # noqa: E402
+from encoder_graphs.models.registry import family_for_config  # noqa: E402
 
 EXTENSIONS = {".jpg", ".jpeg", ".png", ".webp"}
-PROMPT = "Describe this in one sentence."  # the caption command's default
 
 
 def open_image(path: Path) -> Image.Image:
@@ -52,11 +53,14 @@ def main() -> None:
     processor.tokenizer.padding_side = "left"
     loaded = time.perf_counter()
     settings = {"device": "cuda"}  # the fast image processor resizes and normalises on the GPU
+    prompt = args.prompt
+    if prompt is None:  # the caption command's for this model
+        prompt = family_for_config(model.config).inputs.default_prompt or DEFAULT_PROMPT
     if processor.chat_template is None:  # DeepSeek-OCR: plain text after the image, as its model card writes it
-        text = f"<image>\n{args.prompt or 'Free OCR.'}"
+        text = f"{processor.image_token}\n{prompt}"
     else:
         text = processor.apply_chat_template(
-            [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": args.prompt or PROMPT}]}],
+            [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}],
             add_generation_prompt=True, tokenize=False,
         )
     batches = [files[i : i + args.batch_size] for i in range(0, len(files), args.batch_size)]

@@ -97,7 +97,7 @@ WORKLOADS = {
     "tiny": Workload(images=((64, 64), (96, 48)), video=(4, 56, 56), new_tokens=8),  # CPU tests
 }
 # DeepSeek-OCR reads pages, not videos: pages under one tile (its global view only) and larger
-# ones of 2 to 6 tiles, each of the processor's grids at least once.
+# ones of 2 to 6 tiles, wide and tall (grids 2x1, 3x1, 1x3, 3x2, 2x3).
 PAGE_WORKLOADS = {
     "full": Workload(images=((700, 300), (1240, 1754), (1920, 1080), (2480, 3508)), video=None, prompt="Free OCR."),
     "quick": Workload(

@@ -155,3 +155,10 @@ def test_the_caption_command_reads_a_folder_of_pages(tmp_path, monkeypatch):
     views, tiles = (encoder["paths"][path] for path in (GLOBAL, LOCAL))
     assert views["hits"] + views["misses"] == 3  # every page has a view
     assert tiles["hits"] + tiles["misses"] == 2  # the note, under one tile, has no tiles
+    # A prompt given overrides the model's; one the page's tokens would collide with is refused.
+    (tmp_path / "prompt.txt").write_text("Convert the document to markdown.")
+    assert main([*argv, "--prompt-file", str(tmp_path / "prompt.txt"), "--out", str(tmp_path / "md.jsonl")]) == 0
+    assert {json.loads(line)["prompt"] for line in (tmp_path / "md.jsonl").read_text().splitlines()} == {
+        "Convert the document to markdown."
+    }
+    assert main([*argv, "--prompt", "<image> read", "--out", str(tmp_path / "bad.jsonl")]) == 2

@@ -16,7 +16,6 @@ at real size and a page's prompt is hundreds of GB.
 """
 
 import copy
-
 import random
 
 import pytest
@@ -85,7 +84,8 @@ def test_graphs_match_stock_features_per_path_with_poisoned_pool():
 
 def prompts(config, tiles_per_page: list[int], generator: torch.Generator) -> dict:
     """Left-padded prompts of a page each: BOS, its image tokens, a few text tokens."""
-    rows = [[0] + [config.image_token_id] * (257 + 144 * tiles) + [5, 6, 7 + i] for i, tiles in enumerate(tiles_per_page)]
+    image = config.image_token_id
+    rows = [[0] + [image] * (257 + 144 * tiles) + [5, 6, 7 + i] for i, tiles in enumerate(tiles_per_page)]
     longest = max(map(len, rows))
     ids = torch.tensor([[2] * (longest - len(row)) + row for row in rows])
     inputs = pages(tiles_per_page, generator)
@@ -117,5 +117,5 @@ def test_generate_replays_every_step_and_fp32_tokens_equal_stock(preset, dtype):
     assert decoder["steps"] == 15 and decoder["graph_steps"] == decoder["steps"], decoder
     if dtype == torch.float32:
         assert torch.equal(got, expected)
-    else:  # bf16: the same length, finite; tokens checked by the fidelity measure (bench_fidelity.py)
+    else:  # bf16: the same length; tokens judged by the fidelity measure (bench_fidelity.py)
         assert got.shape == expected.shape

@@ -17,6 +17,7 @@ from transformers.models.deepseek_ocr2.image_processing_pil_deepseek_ocr2 import
     get_optimal_tiled_canvas,
 )
 
+from encoder_graphs.models import pil_pixels
 from encoder_graphs.models.deepseek_ocr.inputs import DeepseekOcrInputs
 from encoder_graphs.models.presets.tokenizer import build_tokenizer
 from encoder_graphs.models.seam.vision import tiled_canvas
@@ -106,6 +107,21 @@ def test_collate_keeps_uint8_pixels_and_to_model_casts_as_the_processor(checkpoi
     mine = ours.to_model(collated, "cpu", torch.bfloat16)
     for key in ("pixel_values", "pixel_values_local"):
         assert torch.equal(mine[key], theirs[key].to(torch.bfloat16)), key
+
+
+def test_normalising_in_chunks_equals_one_pass(checkpoint, monkeypatch):
+    """The views and tiles are normalised a chunk of rows at a time (`pil_pixels.CHUNK_VALUES`):
+    chunks that do not divide the rows give the very values of one pass over them all."""
+    ours = DeepseekOcrInputs.from_pretrained(checkpoint)
+    rng = np.random.default_rng(11)
+    collated = ours.collate([ours.encode_image(page(rng, 1800, 700)) for _ in range(3)], PROMPT)
+    whole = ours.to_model(collated, "cpu", torch.float32)
+    row = collated["pixel_values_local"][0].numel()
+    monkeypatch.setattr(pil_pixels, "CHUNK_VALUES", 2 * row)  # tiles two at a time, views one
+    chunked = ours.to_model(collated, "cpu", torch.float32)
+    assert collated["pixel_values_local"].shape[0] % 2 == 1  # a last chunk of one tile
+    for key in ("pixel_values", "pixel_values_local"):
+        assert torch.equal(chunked[key], whole[key]), key
 
 
 def test_max_tiles_is_the_processors_max_patches(checkpoint):

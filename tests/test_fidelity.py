@@ -44,7 +44,8 @@ def test_in_fp32_every_step_agrees_for_stock_and_ours(checkpoint):
     result = measure(model, inputs, workload, ours={"ours": OURS["ours"]})
     rows = len(workload.images) + (workload.video is not None)
     steps = rows * workload.new_tokens
-    assert [item["kind"] for item in result["items"]] == ["image"] * len(workload.images) + ["video"] * (rows > len(workload.images))
+    kinds = ["image"] * len(workload.images) + ["video"] * (workload.video is not None)
+    assert [item["kind"] for item in result["items"]] == kinds
     assert len(set(result["prompt_tokens"])) > 1  # prompts of different lengths: left padding is exercised
     batch, _ = prompt_batch(inputs, workload, CPU, torch.float32)
     assert batch["attention_mask"][:, -1].all() and not batch["attention_mask"][:, 0].all()

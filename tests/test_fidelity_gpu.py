@@ -1,7 +1,8 @@
 """The fidelity targets on a GPU, one family a test (tests/fidelity.py says what is measured):
 real-size language models with random weights, bf16, the "quick" workload (twelve images of
-different sizes and a video, left padded, 48 greedy tokens each), through the model's own
-processor-style inputs, over three seeds' images, pooled (1,872 steps). Ours, ours compiled and
+different sizes and a video, left padded, 48 greedy tokens each; DeepSeek-OCR twelve pages and no
+video), through the model's own processor-style inputs, over three seeds' images, pooled (1,872
+steps; 1,728). Ours, ours compiled and
 the stock `generate` run a second time against its first run, teacher-forced through the model
 in fp32; each item's encoder output against fp32.
 

@@ -70,7 +70,7 @@ def test_an_untested_transformers_version_warns_once_naming_the_range():
 
 
 ROOT = Path(__file__).resolve().parents[1]
-FAMILIES = ("encoder_graphs.models.qwen", "encoder_graphs.models.internvl")
+FAMILIES = ("encoder_graphs.models.qwen", "encoder_graphs.models.internvl", "encoder_graphs.models.deepseek_ocr")
 GATHERERS = {"models/registry.py", "models/presets/catalog.py"}  # they list every family
 
 

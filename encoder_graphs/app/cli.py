@@ -64,8 +64,9 @@ def _model_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-tiles",
         type=_positive_int,
         default=None,
-        help="resolution for tiling models (InternVL): tiles of 256 tokens per image, plus a thumbnail "
-        "(default: the checkpoint's, 12)",
+        help="resolution for tiling models: InternVL's tiles of 256 tokens per image, plus a thumbnail "
+        "(default: the checkpoint's, 12); DeepSeek-OCR's 768 px tiles of 144 tokens beside its view, "
+        "2 to N (default: 6)",
     )
     group.add_argument(
         "--max-frames", type=_even_int, default=16, help="frames sampled per video, even (default: %(default)s)"

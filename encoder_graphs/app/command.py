@@ -83,8 +83,7 @@ def run(plan: Plan) -> int:
 
     device = pick_device(settings.device, plan.job.local_rank)
     source = open_model(settings.model, max_tiles=settings.max_tiles, max_image_tokens=settings.max_image_tokens)
-    if settings.prompt is None and settings.prompt_file is None and source.inputs.default_prompt is not None:
-        plan.config = replace(plan.config, prompt=source.inputs.default_prompt)  # e.g. an OCR model's
+    plan.config = plan.config.with_prompt_of(source.inputs.default_prompt)  # e.g. an OCR model's
     limits = load_limits(settings, source)
     longest = check_length(plan, source, limits)  # before the weights: GBs for a real model
     check_seeded_sampling(settings, source)
@@ -273,7 +272,11 @@ def check_length(plan: Plan, source: "ModelSource", limits: "LoadLimits") -> int
     from encoder_graphs.app.pipeline import longest_sequence
 
     inputs, config = source.inputs, plan.config
-    longest = longest_sequence(inputs, config, limits, videos=any(f.kind == "video" for f in plan.todo))
+    flag = "--prompt" if plan.settings.prompt_file is None else f"--prompt-file {plan.settings.prompt_file}"
+    try:
+        longest = longest_sequence(inputs, config, limits, videos=any(f.kind == "video" for f in plan.todo))
+    except ValueError as error:  # a prompt the model's inputs refuse (DeepSeek-OCR's with its own <image>)
+        raise UsageError(f"{flag}: {error}") from error
     positions = getattr(source.config.get_text_config(), "max_position_embeddings", None)
     if positions is None or longest <= positions:
         return longest
@@ -285,12 +288,11 @@ def check_length(plan: Plan, source: "ModelSource", limits: "LoadLimits") -> int
                          f"caption reaches {longest} tokens, {past}; at most {positions - prompt}")
     if image_prompt < positions:
         raise UsageError(f"--max-frames {plan.settings.max_frames}: a video's prompt reaches {prompt} tokens, {past}")
-    plain = replace(config, prompt=DEFAULT_PROMPT)
+    plain = replace(config, prompt=inputs.default_prompt or DEFAULT_PROMPT)
     if longest_sequence(inputs, plain, limits, videos=False) - config.max_new_tokens < positions:
-        flag = "--prompt" if plan.settings.prompt_file is None else f"--prompt-file {plan.settings.prompt_file}"
         raise UsageError(f"{flag}: the prompt around the largest image reaches {image_prompt} tokens, {past}")
     raise UsageError(f"the prompt around the largest image reaches {image_prompt} tokens, {past}: "
-                     "lower --max-image-tokens (Qwen-VL) or --max-tiles (InternVL)")
+                     "lower --max-image-tokens (Qwen-VL) or --max-tiles (InternVL, DeepSeek-OCR)")
 
 
 def check_seeded_sampling(settings: Settings, source: "ModelSource") -> None:

@@ -5,7 +5,7 @@ import hashlib
 import os
 import re
 import string
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from encoder_graphs.app.names import as_text, is_text
 
@@ -35,7 +35,9 @@ def default_load_workers() -> int:
 
 @dataclass(frozen=True)
 class CaptionConfig:
-    prompt: str = DEFAULT_PROMPT
+    # None: the model's own (`CaptionInputs.default_prompt`, else DEFAULT_PROMPT), which
+    # `with_prompt_of` settles once the model's files are read.
+    prompt: str | None = DEFAULT_PROMPT
     max_new_tokens: int = 32
     batch_size: int = 8
     max_batch_tokens: int = 16384  # vision placeholder tokens in one generate call
@@ -51,7 +53,7 @@ class CaptionConfig:
     seed: int | None = None  # when sampling: each file's draws from its own seed (seed_for)
 
     def __post_init__(self) -> None:
-        if not self.prompt.strip():
+        if self.prompt is not None and not self.prompt.strip():
             raise ValueError("prompt must not be empty")
         for name in ("max_new_tokens", "batch_size", "max_batch_tokens", "load_workers", "prefetch_batches"):
             if getattr(self, name) < 1:
@@ -60,10 +62,15 @@ class CaptionConfig:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        check_template(self.prompt)
-        for flag, text in (("--prompt", self.prompt), ("--prefix", self.prefix), ("--suffix", self.suffix)):
+        if self.prompt is not None:
+            check_template(self.prompt)
+        for flag, text in (("--prompt", self.prompt or ""), ("--prefix", self.prefix), ("--suffix", self.suffix)):
             if not is_text(text):  # bytes a shell passed that are not UTF-8: no file or model takes them
                 raise ValueError(f"{flag} is not valid UTF-8 text")
+
+    def with_prompt_of(self, model_prompt: str | None) -> "CaptionConfig":
+        """This config, its prompt the model's (`model_prompt`, else DEFAULT_PROMPT) where none was given."""
+        return self if self.prompt is not None else replace(self, prompt=model_prompt or DEFAULT_PROMPT)
 
     def prompt_for(self, name: str, folder: str, width: int, height: int) -> str:
         """The prompt of one file: the template with its fields filled in (a name's bytes that are

@@ -54,7 +54,10 @@ def open_model(name: str | None, *, max_tiles: int | None = None, max_image_toke
         from encoder_graphs.models.presets import get_config
 
         config = get_config(name)
-        inputs = family_for_config(config).inputs.from_pretrained(preset_files_dir(name), **resolution)
+        try:
+            inputs = family_for_config(config).inputs.from_pretrained(preset_files_dir(name), **resolution)
+        except ValueError as error:  # a resolution policy the family's processor refuses (--max-tiles)
+            raise UsageError(f"--model {name}: {error}") from error
         inputs.check_model(config)
         return ModelSource(config, inputs, preset=name)
     from encoder_graphs.models.presets.default_model import default_model_dir

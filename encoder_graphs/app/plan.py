@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from encoder_graphs.app.config import DEFAULT_PROMPT, MAX_PROMPT_BYTES, CaptionConfig
+from encoder_graphs.app.config import MAX_PROMPT_BYTES, CaptionConfig
 from encoder_graphs.app.distributed import Job
 from encoder_graphs.app.errors import UsageError, printable
 from encoder_graphs.app.output_checks import check_targets, not_our_stats, special_file
@@ -134,11 +134,11 @@ def open_results(settings: Settings, job: Job) -> "ResultsFile":
     return results
 
 
-def read_prompt(settings: Settings) -> str:
+def read_prompt(settings: Settings) -> str | None:
     """`--prompt`, or `--prompt-file`'s text without its byte-order mark, read no further than a
-    prompt may be long."""
+    prompt may be long; None without either (the model's, settled when its files are read)."""
     if settings.prompt_file is None:
-        return settings.prompt if settings.prompt is not None else DEFAULT_PROMPT
+        return settings.prompt
     try:
         with open(settings.prompt_file, "rb") as handle:
             data = handle.read(MAX_PROMPT_BYTES + len(codecs.BOM_UTF8) + 1).removeprefix(codecs.BOM_UTF8)

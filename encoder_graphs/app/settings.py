@@ -23,7 +23,7 @@ class Settings:
     max_tiles: int | None = None  # None: the checkpoint's
     max_frames: int = 16
     # The text.
-    prompt: str | None = None  # None: the model's (`CaptionInputs.default_prompt`), else DEFAULT_PROMPT
+    prompt: str | None = None  # None, without --prompt-file: the model's (`CaptionConfig.with_prompt_of`)
     prompt_file: Path | None = None
     prefix: str = ""
     suffix: str = ""

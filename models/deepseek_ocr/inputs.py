@@ -42,7 +42,7 @@ from PIL import Image
 from transformers import AutoTokenizer, DeepseekOcr2ImageProcessorPil, PreTrainedTokenizerBase
 
 from encoder_graphs.models.deepseek_ocr.adapter import MOST_TILES, TILE_FEATURES, TILE_SIDE, VIEW_FEATURES, VIEW_SIDE
-from encoder_graphs.models.pil_pixels import normalized
+from encoder_graphs.models.pil_pixels import affine, normalized
 from encoder_graphs.models.seam.vision import tiled_canvas
 
 # What `DeepseekOcr2Processor` hands its image processor unless told otherwise (crop_to_patches=True,
@@ -67,7 +67,7 @@ class EncodedPage:
 class DeepseekOcrInputs:
     """CaptionInputs for DeepSeek-OCR 2 checkpoints (`DeepseekOcr2ForConditionalGeneration`)."""
 
-    default_prompt = "Free OCR."  # the model card's plain-text reading (its other: markdown with boxes)
+    default_prompt: str | None = "Free OCR."  # the model card's plain reading (its other: markdown with boxes)
 
     def __init__(
         self,
@@ -88,7 +88,7 @@ class DeepseekOcrInputs:
         self.max_tiles = max_tiles if max_tiles is not None else MOST_TILES
         if self.max_tiles < self.min_tiles:
             # Below its smallest grid the processor's tiling falls back to one tile, a grid it never chooses.
-            raise ValueError(f"max_tiles must be >= {self.min_tiles}, got {self.max_tiles}")
+            raise ValueError(f"max_tiles must be >= {self.min_tiles} for DeepSeek-OCR, got {self.max_tiles}")
         self.image_token = getattr(tokenizer, "image_token", IMAGE_TOKEN)  # as the processor picks it
         self.view_side = image_processor.size["height"]
         self.tile_side = image_processor.tile_size
@@ -235,9 +235,11 @@ class DeepseekOcrInputs:
         """`collate`'s batch on `device`, the views and tiles rescaled and normalised there as the
         PIL processor does it (`pil_pixels.normalized`), then cast to `dtype`."""
         moved = {key: value.to(device, non_blocking=True) for key, value in collated.items()}
-        for key in ("pixel_values", "pixel_values_local"):
-            if key in moved:
-                moved[key] = normalized(moved[key], self.image_processor, dtype)
+        if "pixel_values" in moved:
+            mean_std = affine(self.image_processor, moved["pixel_values"].device)  # once for views and tiles
+            for key in ("pixel_values", "pixel_values_local"):
+                if key in moved:
+                    moved[key] = normalized(moved[key], self.image_processor, mean_std, dtype)
         return moved
 
     def decode(self, tokens: Sequence[int]) -> str:

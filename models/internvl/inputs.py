@@ -19,7 +19,7 @@ import torch
 from PIL import Image
 from transformers import AutoTokenizer, GotOcr2ImageProcessorPil, PreTrainedTokenizerBase
 
-from encoder_graphs.models.pil_pixels import normalized
+from encoder_graphs.models.pil_pixels import affine, normalized
 from encoder_graphs.models.seam.vision import tiled_canvas
 
 # The tokenizer's named special tokens (`tokenizer.context_image_token` ...) and their usual text.
@@ -49,7 +49,7 @@ class EncodedTiles:
 class InternVLInputs:
     """CaptionInputs for InternVL checkpoints (`InternVLForConditionalGeneration`)."""
 
-    default_prompt = None
+    default_prompt: str | None = None  # a caption's
 
     def __init__(
         self,
@@ -186,7 +186,8 @@ class InternVLInputs:
         processor does it (`pil_pixels.normalized`), then cast to `dtype`."""
         moved = {key: value.to(device, non_blocking=True) for key, value in collated.items()}
         if "pixel_values" in moved:
-            moved["pixel_values"] = normalized(moved["pixel_values"], self.image_processor, dtype)
+            tiles, processor = moved["pixel_values"], self.image_processor
+            moved["pixel_values"] = normalized(tiles, processor, affine(processor, tiles.device), dtype)
         return moved
 
     def decode(self, tokens: list[int]) -> str:

@@ -165,7 +165,8 @@ def _write_deepseek_ocr_files(config: PretrainedConfig, directory: Path) -> None
         "<image>": config.image_token_id,
     }
     tokenizer = build_tokenizer(specials, {"image_token": "<image>"}, vocab_size=text.vocab_size)
-    DeepseekOcr2Processor(image_processor=DeepseekOcr2ImageProcessorPil(), tokenizer=tokenizer).save_pretrained(directory)
+    processor = DeepseekOcr2Processor(image_processor=DeepseekOcr2ImageProcessorPil(), tokenizer=tokenizer)
+    processor.save_pretrained(directory)
 
 
 def _free_id(after: int, specials: dict[str, int]) -> int:

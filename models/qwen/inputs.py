@@ -76,7 +76,7 @@ class EncodedItem:
 class QwenVLInputs:
     """CaptionInputs for the Qwen-VL families."""
 
-    default_prompt = None
+    default_prompt: str | None = None  # a caption's
 
     def __init__(
         self,
