@@ -74,6 +74,8 @@ class CaptionInputs(Protocol):
     # The instruction the caption command gives where the user names none; None: a caption's
     # (`--prompt`'s default). A document reader's is its model card's OCR instruction.
     default_prompt: str | None
+    # Whether `encode_video` takes videos (False: the command refuses them before decoding).
+    reads_videos: bool
 
     @classmethod
     def from_pretrained(

@@ -135,18 +135,20 @@ def test_the_adapter_specs_count_views_and_tiles(model):
 
 def test_the_caption_command_reads_a_folder_of_pages(tmp_path, monkeypatch):
     """The tiny preset through the command: a page under one tile (no local rows), a tall and a
-    wide one (tiles); each page's record carries the OCR prompt (the
+    wide one (tiles), a video refused unread; each page's record carries the OCR prompt (the
     model's default), its statistics per path."""
     monkeypatch.setenv("ENCODER_GRAPHS_CACHE", str(tmp_path / "cache"))
     pages = tmp_path / "pages"
     pages.mkdir()
     for name, size in {"note": (600, 400), "letter": (850, 1100), "slide": (1600, 900)}.items():
         Image.new("RGB", size, (250, 250, 245)).save(pages / f"{name}.png")
+    (pages / "talk.mp4").write_bytes(b"not decoded: a video is refused by its kind")
     out, stats = tmp_path / "pages.jsonl", tmp_path / "stats.json"
     argv = ["caption", str(pages), "--model", "tiny-deepseek-ocr-2", "--out", str(out), "--stats-json", str(stats),
             "--max-new-tokens", "3", "--quiet"]
-    assert main(argv) == 0
+    assert main(argv) == 1  # the video failed
     records = {Path(r["path"]).stem: r for r in map(json.loads, out.read_text().splitlines())}
+    assert records["talk"]["error_kind"] == "unsupported" and "reads images, not videos" in records["talk"]["error"]
     for name in ("note", "letter", "slide"):
         assert "error" not in records[name], records[name]
         assert records[name]["prompt"] == "Free OCR." and 0 <= records[name]["tokens"] <= 3
@@ -157,8 +159,7 @@ def test_the_caption_command_reads_a_folder_of_pages(tmp_path, monkeypatch):
     assert tiles["hits"] + tiles["misses"] == 2  # the note, under one tile, has no tiles
     # A prompt given overrides the model's; one the page's tokens would collide with is refused.
     (tmp_path / "prompt.txt").write_text("Convert the document to markdown.")
-    assert main([*argv, "--prompt-file", str(tmp_path / "prompt.txt"), "--out", str(tmp_path / "md.jsonl")]) == 0
-    assert {json.loads(line)["prompt"] for line in (tmp_path / "md.jsonl").read_text().splitlines()} == {
-        "Convert the document to markdown."
-    }
+    assert main([*argv, "--prompt-file", str(tmp_path / "prompt.txt"), "--out", str(tmp_path / "md.jsonl")]) == 1
+    markdown = [json.loads(line) for line in (tmp_path / "md.jsonl").read_text().splitlines()]
+    assert {r["prompt"] for r in markdown if "caption" in r} == {"Convert the document to markdown."}
     assert main([*argv, "--prompt", "<image> read", "--out", str(tmp_path / "bad.jsonl")]) == 2

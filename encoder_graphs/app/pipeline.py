@@ -175,6 +175,8 @@ class Captioner:
     def prepare(self, file: MediaFile) -> Pending | dict:
         """Load and encode one file; a failure becomes its error record."""
         started = time.perf_counter()
+        if file.kind == "video" and not self.inputs.reads_videos:  # refused before decoding its frames
+            return self._error_record(file, "unsupported", f"{file.path}: this model reads images, not videos")
         try:
             media = load(file, self.limits)
             if file.kind == "image":

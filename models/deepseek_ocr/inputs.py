@@ -68,6 +68,7 @@ class DeepseekOcrInputs:
     """CaptionInputs for DeepSeek-OCR 2 checkpoints (`DeepseekOcr2ForConditionalGeneration`)."""
 
     default_prompt: str | None = "Free OCR."  # the model card's plain reading (its other: markdown with boxes)
+    reads_videos = False
 
     def __init__(
         self,

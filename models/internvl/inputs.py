@@ -50,6 +50,7 @@ class InternVLInputs:
     """CaptionInputs for InternVL checkpoints (`InternVLForConditionalGeneration`)."""
 
     default_prompt: str | None = None  # a caption's
+    reads_videos = True
 
     def __init__(
         self,

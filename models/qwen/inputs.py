@@ -77,6 +77,7 @@ class QwenVLInputs:
     """CaptionInputs for the Qwen-VL families."""
 
     default_prompt: str | None = None  # a caption's
+    reads_videos = True
 
     def __init__(
         self,
