@@ -147,15 +147,10 @@ def prompt_batch(inputs, workload: Workload, device: torch.device, dtype: torch.
         items.append(inputs.encode_video([noise_image(width, height, rng) for _ in range(frames)]))
     batch = inputs.batch(items, workload.prompt, device, dtype)
     described = [
-        {"kind": it.kind, "size": list(it.size), "vision_tokens": it.vision_tokens, "tiles": _tiles(it)} for it in items
+        {"kind": it.kind, "size": list(it.size), "vision_tokens": it.vision_tokens, "tiles": getattr(it, "tiles", None)}
+        for it in items
     ]
     return batch, described
-
-
-def _tiles(item) -> int | None:
-    """InternVL's tiles of an item, a DeepSeek-OCR page's local tiles (a tensor of them); None."""
-    tiles = getattr(item, "tiles", None)
-    return tiles.shape[0] if isinstance(tiles, torch.Tensor) else tiles
 
 
 # ----- the encoder ----------------------------------------------------------------------------

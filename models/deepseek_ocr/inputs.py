@@ -58,10 +58,14 @@ class EncodedPage:
     batch goes)."""
 
     kind: str  # always "image"
-    view: torch.Tensor  # uint8 (1, 3, 1024, 1024): the page padded to a square
-    tiles: torch.Tensor  # uint8 (tiles, 3, 768, 768), no rows for a page of one tile or less
+    view_u8: torch.Tensor  # uint8 (1, 3, 1024, 1024): the page padded to a square
+    tiles_u8: torch.Tensor  # uint8 (tiles, 3, 768, 768), no rows for a page of one tile or less
     vision_tokens: int  # image tokens in the prompt = features of the view, the tiles and the separator
     size: tuple[int, int]  # (width, height) the model sees at most: the tiles' canvas, else the page in the view
+
+    @property
+    def tiles(self) -> int:
+        return self.tiles_u8.shape[0]
 
 
 class DeepseekOcrInputs:
@@ -224,10 +228,10 @@ class DeepseekOcrInputs:
         encoded = self.tokenizer(texts, padding=True, return_tensors="pt")
         batch = {"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"]}
         if items:
-            batch["pixel_values"] = torch.cat([item.view for item in items])
-            batch["num_local_patches"] = torch.tensor([item.tiles.shape[0] for item in items], dtype=torch.int64)
-            if any(item.tiles.shape[0] for item in items):  # the processor leaves it out, the model takes None
-                batch["pixel_values_local"] = torch.cat([item.tiles for item in items])
+            batch["pixel_values"] = torch.cat([item.view_u8 for item in items])
+            batch["num_local_patches"] = torch.tensor([item.tiles for item in items], dtype=torch.int64)
+            if any(item.tiles for item in items):  # the processor leaves it out, the model takes None
+                batch["pixel_values_local"] = torch.cat([item.tiles_u8 for item in items])
         return batch
 
     def to_model(
