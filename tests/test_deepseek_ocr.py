@@ -9,14 +9,20 @@ from pathlib import Path
 
 import pytest
 import torch
+from fidelity import relative_error
 from PIL import Image
 from transformers import DeepseekOcr2Config, DeepseekOcr2ForConditionalGeneration
+from transformers.models.deepseek_ocr2.modeling_deepseek_ocr2 import (
+    DeepseekOcr2SamVisionAttention,
+    DeepseekOcr2SamVisionSdpaAttention,
+)
 
 from encoder_graphs import enable_cuda_graphs
 from encoder_graphs.app.cli import main
+from encoder_graphs.models.attention.rel_pos import decomposed_rel_pos_attention
 from encoder_graphs.models.deepseek_ocr.adapter import GLOBAL, LOCAL, Pages
 from encoder_graphs.models.registry import adapter_for
-from encoder_graphs.models.seam.vision import rel_pos_on_device
+from encoder_graphs.models.seam.vision import is_sam_rel_pos_attention, rel_pos_on_device, sam_attention_forward
 
 # The tower keeps its real image sides (1024 px views, 768 px tiles: its query banks are sized for
 # them) and shrinks everything else.
@@ -24,7 +30,8 @@ TINY = dict(
     image_token_id=60,
     vision_config=dict(
         sam_config=dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, mlp_dim=64, output_channels=16,
-                        downsample_channels=[32, 64], window_size=14, global_attn_indexes=[1]),
+                        downsample_channels=[32, 64], window_size=14, global_attn_indexes=[1],
+                        initializer_range=0.02),  # stock's 1e-10 would make SAM a no-op
         encoder_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                             num_key_value_heads=2, vocab_size=1),
     ),
@@ -40,7 +47,12 @@ TINY = dict(
 def checkpoint(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-deepseek-ocr2")
     torch.manual_seed(0)
-    DeepseekOcr2ForConditionalGeneration(DeepseekOcr2Config(**TINY)).save_pretrained(path)
+    model = DeepseekOcr2ForConditionalGeneration(DeepseekOcr2Config(**TINY))
+    with torch.no_grad():  # stock init zeroes SAM's relative-position tables; a checkpoint's are not zero
+        for name, table in model.named_parameters():
+            if "rel_pos" in name:
+                table.normal_(0, 0.5)
+    model.save_pretrained(path)
     return path
 
 
@@ -67,14 +79,14 @@ def test_both_paths_give_the_stock_features(model):
     attentions = [layer.attn for layer in model.model.vision_tower.sam_encoder.layers]
     handle = enable_cuda_graphs(model, decoder=False)
     try:
-        # SAM's relative positions indexed on the device (capturable), until disable().
-        assert all(vars(attention)["get_rel_pos"] is rel_pos_on_device for attention in attentions)
+        # SAM's attentions fold their relative positions into q and k (capturable), until disable().
+        assert all("forward" in vars(attention) for attention in attentions)
         with torch.inference_mode():
             got = [model.get_image_features(**call).pooler_output for call in calls]
         paths = handle.stats()["encoder"]["paths"]
     finally:
         handle.disable()
-    assert not any("get_rel_pos" in vars(attention) for attention in attentions)
+    assert not any("forward" in vars(attention) for attention in attentions)
     for tiles, ours, theirs in zip(CALLS, got, expected, strict=True):
         assert [page.shape[0] for page in ours] == [256 + 144 * count + 1 for count in tiles]
         for page, stock in zip(ours, theirs, strict=True):
@@ -112,6 +124,30 @@ def test_relative_positions_on_the_device_equal_stocks(model, q_size, k_size):
     attention = model.model.vision_tower.sam_encoder.layers[0].attn
     table = torch.randn(2 * max(q_size, k_size) + 5, 8, generator=torch.Generator().manual_seed(q_size))
     assert torch.equal(rel_pos_on_device(q_size, k_size, table), attention.get_rel_pos(q_size, k_size, table))
+
+
+@pytest.mark.parametrize("attention", [DeepseekOcr2SamVisionAttention, DeepseekOcr2SamVisionSdpaAttention])
+@pytest.mark.parametrize("shape", [(3, 14, 14), (1, 64, 64), (2, 6, 10)])  # windows, the 1024 px grid, a rectangle
+def test_folded_relative_positions_equal_stock_attention(model, attention, shape):
+    """Scores with the relative positions folded into q and k (one attention, no [tokens, tokens]
+    bias) against both stock SAM attentions, fp32; the head width plus the grid's sides is padded
+    to a multiple of 8 (16 + 14 + 14 here)."""
+    sam = model.model.vision_tower.sam_encoder
+    layer = sam.layers[sam.config.global_attn_indexes[0]]
+    stock = attention(sam.config, window_size=0).eval()
+    stock.load_state_dict(layer.attn.state_dict())
+    assert is_sam_rel_pos_attention(stock) and stock.rel_pos_h.abs().sum() > 0
+    hidden = torch.randn(*shape, sam.config.hidden_size, generator=torch.Generator().manual_seed(sum(shape)))
+    folded = sam_attention_forward(stock, decomposed_rel_pos_attention)
+    with torch.inference_mode():
+        want, got = stock(hidden)[0], folded(hidden)[0]
+        plain = sam_attention_forward(stock, lambda q, k, v, rel_h, rel_w, scale: decomposed_rel_pos_attention(
+            q, k, v, torch.zeros_like(rel_h), torch.zeros_like(rel_w), scale))(hidden)[0]
+        weights = folded(hidden, output_attentions=True)[1]
+    assert relative_error(got, want) < 1e-5
+    assert relative_error(plain, want) > 0.05  # the positions matter: the check means something
+    # Asked for, the weights come from the stock forward (the eager class computes them).
+    assert (weights is not None) == (attention is DeepseekOcr2SamVisionAttention)
 
 
 def test_pages_select_each_pages_own_tiles():

@@ -202,6 +202,10 @@ def test_tiny_preset_round_trips(name, tmp_path):
         assert model.config.image_seq_length == (config.image_size[0] // config.patch_size[0] // 2) ** 2
     elif "deepseek" in name:  # the real view side: its encoder's query banks are sized for it
         assert config.sam_config.image_size == 1024 and config.sam_config.patch_size == 16
+        # SAM drawn as a checkpoint's weights are spread, its relative positions too (stock: 1e-10 and 0)
+        attention = model.model.vision_tower.sam_encoder.layers[0].attn
+        tables = (attention.qkv.weight, attention.rel_pos_h, attention.rel_pos_w)
+        assert all(0.01 < table.std() < 0.04 for table in tables)
     else:
         assert config.spatial_merge_size == 2 and config.temporal_patch_size == 2
     model.save_pretrained(tmp_path)

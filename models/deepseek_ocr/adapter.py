@@ -19,8 +19,9 @@ import torch
 from torch import nn
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
+from encoder_graphs.models.attention.rel_pos import decomposed_rel_pos_attention
 from encoder_graphs.models.rewrites import Rewrites
-from encoder_graphs.models.seam.vision import sam_rel_pos_on_device
+from encoder_graphs.models.seam.vision import is_sam_rel_pos_attention, sam_attention_forward
 from encoder_graphs.protocols import (
     CaptureInputs,
     EncoderCudaGraphConfig,
@@ -109,9 +110,12 @@ class DeepseekOcrAdapter:
 
     def align_weights(self, rewrites: Rewrites) -> None:
         """SAM's and the encoder's widths (768, 3072; 896, 4864) are multiples of 8: nothing to
-        align. SAM's relative positions are indexed on the device instead of from the host (the
-        same values), so that its forward can be captured."""
-        sam_rel_pos_on_device(self.model.vision_tower.sam_encoder, rewrites)
+        align. SAM's attentions fold their relative positions into q and k (one fused attention,
+        no [tokens, tokens] bias in memory: `attention/rel_pos.py`), their tables indexed on the
+        device so that the forward can be captured."""
+        for module in self.model.vision_tower.sam_encoder.modules():
+            if is_sam_rel_pos_attention(module):
+                rewrites.patch(module, "forward", sam_attention_forward(module, decomposed_rel_pos_attention))
 
     def repeated_blocks(self) -> list[nn.Module]:
         tower = self.model.vision_tower

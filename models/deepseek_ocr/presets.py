@@ -7,8 +7,12 @@ from encoder_graphs.models.presets.preset import Preset
 
 # SAM ViT-B at 1024 px (global attention in blocks 2, 5, 8, 11; its neck to 256 channels, then two
 # strided convs to 896, the encoder's width), then a Qwen2-0.5B-shaped encoder that reads SAM's
-# patches and returns its learned queries. transformers' SAM defaults are these values.
+# patches and returns its learned queries. transformers' SAM defaults are these values, but for its
+# init: SAM's weights drawn with std 1e-10 would make a random model's SAM a no-op; drawn as the
+# encoder's are (0.02), it computes as a checkpoint's does. Its relative-position tables, which
+# stock init zeroes, are drawn too (`Preset.drawn`).
 _SAM = dict(
+    initializer_range=0.02,
     hidden_size=768,
     num_hidden_layers=12,
     num_attention_heads=12,
@@ -62,6 +66,7 @@ def _deepseek_ocr(text: dict, sam: dict, encoder: dict, image_token_id: int) -> 
         text=text,
         vision=dict(sam_config=sam, encoder_config=encoder),
         extra=dict(image_token_id=image_token_id, tie_word_embeddings=False),
+        drawn=("rel_pos",),
     )
 
 

@@ -28,7 +28,11 @@ def get_config(name: str) -> PretrainedConfig:
 
 
 def _build(
-    factory: Callable[[], PreTrainedModel], dtype: torch.dtype, device: str | torch.device, seed: int
+    factory: Callable[[], PreTrainedModel],
+    dtype: torch.dtype,
+    device: str | torch.device,
+    seed: int,
+    drawn: tuple[str, ...],
 ) -> PreTrainedModel:
     torch.manual_seed(seed)
     default_dtype = torch.get_default_dtype()
@@ -40,6 +44,10 @@ def _build(
         torch.set_default_dtype(default_dtype)
     with buffers_kept(model):
         model.to(dtype)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if any(fragment in name for fragment in drawn):
+                param.normal_(0, 0.02)
     return model.eval()
 
 
@@ -63,7 +71,7 @@ def build_model(
     """The whole model with random weights, in eval mode, built directly on `device` in `dtype`."""
     preset = _preset(name)
     config = preset.config()
-    return _build(lambda: from_config(preset.model_class, config, dtype), dtype, device, seed)
+    return _build(lambda: from_config(preset.model_class, config, dtype), dtype, device, seed, preset.drawn)
 
 
 def build_vision_tower(
@@ -72,4 +80,4 @@ def build_vision_tower(
     """Only the vision tower (the module a model holds as `model.visual`), random weights."""
     preset = _preset(name)
     config = preset.config().vision_config
-    return _build(lambda: from_config(preset.vision_class, config, dtype), dtype, device, seed)
+    return _build(lambda: from_config(preset.vision_class, config, dtype), dtype, device, seed, preset.drawn)

@@ -15,6 +15,9 @@ class Preset:
     text: dict[str, Any]
     vision: dict[str, Any]
     extra: dict[str, Any] = field(default_factory=dict)
+    # Parameters (name fragments) that stock init zeroes and a checkpoint holds trained: drawn at
+    # random by `build_model` as the other weights are, so that a random model exercises them.
+    drawn: tuple[str, ...] = ()
 
     def config(self) -> PretrainedConfig:
         return self.config_class(

@@ -5,7 +5,8 @@ transformers release is checked (and, where needed, mended) here. Each entry say
 it was checked on; `TESTED_RANGE` is the range CI runs (both ends) and `pyproject.toml` allows.
 - `attention`: attention implementations registered under our names, and switching to them;
 - `modules`: the stock MLPs and norms the kernels stand in for;
-- `vision`: the Qwen vision towers' blocks, helpers and outputs, InternVL's tiling;
+- `vision`: the Qwen vision towers' blocks, helpers and outputs, InternVL's tiling, DeepSeek-OCR's
+  SAM attention;
 - `text`: the language models' layers, rotary embeddings and caches (our static cache's layers);
 - `generation`: what `generate` resolves and computes before its first forward.
 """

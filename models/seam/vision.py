@@ -165,9 +165,41 @@ def rel_pos_on_device(q_size: int, k_size: int, rel_pos: torch.Tensor) -> torch.
     return resized[relative.long()]
 
 
-def sam_rel_pos_on_device(tower: torch.nn.Module, rewrites: Rewrites) -> None:
-    """Every SAM attention of `tower` reads its relative positions through `rel_pos_on_device`
-    until `rewrites` is undone."""
-    for module in tower.modules():
-        if callable(getattr(module, "get_rel_pos", None)) and hasattr(module, "rel_pos_h"):
-            rewrites.patch(module, "get_rel_pos", rel_pos_on_device)
+# 5.17.0, 5.23.0: a SAM attention (`DeepseekOcr2SamVisionAttention`, and its sdpa subclass) takes
+# hidden states [batch, height, width, channels] (one window's, or the whole grid's), projects
+# them with `qkv` (per token q, k, v, each `num_attention_heads` heads), adds to the scores
+# (q·k·`scale`) the decomposed relative positions (q's dot products with `rel_pos_h` and
+# `rel_pos_w`, resized and indexed by `get_rel_pos`, with `use_rel_pos`), projects with `proj`
+# and returns (output, attention weights or None).
+RelPosAttention = Callable[..., torch.Tensor]
+
+
+def is_sam_rel_pos_attention(module: torch.nn.Module) -> bool:
+    """Whether `module` is a stock SAM attention of DeepSeek-OCR 2 with relative positions."""
+    from transformers.models.deepseek_ocr2.modeling_deepseek_ocr2 import DeepseekOcr2SamVisionAttention
+
+    return isinstance(module, DeepseekOcr2SamVisionAttention) and module.use_rel_pos
+
+
+def sam_attention_forward(attention: torch.nn.Module, attend: RelPosAttention) -> Callable[..., tuple]:
+    """A forward for SAM attention `attention` (`is_sam_rel_pos_attention`) that hands q, k, v
+    [batch, heads, tokens, head_dim] and the decomposed relative positions (rel_h [..., height],
+    rel_w [..., width], per query, as stock computes them) to `attend`
+    (`attention/rel_pos.py`'s `decomposed_rel_pos_attention`), its tables indexed on the device.
+    A call asking for the attention weights runs the stock forward."""
+
+    def forward(hidden_states: torch.Tensor, output_attentions: bool | None = None) -> tuple:
+        if output_attentions:
+            return type(attention).forward(attention, hidden_states, output_attentions)
+        batch, height, width, _ = hidden_states.shape
+        heads = attention.num_attention_heads
+        qkv = attention.qkv(hidden_states).reshape(batch, height * width, 3, heads, -1).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)
+        grid = q.reshape(batch, heads, height, width, -1)
+        rel_h = torch.einsum("bnhwc,hkc->bnhwk", grid, rel_pos_on_device(height, height, attention.rel_pos_h))
+        rel_w = torch.einsum("bnhwc,wkc->bnhwk", grid, rel_pos_on_device(width, width, attention.rel_pos_w))
+        out = attend(q, k, v, rel_h.flatten(2, 3), rel_w.flatten(2, 3), attention.scale)
+        out = out.view(batch, heads, height, width, -1).permute(0, 2, 3, 1, 4).reshape(batch, height, width, -1)
+        return attention.proj(out), None
+
+    return forward
