@@ -54,12 +54,13 @@ def test_graphs_match_stock_features_per_path_with_poisoned_pool():
     model = build_model(PRESET, dtype=torch.bfloat16, device="cuda")
     inner = model.model
     adapter = adapter_for(model)
-    adapter.align_weights(Rewrites())  # as enable_cuda_graphs does: SAM's relative positions made on the device
+    stock_model = copy.deepcopy(inner)  # stock attention (the graphs' model is changed below)
+    reference = copy.deepcopy(inner).float()  # the same weights in fp32
+    adapter.align_weights(Rewrites())  # as enable_cuda_graphs does: SAM's relative positions folded into q and k
     manager = EncoderCudaGraphManager(adapter, budgets=BUDGETS, poison_pool_bytes=256 << 20, choose_by_cost=False)
     manager.capture()
     assert not manager.stats()["failed_budgets"], manager.stats()["failed_budgets"]
     manager.poison_buffers()
-    reference = copy.deepcopy(inner).float()  # the same weights in fp32
     rng, generator = random.Random(0), torch.Generator().manual_seed(0)
     with torch.inference_mode():
         for call in range(20):
@@ -67,7 +68,7 @@ def test_graphs_match_stock_features_per_path_with_poisoned_pool():
             inputs = pages(tiles, generator)
             ours = manager.execute(inputs)
             views, local = inputs.views, inputs.tiles if sum(tiles) else None
-            stock = inner.get_image_features(views, local, torch.tensor(tiles), return_dict=True).pooler_output
+            stock = stock_model.get_image_features(views, local, torch.tensor(tiles), return_dict=True).pooler_output
             truth = reference.get_image_features(
                 views.float(), None if local is None else local.float(), torch.tensor(tiles), return_dict=True
             ).pooler_output

@@ -118,8 +118,10 @@ class DeepseekOcrAdapter:
                 rewrites.patch(module, "forward", sam_attention_forward(module, decomposed_rel_pos_attention))
 
     def repeated_blocks(self) -> list[nn.Module]:
-        tower = self.model.vision_tower
-        return [*tower.sam_encoder.layers, *tower.vision_encoder.layers]
+        """None: compiled, SAM's and the encoder's blocks ran slower than uncompiled (the folded
+        attention, 16 views on an H100) after a minute of compiling, and recompiled at the next
+        batch size for another minute (benchmarks/RESULTS.md, DeepSeek-OCR 2)."""
+        return []
 
     @classmethod
     def check_decoder_inputs(cls, inputs: dict) -> None:
