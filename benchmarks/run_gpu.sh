@@ -3,7 +3,7 @@
 # need the torchvision that machine has), run the quick benchmarks, print a table. On a machine
 # of two GPUs or more (nvidia-h200-x2) the tests and the benchmarks run side by side.
 # Usage (from the repo root, on the device): bash benchmarks/run_gpu.sh [pytest -k expression]
-# BENCHMARKS picks benchmarks (default: all five; "" for none); BENCH_FLAGS="" runs them in full;
+# BENCHMARKS picks benchmarks (default: all six; "" for none); BENCH_FLAGS="" runs them in full;
 # a -k expression that matches nothing runs the benchmarks alone.
 # WHEELS names folders of carried wheels installed first (default: .whl, for flashinfer and its
 # needs); e.g. WHEELS=".whl .whl523" with a transformers wheel in .whl523 runs the suite on that
@@ -32,7 +32,7 @@ run_tests() {
   return "${PIPESTATUS[0]}"
 }
 run_benchmarks() {
-  for bench in ${BENCHMARKS-bench_encoder.py bench_decode.py bench_caption.py bench_fidelity.py bench_kernels.py}; do
+  for bench in ${BENCHMARKS-bench_encoder.py bench_encoder_pages.py bench_decode.py bench_caption.py bench_fidelity.py bench_kernels.py}; do
     python3 "benchmarks/$bench" ${BENCH_FLAGS---quick} --json "$OUT/${bench%.py}.json" >"$OUT/${bench%.py}.log" 2>&1
   done
 }
@@ -53,7 +53,7 @@ fi
 echo
 echo "== summary (transformers $version) =="
 grep -E "passed|failed|error" "$log" | tail -1
-for bench in ${BENCHMARKS-bench_encoder.py bench_decode.py bench_caption.py bench_fidelity.py bench_kernels.py}; do
+for bench in ${BENCHMARKS-bench_encoder.py bench_encoder_pages.py bench_decode.py bench_caption.py bench_fidelity.py bench_kernels.py}; do
   echo "-- $bench"; grep -E "^\||vision tower|get_image_features|ours alone|graphs:|decode step|setup|fidelity,|missed:" "$OUT/${bench%.py}.log" \
     || tail -5 "$OUT/${bench%.py}.log"
 done
