@@ -16,7 +16,8 @@ import random
 from functools import partial
 
 import torch
-from timing import environment, markdown_table, matmul_tflops, time_calls, time_interleaved, write_json
+from bench_encoder import time_managers
+from timing import environment, markdown_table, matmul_tflops, time_calls, write_json
 
 from encoder_graphs import EncoderCudaGraphManager
 from encoder_graphs.models import adapter_for
@@ -94,12 +95,7 @@ def main() -> None:
     managers = {"graphs_off": EncoderCudaGraphManager(adapter, enabled=False),
                 "graphs": EncoderCudaGraphManager(adapter),
                 "graphs_always": EncoderCudaGraphManager(adapter, choose_by_cost=False)}
-    for manager in managers.values():
-        manager.capture()
-    with torch.inference_mode():
-        for name, call in cases.items():
-            calls = {key: partial(manager.execute, call) for key, manager in managers.items()}
-            timed[name].update(time_interleaved(calls, warmup, iters))
+    time_managers(managers, cases, timed, warmup, iters)
     rows, results = [], []
     for name, tiles in workloads().items():
         ms = timed[name]
