@@ -37,8 +37,9 @@ VIEW_SIDE, TILE_SIDE = 1024, 768
 VIEW_FEATURES, TILE_FEATURES = 256, 144
 MOST_TILES = 6  # the processor's largest grid
 # Budgets grow by 2**(1/2) (1, 2, 3, 4, 6, 8, 11, ...): one page's 2, 3, 4 or 6 tiles each fill a
-# budget. Doubling padded a page of 6 tiles to 8, where the replay measured no cheaper than the
-# eager forward over 4 tiles (H100); a budget of 6 replays a quarter faster than eager.
+# budget. Doubling padded a page of 6 tiles to 8, whose replay measured no cheaper than the eager
+# forward over the 6 (H100), so a page at a time ran its tiles eagerly; budget 6 replays them 10%
+# faster than eager (benchmarks/RESULTS.md, DeepSeek-OCR 2).
 STEPS_PER_DOUBLING = 2
 _STOCK_ONLY_KWARGS = ("output_hidden_states", "output_attentions")
 
