@@ -41,6 +41,7 @@ import torch
 from PIL import Image
 from transformers import AutoTokenizer, DeepseekOcr2ImageProcessorPil, PreTrainedTokenizerBase
 
+from encoder_graphs.models.batching import CollatingInputs, per_item, to_device
 from encoder_graphs.models.deepseek_ocr.adapter import MOST_TILES, TILE_FEATURES, TILE_SIDE, VIEW_FEATURES, VIEW_SIDE
 from encoder_graphs.models.pil_pixels import affine, normalized
 from encoder_graphs.models.seam.vision import tiled_canvas
@@ -68,7 +69,7 @@ class EncodedPage:
         return self.tiles_u8.shape[0]
 
 
-class DeepseekOcrInputs:
+class DeepseekOcrInputs(CollatingInputs):
     """CaptionInputs for DeepSeek-OCR 2 checkpoints (`DeepseekOcr2ForConditionalGeneration`)."""
 
     default_prompt: str | None = "Free OCR."  # the model card's plain reading (its other: markdown with boxes)
@@ -212,21 +213,11 @@ class DeepseekOcrInputs:
             raise ValueError(f"the prompt may not contain {self.image_token}: the page's tokens go before it")
         return self.image_token * vision_tokens + "\n" + prompt
 
-    def batch(
-        self, items: Sequence[EncodedPage], prompts: str | Sequence[str], device: torch.device | str = "cpu",
-        dtype: torch.dtype = torch.float32,
-    ) -> dict[str, torch.Tensor]:
-        """Left-padded inputs for `model.generate(**batch)`, as the processor returns them (on
-        the CPU, in float32 by default); views and tiles in prompt order. `prompts`: one for
-        every item, or one per item."""
-        return self.to_model(self.collate(items, prompts), device, dtype)
-
     def collate(self, items: Sequence[EncodedPage], prompts: str | Sequence[str]) -> dict[str, torch.Tensor]:
         """The batch on the CPU with uint8 views and tiles (`to_model` finishes it); touches no GPU."""
-        prompts = [prompts] * len(items) if isinstance(prompts, str) else prompts
+        prompts = per_item(prompts, items)
         texts = [self.prompt_text(item, prompt) for item, prompt in zip(items, prompts, strict=True)]
-        encoded = self.tokenizer(texts, padding=True, return_tensors="pt")
-        batch = {"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"]}
+        batch = self.tokenized(texts)
         if items:
             batch["pixel_values"] = torch.cat([item.view_u8 for item in items])
             batch["num_local_patches"] = torch.tensor([item.tiles for item in items], dtype=torch.int64)
@@ -239,7 +230,7 @@ class DeepseekOcrInputs:
     ) -> dict[str, torch.Tensor]:
         """`collate`'s batch on `device`, the views and tiles rescaled and normalised there as the
         PIL processor does it (`pil_pixels.normalized`), then cast to `dtype`."""
-        moved = {key: value.to(device, non_blocking=True) for key, value in collated.items()}
+        moved = to_device(collated, device)
         if "pixel_values" in moved:
             mean_std = affine(self.image_processor, moved["pixel_values"].device)  # once for views and tiles
             for key in ("pixel_values", "pixel_values_local"):

@@ -19,6 +19,7 @@ import torch
 from PIL import Image
 from transformers import AutoTokenizer, GotOcr2ImageProcessorPil, PreTrainedTokenizerBase
 
+from encoder_graphs.models.batching import CollatingInputs, per_item, to_device
 from encoder_graphs.models.pil_pixels import affine, normalized
 from encoder_graphs.models.seam.vision import tiled_canvas
 
@@ -46,7 +47,7 @@ class EncodedTiles:
         return self.tiles_u8.shape[0]
 
 
-class InternVLInputs:
+class InternVLInputs(CollatingInputs):
     """CaptionInputs for InternVL checkpoints (`InternVLForConditionalGeneration`)."""
 
     default_prompt: str | None = None  # a caption's
@@ -161,21 +162,11 @@ class InternVLInputs:
             return f"{start}{context * self.image_seq_length * tiles}{end}"
         return "\n".join(f"Frame{i + 1}: {start}{context * self.image_seq_length}{end}" for i in range(tiles))
 
-    def batch(
-        self, items: Sequence[EncodedTiles], prompts: str | Sequence[str], device: torch.device | str = "cpu",
-        dtype: torch.dtype = torch.float32,
-    ) -> dict[str, torch.Tensor]:
-        """Left-padded inputs for `model.generate(**batch)`, as the processor returns them (on
-        the CPU, in float32 by default); tiles of all items in prompt order. `prompts`: one for
-        every item, or one per item."""
-        return self.to_model(self.collate(items, prompts), device, dtype)
-
     def collate(self, items: Sequence[EncodedTiles], prompts: str | Sequence[str]) -> dict[str, torch.Tensor]:
         """The batch on the CPU with uint8 tiles (`to_model` finishes it); touches no GPU."""
-        prompts = [prompts] * len(items) if isinstance(prompts, str) else prompts
+        prompts = per_item(prompts, items)
         texts = [self.prompt_text(item, prompt) for item, prompt in zip(items, prompts, strict=True)]
-        encoded = self.tokenizer(texts, padding=True, return_tensors="pt")
-        batch = {"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"]}
+        batch = self.tokenized(texts)
         if items:
             batch["pixel_values"] = torch.cat([item.tiles_u8 for item in items])
         return batch
@@ -185,7 +176,7 @@ class InternVLInputs:
     ) -> dict[str, torch.Tensor]:
         """`collate`'s batch on `device`, the tiles rescaled and normalised there as the PIL
         processor does it (`pil_pixels.normalized`), then cast to `dtype`."""
-        moved = {key: value.to(device, non_blocking=True) for key, value in collated.items()}
+        moved = to_device(collated, device)
         if "pixel_values" in moved:
             tiles, processor = moved["pixel_values"], self.image_processor
             moved["pixel_values"] = normalized(tiles, processor, affine(processor, tiles.device), dtype)

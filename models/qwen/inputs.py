@@ -31,6 +31,7 @@ import torch
 from PIL import Image
 from transformers import AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase, Qwen2VLImageProcessorPil
 
+from encoder_graphs.models.batching import CollatingInputs, per_item, to_device
 from encoder_graphs.models.qwen.pixels import (
     QWEN3_PROCESSOR_MODELS,
     VIDEO_DEFAULTS,
@@ -73,7 +74,7 @@ class EncodedItem:
     timestamps: tuple[float, ...] = field(default_factory=tuple)
 
 
-class QwenVLInputs:
+class QwenVLInputs(CollatingInputs):
     """CaptionInputs for the Qwen-VL families."""
 
     default_prompt: str | None = None  # a caption's
@@ -267,25 +268,15 @@ class QwenVLInputs:
             )
         return text.replace(pad, pad * vision_tokens)
 
-    def batch(
-        self, items: Sequence[EncodedItem], prompts: str | Sequence[str], device: torch.device | str = "cpu",
-        dtype: torch.dtype = torch.float32,
-    ) -> dict[str, torch.Tensor]:
-        """Left-padded inputs for `model.generate(**batch)`, as the processor returns them (on
-        the CPU, in float32 by default); items keep their order. `prompts`: one for every item,
-        or one per item."""
-        return self.to_model(self.collate(items, prompts), device, dtype)
-
     def collate(self, items: Sequence[EncodedItem], prompts: str | Sequence[str]) -> dict[str, torch.Tensor]:
         """The batch on the CPU with its pixels still uint8 patches (`to_model` finishes it);
         touches no GPU, so it can run on a worker thread while the model works."""
-        prompts = [prompts] * len(items) if isinstance(prompts, str) else prompts
+        prompts = per_item(prompts, items)
         texts = [
             self.prompt_text(item.kind, prompt, item.vision_tokens, item.timestamps)
             for item, prompt in zip(items, prompts, strict=True)
         ]
-        encoded = self.tokenizer(texts, padding=True, return_tensors="pt")
-        batch = {"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"]}
+        batch = self.tokenized(texts)
         mm_types = torch.zeros_like(batch["input_ids"])
         mm_types[batch["input_ids"] == self.token_ids[IMAGE_PAD]] = MM_TOKEN_TYPE["image"]
         mm_types[batch["input_ids"] == self.token_ids[VIDEO_PAD]] = MM_TOKEN_TYPE["video"]
@@ -306,7 +297,7 @@ class QwenVLInputs:
     ) -> dict[str, torch.Tensor]:
         """`collate`'s batch on `device`: uint8 patches copied there and normalised into `dtype`
         pixels (float32 first, as the processors, so the result is theirs cast to `dtype`)."""
-        moved = {key: value.to(device, non_blocking=True) for key, value in collated.items()}
+        moved = to_device(collated, device)
         for kind, (pixels_key, _) in PIXEL_KEYS.items():
             if pixels_key in moved:
                 moved[pixels_key] = pixel_values(moved[pixels_key], self.image if kind == "image" else self.video, dtype)
