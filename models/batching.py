@@ -10,7 +10,7 @@ import torch
 
 class CollatingInputs:
     """`batch` as the family's `collate(items, prompts)` then its `to_model(collated, device,
-    dtype)`; and the tokenizing both families' `collate` open with."""
+    dtype)`; and the tokenizing every family's `collate` opens with."""
 
     tokenizer: Any  # the family's tokenizer, padding on the left
 

@@ -47,9 +47,10 @@ class ModelFamily(Protocol):
 
     def repeated_blocks(self) -> list[torch.nn.Module]:
         """The encoder's repeated blocks (transformer layers), which `enable_cuda_graphs(...,
-        compile=True)` compiles; none where compiled blocks measured slower. Varlen attention with a host-int max length must go through a
-        backend the transformers seam registered (kept out of the compiled code); dense
-        attention of one shape per item (InternViT's stock sdpa) may be compiled in."""
+        compile=True)` compiles; none where compiled blocks measured slower. Varlen attention
+        with a host-int max length must go through a backend the transformers seam registered
+        (kept out of the compiled code); dense attention of one shape per item (InternViT's
+        stock sdpa) may be compiled in."""
         ...
 
     @classmethod

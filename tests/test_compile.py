@@ -55,6 +55,16 @@ def test_a_compiler_failure_warns_and_leaves_the_blocks_uncompiled():
     assert all(block._compiled_call_impl is None for block in blocks)
 
 
+def test_no_blocks_run_no_warm_up():
+    """A family whose compiled blocks measured slower gives none (DeepSeek-OCR): its warm-up would
+    be an eager forward for nothing."""
+
+    def warm_up() -> None:
+        raise AssertionError("warmed up with nothing to compile")
+
+    assert compile_blocks([], warm_up, Rewrites()).stats() == {"blocks": 0, "seconds": 0.0, "error": None}
+
+
 def test_the_undo_gives_back_a_compilation_made_before():
     """A block the user compiled before keeps that compilation after the undo; the others none."""
     blocks = [nn.Linear(4, 4), nn.Linear(4, 4)]

@@ -22,7 +22,7 @@ from encoder_graphs.app.cli import main
 from encoder_graphs.models.attention.rel_pos import decomposed_rel_pos_attention
 from encoder_graphs.models.deepseek_ocr.adapter import GLOBAL, LOCAL, Pages
 from encoder_graphs.models.registry import adapter_for
-from encoder_graphs.models.seam.vision import is_sam_rel_pos_attention, rel_pos_on_device, sam_attention_forward
+from encoder_graphs.models.seam.vision import rel_pos_on_device, sam_attention_forward
 
 # The tower keeps its real image sides (1024 px views, 768 px tiles: its query banks are sized for
 # them) and shrinks everything else.
@@ -80,13 +80,13 @@ def test_both_paths_give_the_stock_features(model):
     handle = enable_cuda_graphs(model, decoder=False)
     try:
         # SAM's attentions fold their relative positions into q and k (capturable), until disable().
-        assert all("forward" in vars(attention) for attention in attentions)
+        assert all("forward" in vars(attention) and "get_rel_pos" in vars(attention) for attention in attentions)
         with torch.inference_mode():
             got = [model.get_image_features(**call).pooler_output for call in calls]
         paths = handle.stats()["encoder"]["paths"]
     finally:
         handle.disable()
-    assert not any("forward" in vars(attention) for attention in attentions)
+    assert not any("forward" in vars(attention) or "get_rel_pos" in vars(attention) for attention in attentions)
     for tiles, ours, theirs in zip(CALLS, got, expected, strict=True):
         assert [page.shape[0] for page in ours] == [256 + 144 * count + 1 for count in tiles]
         for page, stock in zip(ours, theirs, strict=True):
@@ -130,24 +130,46 @@ def test_relative_positions_on_the_device_equal_stocks(model, q_size, k_size):
 @pytest.mark.parametrize("shape", [(3, 14, 14), (1, 64, 64), (2, 6, 10)])  # windows, the 1024 px grid, a rectangle
 def test_folded_relative_positions_equal_stock_attention(model, attention, shape):
     """Scores with the relative positions folded into q and k (one attention, no [tokens, tokens]
-    bias) against both stock SAM attentions, fp32; the head width plus the grid's sides is padded
-    to a multiple of 8 (16 + 14 + 14 here)."""
+    bias) against both stock SAM attentions: equal in fp32; in bf16 as near the fp32 output as
+    stock's bf16 is. The head width plus the grid's sides is padded to a multiple of 8 (16 + 14 +
+    14 here)."""
     sam = model.model.vision_tower.sam_encoder
     layer = sam.layers[sam.config.global_attn_indexes[0]]
     stock = attention(sam.config, window_size=0).eval()
     stock.load_state_dict(layer.attn.state_dict())
-    assert is_sam_rel_pos_attention(stock) and stock.rel_pos_h.abs().sum() > 0
+    assert stock.use_rel_pos and stock.rel_pos_h.abs().sum() > 0
     hidden = torch.randn(*shape, sam.config.hidden_size, generator=torch.Generator().manual_seed(sum(shape)))
     folded = sam_attention_forward(stock, decomposed_rel_pos_attention)
     with torch.inference_mode():
         want, got = stock(hidden)[0], folded(hidden)[0]
         plain = sam_attention_forward(stock, lambda q, k, v, rel_h, rel_w, scale: decomposed_rel_pos_attention(
             q, k, v, torch.zeros_like(rel_h), torch.zeros_like(rel_w), scale))(hidden)[0]
-        weights = folded(hidden, output_attentions=True)[1]
+        stock.to(torch.bfloat16)
+        stock_bf16, folded_bf16 = stock(hidden.bfloat16())[0], folded(hidden.bfloat16())[0]
     assert relative_error(got, want) < 1e-5
     assert relative_error(plain, want) > 0.05  # the positions matter: the check means something
-    # Asked for, the weights come from the stock forward (the eager class computes them).
-    assert (weights is not None) == (attention is DeepseekOcr2SamVisionAttention)
+    assert relative_error(folded_bf16, want) < 1.5 * relative_error(stock_bf16, want)
+
+
+def test_eager_attention_keeps_its_weights(checkpoint):
+    """A model loaded with eager attention: SAM's attentions keep their stock forward (it returns
+    the weights, which `output_attentions` records), with their tables indexed on the device."""
+    model = DeepseekOcr2ForConditionalGeneration.from_pretrained(checkpoint, attn_implementation="eager").eval()
+    sam = model.model.vision_tower.sam_encoder
+    views = pages([0], seed=3)["pixel_values"]
+    with torch.inference_mode():
+        expected = sam(views, output_attentions=True).attentions
+    handle = enable_cuda_graphs(model, decoder=False)
+    try:
+        assert all("forward" not in vars(layer.attn) for layer in sam.layers)
+        assert all(vars(layer.attn)["get_rel_pos"] is rel_pos_on_device for layer in sam.layers)
+        with torch.inference_mode():
+            got = sam(views, output_attentions=True).attentions
+    finally:
+        handle.disable()
+    assert len(got) == len(expected) == len(sam.layers)
+    for ours, theirs in zip(got, expected, strict=True):
+        torch.testing.assert_close(ours, theirs)
 
 
 def test_pages_select_each_pages_own_tiles():

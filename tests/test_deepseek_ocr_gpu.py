@@ -4,9 +4,9 @@ Encoder, per path: graphs over NaN-poisoned pools and buffers against the stock 
 `get_image_features`, over random calls of pages of 0 to 6 tiles (1 to 6 pages; every 10th call
 small-large-small), each path with its own budgets (global in views, local in tiles). Both bf16,
 each page judged against the same model in fp32 (tests/fidelity.py's encoder target: at most 1.5x
-the stock bf16 error): through SAM's 12 and the encoder's 24 layers stock bf16 lies 3-5% from
-fp32 (measured: bench_fidelity.py), so two bf16 runs that round otherwise (a batch of the budget's
-rows against the call's) lie as far apart. Decoder (a small MoE: routed experts, 6 a token of 64):
+the stock bf16 error): through SAM's 12 and the encoder's 24 layers stock bf16 lies 1.5-1.7% from
+fp32 (measured: bench_fidelity.py, H100), so two bf16 runs that round otherwise (a batch of the
+budget's rows against the call's) lie as far apart. Decoder (a small MoE: routed experts, 6 a token of 64):
 every decode step replayed, in bf16 at real size through transformers' default experts kernel
 (grouped_mm); fp32 greedy tokens equal to the stock `generate`'s on the tiny preset through its
 batched_mm. grouped_mm does not capture in fp32: transformers falls back there to a loop over the

@@ -37,8 +37,10 @@ class CompiledBlocks:
 def compile_blocks(blocks: Sequence[nn.Module], warm_up: Callable[[], None], rewrites: Rewrites) -> CompiledBlocks:
     """Compile `blocks` in place, until `rewrites` is undone, and run `warm_up` (which must call
     them) to compile now, before any capture. A compiler failure is reported in the result and
-    the blocks stay uncompiled."""
+    the blocks stay uncompiled. No blocks: nothing to compile, no warm-up."""
     compiled = CompiledBlocks(len(blocks))
+    if not blocks:
+        return compiled
     own = Rewrites()
     rewrites.push(own.undo)
     for block in blocks:

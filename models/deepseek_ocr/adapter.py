@@ -21,7 +21,12 @@ from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from encoder_graphs.models.attention.rel_pos import decomposed_rel_pos_attention
 from encoder_graphs.models.rewrites import Rewrites
-from encoder_graphs.models.seam.vision import is_sam_rel_pos_attention, sam_attention_forward
+from encoder_graphs.models.seam.vision import (
+    rel_pos_on_device,
+    returns_no_weights,
+    sam_attention_forward,
+    sam_rel_pos_attentions,
+)
 from encoder_graphs.protocols import (
     CaptureInputs,
     EncoderCudaGraphConfig,
@@ -115,12 +120,15 @@ class DeepseekOcrAdapter:
 
     def align_weights(self, rewrites: Rewrites) -> None:
         """SAM's and the encoder's widths (768, 3072; 896, 4864) are multiples of 8: nothing to
-        align. SAM's attentions fold their relative positions into q and k (one fused attention,
-        no [tokens, tokens] bias in memory: `attention/rel_pos.py`), their tables indexed on the
-        device so that the forward can be captured."""
-        for module in self.model.vision_tower.sam_encoder.modules():
-            if is_sam_rel_pos_attention(module):
-                rewrites.patch(module, "forward", sam_attention_forward(module, decomposed_rel_pos_attention))
+        align. SAM's attentions index their relative-position tables on the device, so that their
+        forward can be captured; those of the sdpa class (the default) also fold the positions
+        into q and k (one fused attention, no [tokens, tokens] bias in memory:
+        `attention/rel_pos.py`). The eager class keeps its forward: it returns the attention
+        weights, which a call asking for them records."""
+        for attention in sam_rel_pos_attentions(self.model.vision_tower.sam_encoder):
+            rewrites.patch(attention, "get_rel_pos", rel_pos_on_device)
+            if returns_no_weights(attention):
+                rewrites.patch(attention, "forward", sam_attention_forward(attention, decomposed_rel_pos_attention))
 
     def repeated_blocks(self) -> list[nn.Module]:
         """None: compiled, SAM's and the encoder's blocks ran slower than uncompiled (the folded

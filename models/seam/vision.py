@@ -1,5 +1,5 @@
-"""The Qwen vision towers' blocks, helpers and outputs, and InternVL's tiling, as this package
-uses them."""
+"""The Qwen vision towers' blocks, helpers and outputs, InternVL's tiling, and DeepSeek-OCR 2's
+SAM attention, as this package uses them."""
 
 from collections.abc import Callable
 from typing import Any
@@ -165,39 +165,44 @@ def rel_pos_on_device(q_size: int, k_size: int, rel_pos: torch.Tensor) -> torch.
     return resized[relative.long()]
 
 
-# 5.17.0, 5.23.0: a SAM attention (`DeepseekOcr2SamVisionAttention`, and its sdpa subclass) takes
-# hidden states [batch, height, width, channels] (one window's, or the whole grid's), projects
-# them with `qkv` (per token q, k, v, each `num_attention_heads` heads), adds to the scores
-# (q·k·`scale`) the decomposed relative positions (q's dot products with `rel_pos_h` and
-# `rel_pos_w`, resized and indexed by `get_rel_pos`, with `use_rel_pos`), projects with `proj`
-# and returns (output, attention weights or None).
 RelPosAttention = Callable[..., torch.Tensor]
 
 
-def is_sam_rel_pos_attention(module: torch.nn.Module) -> bool:
-    """Whether `module` is a stock SAM attention of DeepSeek-OCR 2 with relative positions."""
+# 5.17.0, 5.23.0: SAM's attention comes in two classes, `DeepseekOcr2SamVisionAttention` (eager:
+# it returns its attention weights, which `output_attentions` records by a hook) and its subclass
+# `DeepseekOcr2SamVisionSdpaAttention` (sdpa, the default: no weights, no dropout). Both take
+# hidden states [batch, height, width, channels] (one window's, or the whole grid's), project them
+# with `qkv` (per token q, k, v, each `num_attention_heads` heads), add to the scores (q·k·`scale`)
+# the decomposed relative positions (q's dot products with `rel_pos_h` and `rel_pos_w`, resized and
+# indexed by `get_rel_pos`; with `use_rel_pos`), project with `proj` and return (output, weights).
+def sam_rel_pos_attentions(tower: torch.nn.Module) -> list[torch.nn.Module]:
+    """The SAM attentions of `tower` that add relative positions (either class)."""
     from transformers.models.deepseek_ocr2.modeling_deepseek_ocr2 import DeepseekOcr2SamVisionAttention
 
-    return isinstance(module, DeepseekOcr2SamVisionAttention) and module.use_rel_pos
+    return [m for m in tower.modules() if isinstance(m, DeepseekOcr2SamVisionAttention) and m.use_rel_pos]
+
+
+def returns_no_weights(attention: torch.nn.Module) -> bool:
+    """Whether SAM attention `attention` is the sdpa class, which returns no attention weights."""
+    from transformers.models.deepseek_ocr2.modeling_deepseek_ocr2 import DeepseekOcr2SamVisionSdpaAttention
+
+    return isinstance(attention, DeepseekOcr2SamVisionSdpaAttention)
 
 
 def sam_attention_forward(attention: torch.nn.Module, attend: RelPosAttention) -> Callable[..., tuple]:
-    """A forward for SAM attention `attention` (`is_sam_rel_pos_attention`) that hands q, k, v
-    [batch, heads, tokens, head_dim] and the decomposed relative positions (rel_h [..., height],
-    rel_w [..., width], per query, as stock computes them) to `attend`
-    (`attention/rel_pos.py`'s `decomposed_rel_pos_attention`), its tables indexed on the device.
-    A call asking for the attention weights runs the stock forward."""
+    """A forward for SAM attention `attention` (the sdpa class: no weights to return) that hands
+    q, k, v [batch, heads, tokens, head_dim] and the decomposed relative positions (rel_h [...,
+    height], rel_w [..., width], per query, as stock computes them through its `get_rel_pos`) to
+    `attend` (`attention/rel_pos.py`'s `decomposed_rel_pos_attention`)."""
 
     def forward(hidden_states: torch.Tensor, output_attentions: bool | None = None) -> tuple:
-        if output_attentions:
-            return type(attention).forward(attention, hidden_states, output_attentions)
         batch, height, width, _ = hidden_states.shape
         heads = attention.num_attention_heads
         qkv = attention.qkv(hidden_states).reshape(batch, height * width, 3, heads, -1).permute(2, 0, 3, 1, 4)
         q, k, v = qkv.unbind(0)
         grid = q.reshape(batch, heads, height, width, -1)
-        rel_h = torch.einsum("bnhwc,hkc->bnhwk", grid, rel_pos_on_device(height, height, attention.rel_pos_h))
-        rel_w = torch.einsum("bnhwc,wkc->bnhwk", grid, rel_pos_on_device(width, width, attention.rel_pos_w))
+        rel_h = torch.einsum("bnhwc,hkc->bnhwk", grid, attention.get_rel_pos(height, height, attention.rel_pos_h))
+        rel_w = torch.einsum("bnhwc,wkc->bnhwk", grid, attention.get_rel_pos(width, width, attention.rel_pos_w))
         out = attend(q, k, v, rel_h.flatten(2, 3), rel_w.flatten(2, 3), attention.scale)
         out = out.view(batch, heads, height, width, -1).permute(0, 2, 3, 1, 4).reshape(batch, height, width, -1)
         return attention.proj(out), None
