@@ -10,9 +10,17 @@ import torch
 
 class CollatingInputs:
     """`batch` as the family's `collate(items, prompts)` then its `to_model(collated, device,
-    dtype)`; and the tokenizing every family's `collate` opens with."""
+    dtype)`; the tokenizing every family's `collate` opens with; the tokenizer's special ids."""
 
     tokenizer: Any  # the family's tokenizer, padding on the left
+
+    @property
+    def eos_token_id(self) -> int:
+        return self.tokenizer.eos_token_id
+
+    @property
+    def pad_token_id(self) -> int:
+        return self.tokenizer.pad_token_id
 
     def batch(
         self, items: Sequence[Any], prompts: str | Sequence[str], device: torch.device | str = "cpu",

@@ -125,14 +125,6 @@ class DeepseekOcrInputs(CollatingInputs):
         return self.view_tokens + self.tile_tokens * tiles + 1
 
     @property
-    def eos_token_id(self) -> int:
-        return self.tokenizer.eos_token_id
-
-    @property
-    def pad_token_id(self) -> int:
-        return self.tokenizer.pad_token_id
-
-    @property
     def min_side(self) -> int:
         return 1  # every page is resized to the view (and the tiles' canvas)
 

@@ -90,14 +90,6 @@ class InternVLInputs(CollatingInputs):
         )
 
     @property
-    def eos_token_id(self) -> int:
-        return self.tokenizer.eos_token_id
-
-    @property
-    def pad_token_id(self) -> int:
-        return self.tokenizer.pad_token_id
-
-    @property
     def min_side(self) -> int:
         return 1  # every image is resized to whole tiles
 

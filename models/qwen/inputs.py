@@ -150,14 +150,6 @@ class QwenVLInputs(CollatingInputs):
         return self.model_type in QWEN3_PROCESSOR_MODELS
 
     @property
-    def eos_token_id(self) -> int:
-        return self.tokenizer.eos_token_id
-
-    @property
-    def pad_token_id(self) -> int:
-        return self.tokenizer.pad_token_id
-
-    @property
     def min_side(self) -> int:
         return self.factor
 
