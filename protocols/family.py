@@ -6,7 +6,7 @@ decoder runner and the command line speak only these protocols: adding a family 
 (an adapter, an inputs builder, a registry entry, a preset) and nothing else.
 """
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -80,12 +80,17 @@ class CaptionInputs(Protocol):
 
     @classmethod
     def from_pretrained(
-        cls, directory: str | Path, *, max_tiles: int | None = None, max_image_tokens: int | None = None
+        cls,
+        directory: str | Path,
+        *,
+        max_tiles: int | None = None,
+        max_image_tokens: int | None = None,
+        max_frame_tokens: int | None = None,
     ) -> "CaptionInputs":
         """The tokenizer and processor of a checkpoint directory, with a resolution policy: for
         families that tile images, `max_tiles` tiles per image; for families that size their grid
-        to the image, `max_image_tokens` vision tokens per image or video frame (None: the
-        checkpoint's own limit). A family ignores the one that does not apply to it."""
+        to the image, `max_image_tokens` vision tokens per image and `max_frame_tokens` per pair of
+        video frames (None: the checkpoint's own limits). A family ignores what does not apply to it."""
         ...
 
     @property
@@ -107,13 +112,24 @@ class CaptionInputs(Protocol):
     @property
     def max_frame_pixels(self) -> int: ...
 
+    @property
+    def frame_size(self) -> "Callable[[int, int, int], tuple[int, int]] | tuple[int, int]":
+        """The size each video frame is scaled to, once, as it is decoded (`encode_video` then
+        takes it unresized): a fixed (width, height) (InternVL's tile), or a picklable, torch-free
+        callable of the clip's (width, height, frames) (Qwen-VL's `video_size`): the video
+        decoder calls it in its worker processes."""
+        ...
+
     def check_model(self, config: Any) -> None:
         """Raise ValueError when these inputs' token ids or patch sizes do not fit the model."""
         ...
 
     def encode_image(self, image: Any) -> EncodedMedia: ...
 
-    def encode_video(self, frames: Sequence[Any]) -> EncodedMedia: ...
+    def encode_video(self, frames: Any, metadata: Any = None) -> EncodedMedia:
+        """`frames`: images, or a uint8 array (frames, height, width, 3) at `frame_size`;
+        `metadata`: their timing, with the keys of transformers' `VideoMetadata`."""
+        ...
 
     def batch(
         self, items: Sequence[EncodedMedia], prompts: str | Sequence[str], device: torch.device | str = "cpu",

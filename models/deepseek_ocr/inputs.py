@@ -102,10 +102,15 @@ class DeepseekOcrInputs(CollatingInputs):
 
     @classmethod
     def from_pretrained(
-        cls, directory: str | Path, *, max_tiles: int | None = None, max_image_tokens: int | None = None
+        cls,
+        directory: str | Path,
+        *,
+        max_tiles: int | None = None,
+        max_image_tokens: int | None = None,
+        max_frame_tokens: int | None = None,
     ) -> "DeepseekOcrInputs":
-        """`max_image_tokens` is ignored: DeepSeek-OCR 2's resolution is its tiles (`max_tiles`,
-        144 tokens each, besides the view's 257)."""
+        """`max_image_tokens` and `max_frame_tokens` are ignored: DeepSeek-OCR 2's resolution is
+        its tiles (`max_tiles`, 144 tokens each, besides the view's 257), and it reads no videos."""
         directory = Path(directory)
         processor_config = directory / "processor_config.json"
         settings = json.loads(processor_config.read_text()) if processor_config.is_file() else {}
@@ -144,6 +149,10 @@ class DeepseekOcrInputs(CollatingInputs):
     @property
     def max_frame_pixels(self) -> int:
         return self.view_side**2  # no videos: a frame is never read
+
+    @property
+    def frame_size(self) -> tuple[int, int]:
+        return self.view_side, self.view_side  # no videos: never used
 
     def check_model(self, config: Any) -> None:
         """Raise ValueError when the tokenizer or the views and tiles do not fit the model."""
@@ -193,7 +202,7 @@ class DeepseekOcrInputs(CollatingInputs):
         scale = self.view_side / max(image.width, image.height)
         return round(image.width * scale), round(image.height * scale)
 
-    def encode_video(self, frames: Sequence[Image.Image]) -> EncodedPage:
+    def encode_video(self, frames: Sequence[Image.Image], metadata: Any = None) -> EncodedPage:
         raise ValueError("DeepSeek-OCR 2 reads images, not videos")
 
     def prompt_text(self, item: EncodedPage, prompt: str) -> str:

@@ -75,10 +75,15 @@ class InternVLInputs(CollatingInputs):
 
     @classmethod
     def from_pretrained(
-        cls, directory: str | Path, *, max_tiles: int | None = None, max_image_tokens: int | None = None
+        cls,
+        directory: str | Path,
+        *,
+        max_tiles: int | None = None,
+        max_image_tokens: int | None = None,
+        max_frame_tokens: int | None = None,
     ) -> "InternVLInputs":
-        """`max_image_tokens` is ignored: InternVL's resolution is its tiles (`max_tiles`, 256
-        tokens each)."""
+        """`max_image_tokens` and `max_frame_tokens` are ignored: InternVL's resolution is its
+        tiles (`max_tiles`, 256 tokens each; a video frame is one tile)."""
         directory = Path(directory)
         processor_config = directory / "processor_config.json"
         settings = json.loads(processor_config.read_text()) if processor_config.is_file() else {}
@@ -102,6 +107,11 @@ class InternVLInputs(CollatingInputs):
     def max_frame_pixels(self) -> int:
         return self.tile_size[0] * self.tile_size[1]
 
+    @property
+    def frame_size(self) -> tuple[int, int]:
+        """Every video frame becomes one tile: (width, height), whatever the clip's size."""
+        return self.tile_size[1], self.tile_size[0]
+
     def check_model(self, config: Any) -> None:
         """Raise ValueError when the tokenizer or the tiles do not fit the model."""
         vocab_size = config.get_text_config().vocab_size
@@ -123,8 +133,11 @@ class InternVLInputs(CollatingInputs):
             width, height = columns * width, rows * height
         return EncodedTiles("image", tiles, tiles.shape[0] * self.image_seq_length, (width, height))
 
-    def encode_video(self, frames: list[Image.Image]) -> EncodedTiles:
-        tiles = self._tiles(frames, crop_to_patches=False)
+    def encode_video(self, frames: "list[Image.Image] | np.ndarray", metadata: Any = None) -> EncodedTiles:
+        """`frames`: images, or a uint8 array (frames, height, width, 3) as the video decoder gives
+        them (already one tile each: `frame_size`); `metadata` (the frames' timing) is not read:
+        InternVL numbers its frames (`FrameN:`), it does not time them."""
+        tiles = self._tiles(list(frames), crop_to_patches=False)
         height, width = self.tile_size
         return EncodedTiles("video", tiles, tiles.shape[0] * self.image_seq_length, (width, height))
 

@@ -27,24 +27,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from PIL import Image
 from transformers import AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase, Qwen2VLImageProcessorPil
 
 from encoder_graphs.models.batching import CollatingInputs, per_item, to_device
-from encoder_graphs.models.qwen.pixels import (
+from encoder_graphs.models.qwen.geometry import (
     QWEN3_PROCESSOR_MODELS,
     VIDEO_DEFAULTS,
     VIDEO_PROCESSOR_OF_MODEL,
     PixelSettings,
-    patchify,
-    pixel_values,
-    resize,
+    QwenFrameSize,
     smart_resize,
-    uint8_pixels,
     video_size,
     video_timing,
 )
+from encoder_graphs.models.qwen.pixels import patchify, pixel_values, resize, uint8_pixels
 
 IMAGE_PAD = "<|image_pad|>"
 VIDEO_PAD = "<|video_pad|>"
@@ -89,19 +88,22 @@ class QwenVLInputs(CollatingInputs):
         model_type: str = "qwen2_vl",
         chat_template: str | None = None,
         max_image_tokens: int | None = None,
+        max_frame_tokens: int | None = None,
     ) -> None:
         """`video`: the video processor's settings (default: the image processor's, per frame);
         `model_type`: the checkpoint's config.model_type (qwen2_vl, qwen2_5_vl, qwen3_vl, qwen3_5);
-        `chat_template`: the processor's (default: the tokenizer's); `max_image_tokens`: the
-        resolution policy, vision tokens an image or a video frame may become (larger ones are
-        shrunk, as the processors do when given that `max_pixels`; None: the processors' own limit)."""
+        `chat_template`: the processor's (default: the tokenizer's); the resolution policy:
+        `max_image_tokens` vision tokens an image may become, `max_frame_tokens` a pair of video
+        frames (a temporal patch; each frame then holds at most that many (patch x merge)**2
+        pixels); larger ones are shrunk, as the processors do when given that `max_pixels`
+        (None: the processors' own limit)."""
         self.tokenizer = tokenizer
         self.tokenizer.padding_side = "left"
         self.image_processor = image_processor
         image = PixelSettings.of_image_processor(image_processor)
-        cap = None if max_image_tokens is None else max_image_tokens * image.factor**2
-        self.image = image.capped(cap)
-        self.video = (video if video is not None else image).capped(cap)
+        self.image = image.capped(None if max_image_tokens is None else max_image_tokens * image.factor**2)
+        video = video if video is not None else image
+        self.video = video.capped(None if max_frame_tokens is None else max_frame_tokens * video.factor**2)
         self.model_type = model_type
         self.chat_template = chat_template if chat_template is not None else tokenizer.chat_template
         if self.chat_template is None:
@@ -111,7 +113,12 @@ class QwenVLInputs(CollatingInputs):
 
     @classmethod
     def from_pretrained(
-        cls, directory: str | Path, *, max_tiles: int | None = None, max_image_tokens: int | None = None
+        cls,
+        directory: str | Path,
+        *,
+        max_tiles: int | None = None,
+        max_image_tokens: int | None = None,
+        max_frame_tokens: int | None = None,
     ) -> "QwenVLInputs":
         """`max_tiles` is ignored: Qwen-VL sizes its grid to the image, it does not tile.
 
@@ -141,6 +148,7 @@ class QwenVLInputs(CollatingInputs):
             model_type=model_type,
             chat_template=_processor_chat_template(directory),
             max_image_tokens=max_image_tokens,
+            max_frame_tokens=max_frame_tokens,
         )
 
     @property
@@ -156,6 +164,10 @@ class QwenVLInputs(CollatingInputs):
     @property
     def max_image_pixels(self) -> int:
         return max(self.image.max_pixels, self.factor**2)
+
+    @property
+    def frame_size(self) -> QwenFrameSize:
+        return QwenFrameSize(self.video)
 
     @property
     def max_frame_pixels(self) -> int:
@@ -214,17 +226,15 @@ class QwenVLInputs(CollatingInputs):
         size = (pixels.shape[-1], pixels.shape[-2])
         return EncodedItem("image", patches, grid, math.prod(grid) // settings.merge_size**2, size)
 
-    def encode_video(self, frames: Sequence[Image.Image], metadata: Any = None) -> EncodedItem:
-        """`frames`: equally sized images, any count (an odd one gets its last frame repeated, as
-        the processors do). `metadata`: where they come from, as transformers' `VideoMetadata`
-        (or a mapping with its keys): `fps` of the source, `frames_indices` of these frames in
-        it, `total_num_frames` it has. Without it, `frames.metadata` when `frames` has one (as
-        `app.media.load_video`'s frames do), else the processors' default for frames given
-        without metadata: 24 fps, frames consecutive from 0. It sets Qwen2.5-VL's
-        second_per_grid_ts and Qwen3-VL's timestamps; Qwen2-VL ignores it."""
+    def encode_video(self, frames: "Sequence[Image.Image] | np.ndarray", metadata: Any = None) -> EncodedItem:
+        """`frames`: equally sized images, or a uint8 array (frames, height, width, 3) as the video
+        decoder gives them (already at `frame_size`, so not resized again), any count (an odd one
+        gets its last frame repeated, as the processors do). `metadata`: where they come from, as
+        transformers' `VideoMetadata` (or a mapping with its keys): `fps` of the source,
+        `frames_indices` of these frames in it, `total_num_frames` it has; without it, the
+        processors' default for frames given without metadata: 24 fps, frames consecutive from 0.
+        It sets Qwen2.5-VL's second_per_grid_ts and Qwen3-VL's timestamps; Qwen2-VL ignores it."""
         settings = self.video
-        if metadata is None:
-            metadata = getattr(frames, "metadata", None)
         pixels = uint8_pixels(frames)
         if settings.do_resize:
             pixels = resize(pixels, *video_size(pixels.shape, settings))
