@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from encoder_graphs.app.media import LoadLimits, MediaError, fit, load, load_image, load_video
+from encoder_graphs.app.media import LoadLimits, MediaError, fit, load, load_image
+from encoder_graphs.app.video import DecodedVideo, decode_video
 from encoder_graphs.app.walk import MediaFile, discover
 from privileges import run_unprivileged
 
@@ -119,10 +120,12 @@ def outcome(file: MediaFile) -> str:
     except MediaError as error:
         assert str(file.path) in str(error), "the error must name the file"
         return error.kind
-    frames = loaded if isinstance(loaded, list) else [loaded]
-    for frame in frames:
-        assert frame.mode == "RGB"
-        assert min(frame.size) >= LIMITS.min_side
+    if isinstance(loaded, DecodedVideo):
+        assert loaded.frames.dtype == np.uint8 and loaded.frames.shape[-1] == 3
+        assert min(loaded.frames.shape[1:3]) >= LIMITS.min_side
+        return "ok"
+    assert loaded.mode == "RGB"
+    assert min(loaded.size) >= LIMITS.min_side
     return "ok"
 
 
@@ -280,10 +283,9 @@ def test_fit_bounds():
 @pytest.mark.parametrize("frames, expected", [(1, 2), (3, 2), (10, 8), (200, 8)])
 def test_video_frames_are_even_evenly_spaced_and_bounded(tmp_path, frames, expected):
     write_video(tmp_path / "v.mp4", frames=frames)
-    loaded = load_video(tmp_path / "v.mp4", LIMITS)
-    assert len(loaded) == expected
-    assert len({frame.size for frame in loaded}) == 1
-    red = [int(np.asarray(frame)[..., 0].mean()) for frame in loaded]
+    loaded = decode_video(tmp_path / "v.mp4", LIMITS)
+    assert loaded.frames.shape[0] == expected
+    red = [int(frame[..., 0].mean()) for frame in loaded.frames]
     assert red == sorted(red), "frames stay in time order"
     if frames >= expected:
         # first and last frames are sampled; min(255, 20 * index) marks the index
@@ -293,10 +295,10 @@ def test_video_frames_are_even_evenly_spaced_and_bounded(tmp_path, frames, expec
 def test_zero_frame_and_corrupt_videos(zoo):
     folder, _ = zoo
     with pytest.raises(MediaError, match="no_frames.mp4") as error:
-        load_video(folder / "no_frames.mp4", LIMITS)
+        decode_video(folder / "no_frames.mp4", LIMITS)
     assert error.value.kind == "no_frames"
     with pytest.raises(MediaError, match="broken.mkv") as error:
-        load_video(folder / "broken.mkv", LIMITS)
+        decode_video(folder / "broken.mkv", LIMITS)
     assert error.value.kind == "corrupt"
 
 

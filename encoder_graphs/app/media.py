@@ -15,12 +15,15 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
 from encoder_graphs.app.walk import MediaFile, list_folder, os_reason
+
+if TYPE_CHECKING:
+    from encoder_graphs.app.video import DecodedVideo, VideoDecoders
 
 SAMPLES_DIR = Path(__file__).parent / "samples"
 ORIENTATION_TAG = 0x0112  # EXIF
@@ -45,25 +48,16 @@ class MediaError(Exception):
 
     `kind`: unreadable, empty, special (a FIFO, device or socket, or a link into /proc, /sys or
     /dev: never opened), corrupt, too_large (pixels), aspect_ratio (past the models' 200:1),
-    no_frames, unsupported (no video decoder).
+    no_frames, unsupported (no video decoder), timeout (a video past `--video-timeout`), crashed
+    (a video decoder's process died).
     """
 
     def __init__(self, path: Path | str, kind: str, reason: str) -> None:
         super().__init__(f"{path}: {reason}")
-        self.kind = kind
+        self.path, self.kind, self.reason = path, kind, reason
 
-
-class VideoFrames(list):
-    """A video's frames (RGB images) and `metadata` on where they come from, with the keys of
-    transformers' `VideoMetadata`: `fps` of the stream (None when unknown), `frames_indices` of
-    these frames in it, `total_num_frames` decoded. Qwen2.5-VL and Qwen3-VL inputs time the
-    video by it (`QwenVLInputs.encode_video`). `size`: the stream's (width, height) before the
-    frames were shrunk."""
-
-    def __init__(self, frames: list[Image.Image], metadata: dict, size: tuple[int, int] | None = None) -> None:
-        super().__init__(frames)
-        self.metadata = metadata
-        self.size = size if size is not None else (frames[0].size if frames else (0, 0))
+    def __reduce__(self) -> tuple:  # from a video decoder's worker process, whole
+        return type(self), (self.path, self.kind, self.reason)
 
 
 @dataclass(frozen=True)
@@ -77,12 +71,32 @@ class LoadLimits:
     # Longest side over shortest: Qwen-VL's processors refuse past 200, and a 1,000,000 x 1 strip
     # grown to `min_side` would be 28 million pixels wide.
     max_aspect: float = 200.0
+    # Videos (`app/video.py`): `max_frames` sampled evenly, or with `video_fps` that many a second
+    # up to `max_frames`; each scaled as decoded to `frame_size` (the model's: a fixed (width,
+    # height), or a picklable callable of the clip's (width, height, frames); None: at most
+    # `frame_max_pixels`, the short side at least `min_side`).
     max_frames: int = 16
+    video_fps: float | None = None
+    # "exact": the frame shown at each sampled time (what the processors take); "keyframes": the
+    # keyframe nearest each where one lies within half the sampling interval (no decode before it).
+    video_sampling: str = "exact"
+    frame_size: Any = None
     frame_max_pixels: int = 256 * 28 * 28
+    # A stream whose frames are larger is refused by its header: a decoder holds several of its frames.
+    max_video_pixels: int = 8192 * 8192
+    video_timeout_s: float = 120.0  # a video's decode, in its worker process (`VideoDecoders`)
+    video_threads: int = 1  # FFmpeg threads of one video's decoder
+    video_hwaccel: str | None = None  # e.g. "cuda": FFmpeg's hardware decoder (NVDEC), falling back to software
 
     def __post_init__(self) -> None:
         if self.max_frames < 2 or self.max_frames % 2:
             raise ValueError(f"max_frames must be an even number >= 2, got {self.max_frames}")
+        if self.video_fps is not None and not 0 < self.video_fps < math.inf:
+            raise ValueError(f"video_fps must be a positive number, got {self.video_fps}")
+        if self.video_sampling not in ("exact", "keyframes"):
+            raise ValueError(f"video_sampling must be 'exact' or 'keyframes', got {self.video_sampling!r}")
+        if not self.video_timeout_s > 0 or self.video_threads < 1:
+            raise ValueError("video_timeout_s must be positive and video_threads at least 1")
         if self.min_side < 1 or self.min_side**2 > min(self.max_pixels, self.frame_max_pixels):
             raise ValueError(f"min_side {self.min_side} does not fit the pixel limits")
         if self.max_pixels > self.max_decode_pixels:
@@ -91,15 +105,20 @@ class LoadLimits:
             raise ValueError(f"max_aspect must be >= 1, got {self.max_aspect}")
 
 
-def load(file: MediaFile, limits: LoadLimits) -> Image.Image | VideoFrames:
-    """An RGB image, or an even number of equally sized RGB video frames."""
+def load(file: MediaFile, limits: LoadLimits, videos: "VideoDecoders | None" = None) -> "Image.Image | DecodedVideo":
+    """An RGB image, or a video's frames (`app/video.py`), decoded by `videos`' worker processes
+    (None: in this process)."""
     if file.reason:
         raise MediaError(file.path, file.error_kind, file.reason)
     if file.kind == "folder":
         raise MediaError(file.path, "unreadable", f"cannot list this folder: {_folder_reason(file.path)}")
     if file.kind == "image":
         return load_image(file.path, limits)
-    return load_video(file.path, limits)
+    if videos is not None:
+        return videos.decode(file.path)
+    from encoder_graphs.app.video import decode_video
+
+    return decode_video(file.path, limits)
 
 
 def _folder_reason(path: Path) -> str:
@@ -148,7 +167,7 @@ def load_image(path: Path, limits: LoadLimits) -> Image.Image:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", Image.DecompressionBombWarning)
                 with Image.open(handle) as image:
-                    _check_size(path, *image.size, limits)
+                    check_size(path, *image.size, limits)
                     # JPEG can decode at 1/2, 1/4, 1/8 scale: a huge photo never becomes a huge bitmap.
                     scale = math.sqrt(limits.max_pixels / (image.width * image.height))
                     if scale < 1:
@@ -171,11 +190,12 @@ def load_image(path: Path, limits: LoadLimits) -> Image.Image:
     return fit(rgb, None, limits.min_side)
 
 
-def _check_size(path: Path, width: int, height: int, limits: LoadLimits) -> None:
-    """From the header, before any pixel is decoded: too many pixels, or too elongated a shape."""
+def check_size(path: Path, width: int, height: int, limits: LoadLimits, max_pixels: int | None = None) -> None:
+    """From the header, before any pixel is decoded: too many pixels (`max_pixels`, default
+    `limits.max_decode_pixels`), or too elongated a shape."""
     if width < 1 or height < 1:
         raise MediaError(path, "corrupt", f"the header gives {width}x{height} pixels")
-    if width * height > limits.max_decode_pixels:
+    if width * height > (max_pixels or limits.max_decode_pixels):
         raise MediaError(path, "too_large", f"{width}x{height} pixels exceeds the decode limit")
     if max(width, height) > limits.max_aspect * min(width, height):
         raise MediaError(
@@ -189,58 +209,6 @@ def reduce(image: Image.Image, max_pixels: int) -> Image.Image:
     processor's resize to its grid follows, and a resize before it would blur the picture twice."""
     factor = math.isqrt(image.width * image.height // max_pixels)
     return image.reduce(factor) if factor >= 2 else image
-
-
-def load_video(path: Path, limits: LoadLimits) -> VideoFrames:
-    """Up to `limits.max_frames` frames, evenly spaced, an even count (the temporal patch is 2),
-    with their stream indices and the stream's frame rate (`VideoFrames.metadata`).
-
-    The whole stream is decoded once while a bounded set of candidates is kept (every `stride`-th
-    frame, the stride doubling when the set fills), because many containers do not say how many
-    frames they hold.
-    """
-    try:
-        import av
-    except ImportError as error:
-        raise MediaError(path, "unsupported", "video needs PyAV: pip install 'encoder-graphs[video]'") from error
-    keep = 4 * limits.max_frames
-    candidates: list[Image.Image] = []  # candidates[i] is the stream's frame i * stride
-    size = None  # the stream's frame size, before shrinking
-    stride = 1
-    decoded = 0
-    fps = None
-    with open_regular(path) as handle:
-        try:
-            with av.open(handle) as container:
-                if not container.streams.video:
-                    raise MediaError(path, "no_frames", "no video stream")
-                stream = container.streams.video[0]
-                if stream.codec_context.width and stream.codec_context.height:  # 0 where the header does not say
-                    _check_size(path, stream.codec_context.width, stream.codec_context.height, limits)
-                stream.thread_type = "AUTO"
-                fps = float(stream.average_rate) if stream.average_rate else None
-                for index, frame in enumerate(container.decode(stream)):
-                    decoded = index + 1
-                    if index % stride:
-                        continue
-                    size = size or (frame.width, frame.height)
-                    candidates.append(fit(frame.to_image().convert("RGB"), limits.frame_max_pixels, limits.min_side))
-                    if len(candidates) == keep:
-                        candidates = candidates[::2]
-                        stride *= 2
-        except MediaError:
-            raise
-        except (av.FFmpegError, OSError, ValueError) as error:
-            raise MediaError(path, "corrupt", f"cannot decode video ({error})") from error
-    if not candidates:
-        raise MediaError(path, "no_frames", "the video has no decodable frames")
-    count = min(limits.max_frames, len(candidates))
-    count = max(2, count - count % 2)
-    picks = np.linspace(0, len(candidates) - 1, count).round().astype(int)
-    shape = candidates[0].size
-    frames = [candidates[i] if candidates[i].size == shape else candidates[i].resize(shape) for i in picks]
-    indices = [int(i) * stride for i in picks]
-    return VideoFrames(frames, {"fps": fps, "frames_indices": indices, "total_num_frames": decoded}, size)
 
 
 def fit(image: Image.Image, max_pixels: int | None, min_side: int) -> Image.Image:

@@ -9,7 +9,7 @@ from pathlib import Path
 from encoder_graphs.app.results import path_key
 
 IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tiff", ".tif"})
-VIDEO_EXTENSIONS = frozenset({".mp4", ".webm", ".mkv", ".avi"})
+VIDEO_EXTENSIONS = frozenset({".mp4", ".m4v", ".mov", ".webm", ".mkv", ".avi"})  # .mov, .m4v: what phones record
 # Decided by the real path (links resolved): whatever is mounted there is the kernel's view of
 # processes, devices and drivers, not a dataset (`ds/me -> /proc/self` reaches the whole disk).
 PSEUDO_FILESYSTEMS = ("/proc", "/sys", "/dev")
