@@ -85,6 +85,7 @@ def enable_cuda_graphs(
     budgets: Sequence[int] | Mapping[str, Sequence[int]] | None = None,
     max_items: int | None = None,
     max_frames: int | None = None,
+    max_frames_per_item: int | None = None,
     attn_backend: str | None = None,
     enabled: bool = True,
     poison_pool_bytes: int = 0,
@@ -117,7 +118,9 @@ def enable_cuda_graphs(
     captures, and a job that uses few pays little (the caption command's choice); with
     `encoder_capture_from_call=N` an encoder budget is timed and captured only in the Nth call of
     the model's feature method that wants it, eager before (the command's 2: a job of one batch
-    times nothing). Raises ValueError for an unsupported architecture.
+    times nothing). `max_frames_per_item`: the most frames a video of the job holds (the caption
+    command's `--max-frames`), so that one fits a sub-batch's frames (`EncoderCudaGraphManager`).
+    Raises ValueError for an unsupported architecture.
 
     `model.generate` reads its settings as transformers does (arguments > a `generation_config`
     argument > `model.generation_config` > transformers' defaults). Calls with greedy or
@@ -146,6 +149,7 @@ def enable_cuda_graphs(
             budgets=budgets,
             max_items=max_items,
             max_frames=max_frames,
+            max_frames_per_item=max_frames_per_item,
             enabled=enabled,
             log_interval_s=log_interval_s,
             poison_pool_bytes=poison_pool_bytes,

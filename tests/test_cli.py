@@ -351,8 +351,8 @@ def test_killed_python_dash_m_run_resumes_without_loss_or_repeats(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_run_uses_encoder_graphs_and_matches_no_graphs(tmp_path):
-    write_video(tmp_path / "media" / "clip.mp4", frames=6)
     good_images(tmp_path / "media", 5)
+    write_video(tmp_path / "media" / "clip.mp4", frames=6)
     runs = {}
     for name, extra in (("graphs", []), ("eager", ["--no-graphs"])):
         out, stats = tmp_path / f"{name}.jsonl", tmp_path / f"{name}.json"
@@ -459,3 +459,82 @@ def test_warm_up_runs_beside_the_first_files_and_its_error_loses_nothing(tmp_pat
         assert events == ["warm-up", "batch", "batch"]
         assert stats.succeeded == 3 and stats.failed == 0 and stats.retried_batches == 0
         assert sorted(r["path"] for r in read_records(out)) == sorted(str(f.path) for f in files)
+
+
+def test_hostile_clips_cost_their_time_limit_and_lose_nothing_else(tmp_path):
+    """A folder of an image, an ordinary clip, a clip with no duration or index, and 10**6 tiny
+    frames with neither: the ordinary clip is sampled by seeking, the unindexed one in one pass,
+    the million frames stop at --video-timeout as a timeout record; the rest is captioned, and
+    each record says how its frames were taken."""
+    from test_video import write_h264, write_tiny_avi, write_unindexed_mkv
+
+    folder = tmp_path / "media"
+    good_images(folder, 1)
+    write_h264(folder / "clip.mp4", frames=60)
+    write_unindexed_mkv(folder / "live.mkv", frames=40)
+    write_tiny_avi(folder / "many.avi", 10**6)
+    out, stats = tmp_path / "out.jsonl", tmp_path / "stats.json"
+    started = time.perf_counter()
+    code = main(["caption", str(folder), "--out", str(out), "--stats-json", str(stats), "--max-frames", "4",
+                 "--video-timeout", "2"] + FAST)
+    assert time.perf_counter() - started < 120
+    assert code == 1
+    by_name = {Path(r["path"]).name: r for r in lines_of(out)}
+    assert "caption" in by_name["img00.png"] and "video" not in by_name["img00.png"]
+    assert by_name["clip.mp4"]["video"]["sampling"] == "seek" and by_name["clip.mp4"]["video"]["frames"] == 4
+    assert by_name["clip.mp4"]["video"]["frame_times_s"] == [0.0, 0.667, 1.3, 1.967]  # frames 0, 20, 39, 59 of 60 at 30 fps
+    assert by_name["live.mkv"]["video"]["sampling"].startswith("full pass: the container gives no duration")
+    assert by_name["many.avi"]["error_kind"] == "timeout" and "many.avi" in by_name["many.avi"]["error"]
+    assert json.loads(stats.read_text())["pipeline"]["failures"] == {"timeout": 1}
+
+
+def test_images_and_videos_batch_apart_by_their_own_limits(tmp_path):
+    """A mixed window: every batch holds one kind, videos by the video batch size, images by theirs."""
+    from test_video import write_h264
+
+    from encoder_graphs.app.outputs import Outputs, SidecarPolicy
+
+    good_images(tmp_path, 5)
+    for index in range(3):
+        write_h264(tmp_path / f"clip{index}.mp4", frames=20 + index)
+    files = discover([tmp_path])
+    inputs = QwenVLInputs.from_pretrained(default_model_dir())
+    model = Qwen2VLForConditionalGeneration.from_pretrained(default_model_dir()).eval()
+    config = CaptionConfig(max_new_tokens=2, batch_size=3, video_batch_size=2)
+    results = ResultsFile(tmp_path / "out.jsonl")
+    stats = Captioner(model, inputs, config, LoadLimits(max_frames=4)).run(files, Outputs(results, SidecarPolicy()))
+    results.close()
+    records = read_records(tmp_path / "out.jsonl")
+    assert stats.succeeded == 8 and len(records) == 8
+    batches: dict[float, list[dict]] = {}
+    for record in records:
+        batches.setdefault(record["timings"]["batch_ms"], []).append(record)
+    for batch in batches.values():
+        (kind,) = {r["kind"] for r in batch}
+        assert len(batch) == batch[0]["timings"]["batch_size"] <= (2 if kind == "video" else 3)
+    assert sorted(len(b) for b in batches.values() if b[0]["kind"] == "video") == [1, 2]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_run_of_clips_decodes_in_processes_and_replays_their_frames(tmp_path):
+    """Clips on a CUDA run: frames from the decoder's worker processes (a fork server, beside a
+    process that holds CUDA), sampled by seeking; the encoder replays graphs for the frames of
+    later batches; the captions are most of --no-graphs' (bf16 near-ties aside)."""
+    from test_video import write_h264
+
+    (tmp_path / "clips").mkdir()
+    for index in range(6):
+        write_h264(tmp_path / "clips" / f"clip{index}.mp4", frames=45 + 15 * index, size=(160 + 32 * index, 96))
+    runs = {}
+    for name, extra in (("graphs", []), ("eager", ["--no-graphs"])):
+        out, stats = tmp_path / f"{name}.jsonl", tmp_path / f"{name}.json"
+        argv = ["caption", str(tmp_path / "clips"), "--out", str(out), "--stats-json", str(stats), "--max-frames", "8"]
+        assert main(argv + ["--device", "cuda", "--batch-size", "2", "--max-new-tokens", "4", "--quiet"] + extra) == 0
+        runs[name] = (lines_of(out), json.loads(stats.read_text()))
+    (graph_records, graph_stats), (eager_records, _) = runs["graphs"], runs["eager"]
+    assert len(graph_records) == 6 and all(r["video"]["sampling"] == "seek" for r in graph_records)
+    assert all(r["video"]["frames"] == 8 for r in graph_records)
+    assert graph_stats["encoder"]["graph_items"] > 0 and graph_stats["pipeline"]["video_batch_size"] == 2
+    same = sum(g["caption"] == e["caption"] for g, e in zip(graph_records, eager_records, strict=True))
+    assert same >= 4, (graph_records, eager_records)

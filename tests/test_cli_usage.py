@@ -146,7 +146,7 @@ def test_out_of_memory_splits_the_batch_and_fails_only_a_file_that_fails_alone(t
 
 
 def test_a_huge_batch_size_is_capped_by_what_the_cache_can_hold():
-    """The cap `--batch-size N` gets on a GPU (command.fitting_batch_size; the GPU test below runs
+    """The cap `--batch-size N` gets on a GPU (command.fitting_batch_sizes; the GPU test below runs
     it): the most sequences whose memory fits, not rounded to the auto size's multiples of 8."""
     sizes = TextSizes.of(get_config("qwen2.5-vl-7b").get_text_config(decoder=True), 2)
     per_sequence = sequence_memory(sizes, 2048, 2000)
@@ -155,6 +155,36 @@ def test_a_huge_batch_size_is_capped_by_what_the_cache_can_hold():
     assert capped * per_sequence.peak <= usable < (capped + 1) * per_sequence.peak
     assert capped % 8 and batch_size_for(RESERVE_BYTES + usable, per_sequence, most=1_000_000) == capped - capped % 8
     assert batch_size_for(RESERVE_BYTES + usable, per_sequence, most=3, multiple=1) == 3  # a small request stands
+
+
+def test_photos_and_videos_get_their_own_batches_beside_one_cache():
+    """`batch_sizes_for`: photos are not batched by a clip's prompt; each kind's prefill fits
+    beside the one cache whose rows the largest batch takes, at the longest sequence."""
+    from encoder_graphs.app.sizing import batch_sizes_for
+
+    sizes = TextSizes.of(get_config("qwen2.5-vl-3b").get_text_config(decoder=True), 2)
+    free, longest, prompts = RESERVE_BYTES + 20 * 2**30, 6200, {"image": 1300, "video": 6168}
+    batches = batch_sizes_for(free, sizes, longest, prompts, most=1_000_000)
+    alone = {kind: batch_size_for(free, sequence_memory(sizes, longest, p), most=1_000_000) for kind, p in prompts.items()}
+    assert batches["image"] == alone["image"] > 2 * batches["video"]
+    resident = sequence_memory(sizes, longest, 1).resident
+    for kind, prompt in prompts.items():  # what a batch of each kind holds at its peak fits
+        peak = batches["image"] * resident + batches[kind] * sequence_memory(sizes, longest, prompt).prefill
+        assert peak <= free - RESERVE_BYTES
+    assert batches["video"] < alone["video"]  # the photos' rows of the cache stay allocated
+    assert batch_sizes_for(free, sizes, 1400, {"image": 1300}) == {"image": 64}
+
+
+def test_video_flags_parse_into_the_settings():
+    from encoder_graphs.app.settings import Settings
+
+    flags = ["caption", "x", "--video-fps", "2", "--max-frame-tokens", "model", "--video-timeout", "30"]
+    settings = Settings.from_arguments(build_parser().parse_args(flags))
+    assert (settings.video_fps, settings.max_frame_tokens, settings.video_timeout) == (2.0, None, 30.0)
+    assert Settings.from_arguments(build_parser().parse_args(["caption", "x"])).max_frame_tokens == 256
+    for bad in (["--video-fps", "0"], ["--video-timeout", "-1"], ["--max-frame-tokens", "0"]):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["caption", "x", *bad])
 
 
 @pytest.mark.gpu

@@ -9,6 +9,7 @@ configs laid out as on the Hub for each family.
 """
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -338,19 +339,55 @@ def test_qwen3_prompt_has_the_frame_times(checkpoint):
         assert "seconds>" not in text
 
 
-def test_frames_from_the_loader_carry_their_timing(checkpoint, tmp_path):
-    """`load_video`'s frames carry fps and indices; encode_video times the video by them."""
+def test_decoded_clip_equals_the_processor_given_its_frames(checkpoint, tmp_path):
+    """The video decoder's frames (sampled by seeking, scaled once to the model's `frame_size`)
+    and their timing: the processor given the same frames and metadata makes the same batch
+    (its resize of frames already at its size changes nothing)."""
     pytest.importorskip("av")
-    from test_media import write_video
+    from test_video import write_h264
 
-    from encoder_graphs.app.media import LoadLimits, load_video
+    from encoder_graphs.app.media import LoadLimits
+    from encoder_graphs.app.video import decode_video
 
     _, inputs, processor = checkpoint
-    write_video(tmp_path / "clip.mp4", frames=20)  # 8 fps
-    frames = load_video(tmp_path / "clip.mp4", LoadLimits(max_frames=6, frame_max_pixels=112 * 112, min_side=28))
-    assert frames.metadata == {"fps": 8.0, "frames_indices": [0, 4, 8, 11, 15, 19], "total_num_frames": 20}
-    items = [("video", list(frames), VideoMetadata(**frames.metadata))]
-    assert_same(inputs.batch([inputs.encode_video(frames)], PROMPT), official(processor, items))
+    write_h264(tmp_path / "clip.mp4", frames=75, size=(320, 180), fps=25)
+    video = decode_video(tmp_path / "clip.mp4", LoadLimits(max_frames=6, frame_size=inputs.frame_size, min_side=28))
+    assert video.metadata == {"fps": 25.0, "frames_indices": [0, 15, 30, 44, 59, 74], "total_num_frames": 75}
+    items = [("video", [Image.fromarray(frame) for frame in video.frames], VideoMetadata(**video.metadata))]
+    assert_same(inputs.batch([inputs.encode_video(video.frames, video.metadata)], PROMPT), official(processor, items))
+
+
+@pytest.mark.parametrize("tokens", [None, 12])
+def test_frames_scaled_as_decoded_equal_the_processor_given_full_frames(checkpoint, tmp_path, tokens):
+    """Frames shrunk once in the decoder's worker, as they are decoded, against the processor
+    given the full-size frames and resizing them itself: the same batch, pixels too; with
+    `max_frame_tokens` (the command's `--max-frame-tokens`) as with the processor given that
+    `max_pixels` (Qwen3-VL's bounds the clip: 6 frames of it)."""
+    pytest.importorskip("av")
+    from test_video import write_h264
+
+    from encoder_graphs.app.media import LoadLimits
+    from encoder_graphs.app.video import decode_video
+
+    _, inputs, processor = checkpoint
+    settings = {}
+    if tokens is not None:
+        inputs = QwenVLInputs(inputs.tokenizer, inputs.image_processor, inputs.video, model_type=inputs.model_type,
+                              chat_template=inputs.chat_template, max_frame_tokens=tokens)
+        pixels = tokens * inputs.video.factor**2
+        if inputs.video.clip_budget:
+            settings["size"] = {"longest_edge": 6 * pixels, "shortest_edge": inputs.video.min_pixels}
+        else:
+            settings["size"] = {"longest_edge": pixels, "shortest_edge": inputs.video.min_pixels}
+    write_h264(tmp_path / "clip.mp4", frames=75, size=(320, 180), fps=25)
+    limits = LoadLimits(max_frames=6, min_side=28)
+    scaled = decode_video(tmp_path / "clip.mp4", replace(limits, frame_size=inputs.frame_size))
+    full = decode_video(tmp_path / "clip.mp4", replace(limits, frame_size=(320, 180)))
+    assert scaled.metadata == full.metadata
+    mine = inputs.batch([inputs.encode_video(scaled.frames, scaled.metadata)], PROMPT)
+    items = [("video", [Image.fromarray(frame) for frame in full.frames], VideoMetadata(**full.metadata))]
+    assert_same(mine, official(processor, items, **settings))
+    assert scaled.frames.shape[1:3] != full.frames.shape[1:3]  # the decoder did shrink them
 
 
 def test_longest_prompt_bounds_the_largest_inputs(checkpoint):

@@ -12,7 +12,13 @@ import sys
 import textwrap
 from pathlib import Path
 
-from encoder_graphs.app.config import COMPILE_FROM_FILES, DEFAULT_IMAGE_TOKENS, DEFAULT_PROMPT, PROMPT_FIELDS
+from encoder_graphs.app.config import (
+    COMPILE_FROM_FILES,
+    DEFAULT_FRAME_TOKENS,
+    DEFAULT_IMAGE_TOKENS,
+    DEFAULT_PROMPT,
+    PROMPT_FIELDS,
+)
 from encoder_graphs.app.errors import EXIT_INTERRUPTED, EXIT_OUTPUT, EXIT_USAGE, OutputError, UsageError, printable
 from encoder_graphs.models.presets.names import PRESET_NAMES
 
@@ -69,7 +75,31 @@ def _model_arguments(parser: argparse.ArgumentParser) -> None:
         "2 to N (default: 6)",
     )
     group.add_argument(
-        "--max-frames", type=_even_int, default=16, help="frames sampled per video, even (default: %(default)s)"
+        "--max-frame-tokens",
+        type=_tokens_or_model,
+        default=DEFAULT_FRAME_TOKENS,
+        metavar="N|model",
+        help="video resolution for Qwen-VL models: each frame is shrunk to at most N vision tokens a pair of frames "
+        "(N x 784 pixels a frame for Qwen2/2.5-VL, N x 1024 for Qwen3-VL and Qwen3.5); 'model' keeps the checkpoint's "
+        "own (Qwen2.5-VL: 768) (default: %(default)s)",
+    )
+    group.add_argument(
+        "--max-frames", type=_even_int, default=16,
+        help="frames sampled from each video, evenly over its length, an even number (default: %(default)s)",
+    )
+    group.add_argument(
+        "--video-fps", type=_positive_float, default=None, metavar="F",
+        help="sample F frames a second of each video instead, up to --max-frames (e.g. 2, as Qwen's video processors)",
+    )
+    group.add_argument(
+        "--video-sampling", choices=("exact", "keyframes"), default="exact",
+        help="exact: the frame shown at each sampled time, as the model's video processor takes it; keyframes: the "
+        "keyframe nearest each time where one lies within half the interval between times, which decodes without "
+        "the frames before it (faster, frames up to half an interval off) (default: %(default)s)",
+    )
+    group.add_argument(
+        "--video-timeout", type=_positive_float, default=120.0, metavar="SECONDS",
+        help="a video whose frames take longer to decode becomes an error record (default: %(default)s)",
     )
 
 
@@ -215,6 +245,13 @@ def _non_negative_float(text: str) -> float:
     value = _number(text)
     if not 0 <= value < math.inf:
         raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = _number(text)
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"expected a finite number above 0, got {text!r}")
     return value
 
 

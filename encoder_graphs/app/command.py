@@ -25,8 +25,10 @@ if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedModel
 
+    from encoder_graphs.app.config import CaptionConfig
     from encoder_graphs.app.loading import ModelSource
     from encoder_graphs.app.media import LoadLimits
+    from encoder_graphs.app.video import VideoDecoders
     from encoder_graphs.protocols import CaptionInputs
 
 RESUME_HINT = "rerun the same command to resume"
@@ -82,16 +84,26 @@ def run(plan: Plan) -> int:
     from encoder_graphs.report import format_graph_stats, format_run_stats
 
     device = pick_device(settings.device, plan.job.local_rank)
-    source = open_model(settings.model, max_tiles=settings.max_tiles, max_image_tokens=settings.max_image_tokens)
+    source = open_model(
+        settings.model,
+        max_tiles=settings.max_tiles,
+        max_image_tokens=settings.max_image_tokens,
+        max_frame_tokens=settings.max_frame_tokens,
+    )
     plan.config = plan.config.with_prompt_of(source.inputs.default_prompt)  # e.g. an OCR model's
     limits = load_limits(settings, source)
     longest = check_length(plan, source, limits)  # before the weights: GBs for a real model
     check_seeded_sampling(settings, source)
     name = printable(settings.model) if settings.model else "(embedded tiny default)"
-    print(f"encoder-graphs: loading model {name} on {device} ...", file=sys.stderr)
-    model = load_model(source, device)
-    loaded = time.perf_counter()  # the weights are on the device
-    summary, graph_stats = caption_files(plan, model, source.inputs, device, limits, longest)
+    videos = start_video_decoders(plan, limits)  # their start overlaps the model's load
+    try:
+        print(f"encoder-graphs: loading model {name} on {device} ...", file=sys.stderr)
+        model = load_model(source, device)
+        loaded = time.perf_counter()  # the weights are on the device
+        summary, graph_stats = caption_files(plan, model, source.inputs, device, limits, longest, videos)
+    finally:
+        if videos is not None:
+            videos.close()
     summary["load_s"] = loaded - STARTED
     if summary["first_records_s"] is not None:
         summary["first_caption_after_load_s"] = summary["setup_s"] + summary["first_records_s"]
@@ -159,10 +171,11 @@ def caption_files(
     device: "torch.device",
     limits: "LoadLimits",
     longest: int,
+    videos: "VideoDecoders | None" = None,
 ) -> tuple[dict, dict]:
     """Enable the graphs, caption the files still to do, disable them: the run's and the graphs'
     statistics. `longest`: the longest sequence (`check_length`), which sizes the decoder's
-    cache, its length tiers and the batch."""
+    cache, its length tiers and the batch; `videos`: the video decoders, already started."""
     settings = plan.settings
     from encoder_graphs import enable_cuda_graphs
     from encoder_graphs.app.distributed import by_cost, claim_chunk, claimed, part_path
@@ -173,19 +186,7 @@ def caption_files(
     from encoder_graphs.models.text.stack import warm_up_language_model
 
     setup_started = time.perf_counter()
-    longest_prompt = longest - plan.config.max_new_tokens
-    # A batch never holds more files than the job, so the decoder captures no larger bucket.
-    files = max(1, len(plan.todo))
-    requested = min(settings.batch_size, files) if settings.batch_size else None
-    batch_size = min(files, fitting_batch_size(requested, model, longest, longest_prompt, device))
-    if requested is not None and batch_size < requested:
-        print(f"encoder-graphs: --batch-size {settings.batch_size} capped to {batch_size}: the GPU memory free holds "
-              f"{batch_size} sequences of up to {longest} tokens", file=sys.stderr)
-    # Unless given, the vision-token cap lets a batch of the largest items through: the batch
-    # size already counts their memory.
-    max_batch_tokens = settings.max_batch_tokens or longest_prompt * batch_size
-    prefetch = 1 if plan.job.distributed else plan.config.prefetch_batches
-    config = replace(plan.config, batch_size=batch_size, max_batch_tokens=max_batch_tokens, prefetch_batches=prefetch)
+    config = batched_config(plan, model, inputs, limits, longest, device)
     try:
         handle = enable_cuda_graphs(
             model,
@@ -193,7 +194,8 @@ def caption_files(
             attn_backend=settings.attn_backend,
             enabled=not settings.no_graphs,
             compile=wants_compile(plan, device),
-            decoder_max_batch_size=config.batch_size,
+            max_frames_per_item=settings.max_frames,
+            decoder_max_batch_size=config.largest_batch,
             decoder_max_cache_len=longest,
             lazy=True,  # each graph at its first use: a job captures only what it needs
             encoder_capture_from_call=2,  # and an encoder budget only once a second batch wants it
@@ -204,13 +206,14 @@ def caption_files(
     job = plan.job
     # Under torchrun each rank writes its own part file and claims chunks of the costliest first.
     writer = ResultsFile(part_path(plan.results.path, job.rank)) if job.distributed else plan.results
-    files = claimed(job, by_cost(plan.todo), claim_chunk(config.batch_size)) if job.distributed else plan.todo
+    files = claimed(job, by_cost(plan.todo), claim_chunk(config.largest_batch)) if job.distributed else plan.todo
     progress = None if settings.quiet or job.distributed else Progress(len(plan.todo))
     aliases = {str(f.path): f.aliases for f in plan.todo if f.aliases}
     outputs = Outputs(writer, plan.sidecars, progress.advance if progress else None, aliases)
     warm_up = partial(warm_up_language_model, model) if device.type == "cuda" else None
     captioner = Captioner(
-        model, inputs, config, limits, roots=plan.roots, model_name=settings.model or "default", warm_up=warm_up
+        model, inputs, config, limits, roots=plan.roots, model_name=settings.model or "default", warm_up=warm_up,
+        videos=videos,
     )
     try:
         if job.distributed:  # ranks start claiming together: one whose capture ends first would claim ahead
@@ -227,7 +230,8 @@ def caption_files(
     stats.files = len(plan.files)
     summary = {
         **stats.as_dict(),
-        "batch_size": config.batch_size,
+        "batch_size": config.batch_size if any(f.kind == "image" for f in plan.todo) else None,  # images'
+        "video_batch_size": config.video_batch_size,
         "sidecars": outputs.sidecars_written,
         "sidecar_errors": len(outputs.sidecar_errors),
         "setup_s": setup_s,
@@ -242,6 +246,50 @@ def caption_files(
     return summary, graph_stats
 
 
+def start_video_decoders(plan: Plan, limits: "LoadLimits") -> "VideoDecoders | None":
+    """The video decoder processes, started now where the job has videos (the run stops them)."""
+    from encoder_graphs.app.video import VideoDecoders
+
+    if not any(f.kind == "video" for f in plan.todo):
+        return None
+    return VideoDecoders(plan.config.load_workers, limits).start()
+
+
+def batched_config(
+    plan: Plan, model: "PreTrainedModel", inputs: "CaptionInputs", limits: "LoadLimits", longest: int,
+    device: "torch.device",
+) -> "CaptionConfig":
+    """The run's CaptionConfig with its batches: per kind of file, at most what the GPU memory free
+    holds beside the one cache `longest` sizes, and never more than the job's files of that kind
+    (the decoder then captures no larger bucket). Images and videos batch apart: a video's
+    prompt does not shrink the photos' batches."""
+    from encoder_graphs.app.pipeline import longest_sequence
+
+    settings, new_tokens = plan.settings, plan.config.max_new_tokens
+    counts = {kind: sum(f.kind == kind for f in plan.todo) for kind in ("image", "video")}
+    prompts = {"image": longest_sequence(inputs, plan.config, limits, videos=False) - new_tokens}
+    if counts["video"]:
+        prompts["video"] = longest - new_tokens
+    requested = settings.batch_size
+    sizes = fitting_batch_sizes(requested, model, longest, prompts, device)
+    sizes = {kind: min(size, max(1, counts[kind])) for kind, size in sizes.items()}
+    for kind, size in sizes.items():
+        if requested is not None and size < min(requested, max(1, counts[kind])):
+            print(f"encoder-graphs: --batch-size {requested} capped to {size} for {kind}s: the GPU memory free holds "
+                  f"{size} sequences of up to {prompts[kind] + new_tokens} tokens beside the cache", file=sys.stderr)
+    # Unless given, the vision-token cap lets a batch of the largest items through: the batch
+    # size already counts their memory.
+    tokens = {kind: settings.max_batch_tokens or prompts[kind] * size for kind, size in sizes.items()}
+    return replace(
+        plan.config,
+        batch_size=sizes["image"],
+        max_batch_tokens=tokens["image"],
+        video_batch_size=sizes.get("video"),
+        video_max_batch_tokens=tokens.get("video"),
+        prefetch_batches=1 if plan.job.distributed else plan.config.prefetch_batches,
+    )
+
+
 def wants_compile(plan: Plan, device: "torch.device") -> bool:
     """`--compile` / `--no-compile`, else on a GPU with enough files to pay for it: compiling the
     encoder blocks adds seconds to the start and saves a few ms an image, so it pays only from
@@ -254,14 +302,21 @@ def wants_compile(plan: Plan, device: "torch.device") -> bool:
 
 
 def load_limits(settings: Settings, source: "ModelSource") -> "LoadLimits":
+    from encoder_graphs.app.config import default_load_workers
     from encoder_graphs.app.media import LoadLimits
+    from encoder_graphs.app.video import default_decoder_threads
 
     inputs = source.inputs
     return LoadLimits(
         max_frames=settings.max_frames,
+        video_fps=settings.video_fps,
+        video_sampling=settings.video_sampling,
         min_side=inputs.min_side,
         max_pixels=inputs.max_image_pixels,
         frame_max_pixels=inputs.max_frame_pixels,
+        frame_size=inputs.frame_size,
+        video_timeout_s=settings.video_timeout,
+        video_threads=default_decoder_threads(default_load_workers()),
     )
 
 
@@ -307,25 +362,24 @@ def check_seeded_sampling(settings: Settings, source: "ModelSource") -> None:
                              "which takes no seed a file; sample without --seed")
 
 
-def fitting_batch_size(
-    requested: int | None, model: "PreTrainedModel", longest: int, longest_prompt: int, device: "torch.device"
-) -> int:
-    """`--batch-size N`, capped on a GPU at the most sequences of the longest length its free
-    memory holds (a batch whose cache cannot be allocated would fail every file); `auto`
-    (`requested` None): that most, up to 64 (`app.sizing`), as throughput grows with the batch
-    (RESULTS.md). Without CUDA, N or 8."""
-    from encoder_graphs.app.sizing import AUTO_BATCH_DEFAULT, TextSizes, batch_size_for, sequence_memory
+def fitting_batch_sizes(
+    requested: int | None, model: "PreTrainedModel", longest: int, prompts: dict[str, int], device: "torch.device"
+) -> dict[str, int]:
+    """Per kind of file (its longest prompt in `prompts`): `--batch-size N`, capped on a GPU at the
+    most sequences its free memory holds beside the cache of `longest` slots (a batch whose cache
+    cannot be allocated would fail every file); `auto` (`requested` None): that most, up to 64
+    (`app.sizing`), as throughput grows with the batch (RESULTS.md). Without CUDA, N or 8."""
+    from encoder_graphs.app.sizing import AUTO_BATCH_DEFAULT, TextSizes, batch_sizes_for
 
     if device.type != "cuda":
-        return requested or AUTO_BATCH_DEFAULT
+        return dict.fromkeys(prompts, requested or AUTO_BATCH_DEFAULT)
     import torch
 
     sizes = TextSizes.of(model.config.get_text_config(decoder=True), model.dtype.itemsize)
     free, _ = torch.cuda.mem_get_info(device)
-    per_sequence = sequence_memory(sizes, longest, longest_prompt)
     if requested is None:
-        return batch_size_for(free, per_sequence)
-    return batch_size_for(free, per_sequence, most=requested, multiple=1)
+        return batch_sizes_for(free, sizes, longest, prompts)
+    return batch_sizes_for(free, sizes, longest, prompts, most=requested, multiple=1)
 
 
 @contextmanager

@@ -23,6 +23,10 @@ COMPILE_FROM_FILES = 2000  # files a GPU from which the command compiles the enc
 # 1,310,720 for 32-pixel ones (Qwen3-VL). A token cap rather than a pixel one: the encoder's and
 # the prefill's work and the KV cache grow with tokens, so one number costs the same everywhere.
 DEFAULT_IMAGE_TOKENS = 1280
+# The video resolution policy's default: vision tokens a pair of frames (one temporal patch) may
+# become, 200,704 pixels a frame for Qwen2/2.5-VL: a 16-frame clip is 2,048 tokens rather than the
+# 6,144 of Qwen2.5-VL's own 768 (what each costs and saves: benchmarks/RESULTS.md).
+DEFAULT_FRAME_TOKENS = 256
 
 
 def default_load_workers() -> int:
@@ -41,6 +45,10 @@ class CaptionConfig:
     max_new_tokens: int = 32
     batch_size: int = 8
     max_batch_tokens: int = 16384  # vision placeholder tokens in one generate call
+    # Videos batch apart from images, by their own limits (None: the images'): a clip's prompt is
+    # several photos long, and photos batched by a clip's bound would fill a fraction of the GPU.
+    video_batch_size: int | None = None
+    video_max_batch_tokens: int | None = None
     load_workers: int = field(default_factory=default_load_workers)
     # Batches of files loading ahead of the model. A torchrun rank claims files as its loaders
     # take them, so there the caption command loads one batch ahead: with four, the rank that
@@ -58,6 +66,9 @@ class CaptionConfig:
         for name in ("max_new_tokens", "batch_size", "max_batch_tokens", "load_workers", "prefetch_batches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("video_batch_size", "video_max_batch_tokens"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -67,6 +78,16 @@ class CaptionConfig:
         for flag, text in (("--prompt", self.prompt or ""), ("--prefix", self.prefix), ("--suffix", self.suffix)):
             if not is_text(text):  # bytes a shell passed that are not UTF-8: no file or model takes them
                 raise ValueError(f"{flag} is not valid UTF-8 text")
+
+    def batch_limits(self, kind: str) -> tuple[int, int]:
+        """The most files and vision tokens one generate call of `kind` ("image", "video") takes."""
+        if kind == "video":
+            return self.video_batch_size or self.batch_size, self.video_max_batch_tokens or self.max_batch_tokens
+        return self.batch_size, self.max_batch_tokens
+
+    @property
+    def largest_batch(self) -> int:
+        return max(self.batch_size, self.video_batch_size or 0)
 
     def with_prompt_of(self, model_prompt: str | None) -> "CaptionConfig":
         """This config, its prompt the model's (`model_prompt`, else DEFAULT_PROMPT) where none was given."""

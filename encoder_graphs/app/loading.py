@@ -39,9 +39,16 @@ class ModelSource:
     preset: str | None = None
 
 
-def open_model(name: str | None, *, max_tiles: int | None = None, max_image_tokens: int | None = None) -> ModelSource:
+def open_model(
+    name: str | None,
+    *,
+    max_tiles: int | None = None,
+    max_image_tokens: int | None = None,
+    max_frame_tokens: int | None = None,
+) -> ModelSource:
     """The config and inputs of a checkpoint directory, a preset name, or the embedded default; the
-    inputs follow the resolution policy (`max_tiles`, `max_image_tokens`: `from_pretrained`'s)."""
+    inputs follow the resolution policy (`max_tiles`, `max_image_tokens`, `max_frame_tokens`:
+    `from_pretrained`'s)."""
     from transformers import AutoConfig
     from transformers.utils import logging as hf_logging
 
@@ -49,7 +56,7 @@ def open_model(name: str | None, *, max_tiles: int | None = None, max_image_toke
     from encoder_graphs.models.registry import family_for_config
 
     hf_logging.disable_progress_bar()
-    resolution = {"max_tiles": max_tiles, "max_image_tokens": max_image_tokens}
+    resolution = {"max_tiles": max_tiles, "max_image_tokens": max_image_tokens, "max_frame_tokens": max_frame_tokens}
     if name is not None and name in PRESET_NAMES and not Path(name).exists():
         from encoder_graphs.models.presets import get_config
 

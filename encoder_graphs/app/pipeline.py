@@ -1,6 +1,7 @@
 """The Captioner: load files ahead on worker threads, batch them by count and tokens, generate,
 record every outcome."""
 
+import threading
 import time
 import warnings
 from collections import deque
@@ -18,6 +19,7 @@ from encoder_graphs.app.config import CaptionConfig
 from encoder_graphs.app.media import LoadLimits, MediaError, load
 from encoder_graphs.app.outputs import Outputs, relative_path
 from encoder_graphs.app.runstats import RunStats
+from encoder_graphs.app.video import VideoDecoders
 from encoder_graphs.app.walk import MediaFile
 from encoder_graphs.decoder.step import prompt_positions
 from encoder_graphs.protocols import CaptionInputs, EncodedMedia
@@ -32,6 +34,7 @@ class Pending:
     load_ms: float
     prompt: str
     size: tuple[int, int]  # the image's (a video frame's) width and height in pixels
+    video: dict | None = None  # how a video's frames were taken (`DecodedVideo.record`)
 
 
 class Captioner:
@@ -45,7 +48,10 @@ class Captioner:
         roots: Sequence[Path] = (),
         model_name: str = "default",
         warm_up: Callable[[], None] | None = None,
+        videos: VideoDecoders | None = None,
     ) -> None:
+        """`videos`: the run's video decoder processes, started ahead by the caller (None: started
+        by the first video, and stopped with the run either way)."""
         self.model = model
         self.inputs = inputs
         self.config = config
@@ -55,6 +61,8 @@ class Captioner:
         self.warm_up = warm_up  # run beside the first files' loading and collation, joined before the first batch
         self._warming: Future | None = None
         self.device = next(model.parameters()).device
+        self._videos, self._own_videos = videos, videos is None
+        self._videos_lock = threading.Lock()
 
     def run(self, files: Iterable[MediaFile], outputs: Outputs, stop: Callable[[], bool] = lambda: False) -> RunStats:
         """Caption `files` (taken as the loaders need them: a torchrun rank claims them lazily),
@@ -62,18 +70,20 @@ class Captioner:
         `prefetch_batches` batches, cut into batches costliest first, so that a batch holds
         prompts of similar length (in folder order, left padding was a large share of the
         prefill's tokens, sorted windows cut it to about half; measured: benchmarks/HISTORY.md).
-        The first window is one batch, so the first captions do not wait for four batches of files.
+        The first window is as many files as the loaders take at once (at most a batch), so the
+        first captions wait for neither four batches of files nor a whole batch of clips.
         `stop` is asked between files and batches: once it says so, the run ends after writing
         what is done (stats.interrupted); files loaded but not captioned are left to a rerun."""
         stats = RunStats()
         self._started = time.perf_counter()
-        window = self.config.batch_size
-        ahead = self.config.batch_size * self.config.prefetch_batches
+        window = min(self.config.largest_batch, self.config.load_workers)
+        ahead = self.config.largest_batch * self.config.prefetch_batches
         ready: list[Pending] = []
         failures: list[dict] = []  # written with the next batch, so a kill loses at most one batch
-        # Files load on worker threads a window ahead of the model (PIL, PyAV and torch's CPU
-        # kernels release the GIL); the next batch is collated on its own thread while the model
-        # runs one, so neither waits behind the other.
+        # Files load on worker threads a window ahead of the model (PIL and torch's CPU kernels
+        # release the GIL; a video's thread waits on its decoder process, `app/video.py`); the
+        # next batch is collated on its own thread while the model runs one, so neither waits
+        # behind the other.
         pool = ThreadPoolExecutor(self.config.load_workers)
         self._collator = ThreadPoolExecutor(1)
         warming = ThreadPoolExecutor(1)
@@ -82,7 +92,7 @@ class Captioner:
             for outcome in self._loaded(files, pool, ahead, stats, stop):
                 if isinstance(outcome, dict):
                     failures.append(outcome)
-                    if len(failures) >= self.config.batch_size:
+                    if len(failures) >= self.config.largest_batch:
                         outputs.write(failures)
                         failures.clear()
                     continue
@@ -99,6 +109,9 @@ class Captioner:
         finally:  # a second Ctrl-C must not wait for the files still queued
             pool.shutdown(wait=False, cancel_futures=True)
             self._collator.shutdown(wait=False, cancel_futures=True)
+            if self._videos is not None and self._own_videos:
+                self._videos.close()
+                self._videos = None
             warming.shutdown(wait=True)  # its GPU work must not outlive the run
         stats.wall_s = time.perf_counter() - self._started
         return stats
@@ -126,11 +139,12 @@ class Captioner:
     def _caption_window(
         self, ready: list[Pending], failures: list[dict], outputs: Outputs, stats: RunStats, stop: Callable[[], bool]
     ) -> None:
-        """Caption `ready` in batches, costliest first (ties in file order), each batch collated
-        while the one before runs; `failures` are written with the first batch."""
+        """Caption `ready` in batches, videos then images, each costliest first (ties in file
+        order), each batch collated while the one before runs; `failures` are written with the
+        first batch. A batch holds one kind, by that kind's limits (`CaptionConfig.batch_limits`)."""
         batches: list[list[Pending]] = []
-        for pending in sorted(ready, key=lambda p: p.item.vision_tokens, reverse=True):
-            if not batches or self._full(batches[-1], pending):
+        for pending in sorted(ready, key=lambda p: (p.file.kind != "video", -p.item.vision_tokens)):
+            if not batches or batches[-1][0].file.kind != pending.file.kind or self._full(batches[-1], pending):
                 batches.append([])
             batches[-1].append(pending)
         collated = [self._collator.submit(self._collate, batch) for batch in batches[:1]]
@@ -159,8 +173,9 @@ class Captioner:
         return {key: value.pin_memory() for key, value in collated.items()}
 
     def _full(self, batch: list[Pending], coming: Pending) -> bool:
+        most, most_tokens = self.config.batch_limits(coming.file.kind)
         tokens = sum(p.item.vision_tokens for p in batch) + coming.item.vision_tokens
-        return len(batch) == self.config.batch_size or tokens > self.config.max_batch_tokens
+        return len(batch) >= most or tokens > most_tokens
 
     @staticmethod
     def _wait(future: Future, stats: RunStats) -> "Pending | dict":
@@ -177,14 +192,15 @@ class Captioner:
         started = time.perf_counter()
         if file.kind == "video" and not self.inputs.reads_videos:  # refused before decoding its frames
             return self._error_record(file, "unsupported", f"{file.path}: this model reads images, not videos")
+        video = None
         try:
-            media = load(file, self.limits)
+            media = load(file, self.limits, self._video_decoders() if file.kind == "video" else None)
             if file.kind == "image":
                 item = self.inputs.encode_image(media)
                 size = original_size(file.path)
             else:
-                item = self.inputs.encode_video(media)
-                size = media.size
+                item = self.inputs.encode_video(media.frames, media.metadata)
+                size, video = media.size, media.record()
         except MediaError as error:
             return self._error_record(file, error.kind, str(error))
         # A processor rejecting one input (or a decoder failing in a way `load` does not foresee)
@@ -192,7 +208,15 @@ class Captioner:
         except Exception as error:  # noqa: BLE001
             return self._error_record(file, "preprocess", f"{file.path}: {type(error).__name__}: {error}")
         prompt = self.config.prompt_for(file.path.stem, file.path.parent.name, *size)
-        return Pending(file, item, 1000.0 * (time.perf_counter() - started), prompt, size)
+        return Pending(file, item, 1000.0 * (time.perf_counter() - started), prompt, size, video)
+
+    def _video_decoders(self) -> VideoDecoders:
+        """The run's video decoder processes, started by the first video a loader thread takes,
+        one a loader thread (each thread waits on one video at a time)."""
+        with self._videos_lock:
+            if self._videos is None:
+                self._videos = VideoDecoders(self.config.load_workers, self.limits).start()
+            return self._videos
 
     def caption_batch(
         self, batch: list[Pending], stats: RunStats, collated: "Future[dict[str, torch.Tensor]] | None" = None
@@ -247,6 +271,9 @@ class Captioner:
         batch_ms = 1000.0 * (time.perf_counter() - started)
         stats.batches += 1
         stats.batch_ms.append(batch_ms)
+        kind = batch[0].file.kind  # a batch holds one kind (`_caption_window`)
+        stats.batch_s_by_kind[kind] += batch_ms / 1000
+        stats.captioned_by_kind[kind] += len(batch)
         return [self._record(pending, tokens, batch_ms, len(batch), stats) for pending, tokens in zip(batch, new_tokens)]
 
     def _generators(self, batch: list[Pending]) -> dict[str, list[torch.Generator]]:
@@ -280,6 +307,7 @@ class Captioner:
             "model_width": pending.item.size[0],
             "model_height": pending.item.size[1],
             "vision_tokens": pending.item.vision_tokens,
+            **({"video": pending.video} if pending.video is not None else {}),
             "timings": {"load_ms": round(pending.load_ms, 3), "batch_ms": round(batch_ms, 3), "batch_size": batch_size},
         }
 

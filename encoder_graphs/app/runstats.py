@@ -28,6 +28,10 @@ class RunStats:
     padded_prompt_tokens: int = 0  # the same with it: batch size x longest prompt, summed
     batch_ms: list[float] = field(default_factory=list)
     item_ms: list[float] = field(default_factory=list)  # load + share of its batch
+    # Per kind of file: seconds in its batches' generate calls and the files captioned in them, so
+    # a mixed folder's photos can be timed against a photo-only folder's.
+    batch_s_by_kind: Counter = field(default_factory=Counter)
+    captioned_by_kind: Counter = field(default_factory=Counter)
 
     def as_dict(self) -> dict:
         done = self.succeeded + self.failed
@@ -51,6 +55,9 @@ class RunStats:
             "prompt_padding_pct": padding_pct(self.prompt_tokens, self.padded_prompt_tokens),
             "items_per_s": done / self.wall_s if self.wall_s else 0.0,
             "tokens_per_s": self.generated_tokens / self.wall_s if self.wall_s else 0.0,
+            "items_per_batch_s_by_kind": {
+                kind: self.captioned_by_kind[kind] / seconds for kind, seconds in self.batch_s_by_kind.items() if seconds
+            },
             "batch_latency_ms": latency_summary(self.batch_ms),
             "item_latency_ms": latency_summary(self.item_ms),
         }

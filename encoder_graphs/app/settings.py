@@ -8,7 +8,7 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
-from encoder_graphs.app.config import DEFAULT_IMAGE_TOKENS
+from encoder_graphs.app.config import DEFAULT_FRAME_TOKENS, DEFAULT_IMAGE_TOKENS
 from encoder_graphs.app.errors import UsageError
 
 
@@ -21,7 +21,11 @@ class Settings:
     device: str = "auto"
     max_image_tokens: int | None = DEFAULT_IMAGE_TOKENS  # None: the checkpoint's own limit
     max_tiles: int | None = None  # None: the checkpoint's
+    max_frame_tokens: int | None = DEFAULT_FRAME_TOKENS  # None: the checkpoint's own limit
     max_frames: int = 16
+    video_fps: float | None = None  # None: max_frames evenly over the clip
+    video_sampling: str = "exact"  # or "keyframes" (`LoadLimits.video_sampling`)
+    video_timeout: float = 120.0
     # The text.
     prompt: str | None = None  # None, without --prompt-file: the model's (`CaptionConfig.with_prompt_of`)
     prompt_file: Path | None = None

@@ -121,3 +121,22 @@ def batch_size_for(
     is capped so (multiple 1): a batch whose cache cannot be allocated fails every file."""
     fits = max(0, free_bytes - RESERVE_BYTES) // per_sequence.peak
     return max(1, min(most, fits if fits < multiple else fits - fits % multiple))
+
+
+def batch_sizes_for(
+    free_bytes: int, sizes: TextSizes, longest: int, prompts: dict[str, int], most: int = AUTO_BATCH_MAX,
+    multiple: int = 8,
+) -> dict[str, int]:
+    """`batch_size_for` for each kind of file (its longest prompt in `prompts`) where one static
+    cache of `longest` slots serves them all: its rows are the largest kind's batch, so a kind of
+    longer prompts gets what the prefill can take beside that cache. Photos are not batched by a
+    video's prompt; both are bounded by the cache the longest sequence sizes."""
+    first = {kind: batch_size_for(free_bytes, sequence_memory(sizes, longest, prompt), most, multiple)
+             for kind, prompt in prompts.items()}
+    rows = max(first.values())
+    resident = sequence_memory(sizes, longest, 1).resident
+    result = {}
+    for kind, prompt in prompts.items():
+        fits = max(0, free_bytes - RESERVE_BYTES - rows * resident) // sequence_memory(sizes, longest, prompt).prefill
+        result[kind] = max(1, min(first[kind], fits if fits < multiple else fits - fits % multiple))
+    return result

@@ -42,6 +42,7 @@ class EncoderCudaGraphManager:
         budgets: Sequence[int] | Mapping[str, Sequence[int]] | None = None,
         max_items: int | None = None,
         max_frames: int | None = None,
+        max_frames_per_item: int | None = None,
         enabled: bool = True,
         log_interval_s: float = 60.0,
         poison_pool_bytes: int = 0,
@@ -57,7 +58,11 @@ class EncoderCudaGraphManager:
         `capture_from_call`: with `lazy`, a budget is timed and captured only in the Nth `execute`
         call that wants it; calls before run it eagerly, so a job of fewer calls measures nothing
         (the caption command's 2: a job of one batch spent time timing budgets, none of which
-        then replayed; measured: benchmarks/HISTORY.md)."""
+        then replayed; measured: benchmarks/HISTORY.md). `max_frames_per_item`: the most frames
+        (attention segments) one item of the job can hold, e.g. a video's sampled frames, where the
+        model's own bound (`EncoderCudaGraphConfig.max_frames_per_item`) is lower: the frames a
+        sub-batch holds (`max_frames`, unless given) then cover one such item, which would
+        otherwise run eagerly every time."""
         check_supports_encoder_cuda_graph(model)
         self.model = model
         self.config = model.get_encoder_cudagraph_config()
@@ -70,7 +75,7 @@ class EncoderCudaGraphManager:
         if max_items is None:
             max_items = self.config.max_items or min(DEFAULT_MAX_ITEMS, max(1, largest // smallest))
         if max_frames is None:
-            max_frames = max(max_items, self.config.max_frames_per_item)
+            max_frames = max(max_items, self.config.max_frames_per_item, max_frames_per_item or 0)
         self.max_items, self.max_frames = max_items, max_frames
         if self.max_items < 1 or self.max_frames < 1:
             raise ValueError(f"max_items and max_frames must be >= 1: {max_items}, {max_frames}")
