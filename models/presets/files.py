@@ -18,7 +18,7 @@ from transformers import DeepseekOcr2ImageProcessorPil, DeepseekOcr2Processor, P
 from encoder_graphs.models.presets import get_config
 from encoder_graphs.models.presets.tokenizer import build_tokenizer, write_json
 
-VERSION = 1
+VERSION = 2  # 2: Qwen2.5-VL presets name Qwen2_5_VLProcessor
 QWEN_CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
     "{% if message['content'] is string %}{{ message['content'] }}"
@@ -103,7 +103,8 @@ def _write_qwen_files(config: PretrainedConfig, directory: Path, tiny: bool) -> 
     qwen3 = config.model_type.startswith("qwen3")
     patch = dict(patch_size=config.vision_config.patch_size, temporal_patch_size=2, merge_size=2)
     norm = dict(image_mean=[0.5] * 3, image_std=[0.5] * 3) if qwen3 else CLIP_NORM
-    processor = "Qwen3VLProcessor" if qwen3 else "Qwen2VLProcessor"
+    # The processor the Hub checkpoints name: Qwen2.5-VL's adds second_per_grid_ts for videos.
+    processor = "Qwen3VLProcessor" if qwen3 else {"qwen2_5_vl": "Qwen2_5_VLProcessor"}.get(config.model_type, "Qwen2VLProcessor")
     image, video = (TINY_IMAGE, TINY_VIDEO) if tiny else (QWEN_IMAGE, QWEN_VIDEO)
     # Written as JSON rather than through the processor classes: the video processors (and so
     # the processors) cannot be built without torchvision, but must load where it exists.
