@@ -1,38 +1,51 @@
 """The headline: the caption command end to end, as a user runs it, on a folder of photo-sized
 files (`photos.py`: phone and camera photos, screenshots, panoramas; fixed seed; `--pages`: document
-pages from `pages.py`, scans to snippets, for an OCR model such as deepseek-ocr-2). Three runs in
-one call, each a fresh process over the same files at the same resolution policy:
+pages from `pages.py`, scans to snippets, for an OCR model such as deepseek-ocr-2; `--clips N`:
+video clips from `clips.py`, 360p to 1080p60, 10 s to 5 minutes, a VP9 WebM, a rotated phone
+clip; `--mixed P,C`: P photos and C clips interleaved in one folder). Runs in one call, each a
+fresh process over the same files at the same resolution policy:
 - `defaults`: `python -m encoder_graphs caption FOLDER --model PRESET` (graphs, auto batch);
 - `no_graphs`: the same with `--no-graphs`;
+- `frames_model` (asked for by name): the defaults with `--max-frame-tokens model`, video frames
+  at the checkpoint's own resolution;
 - `stock`: `stock_caption.py`, the official processor and `model.generate` in batches of 8,
-  what a user writes without this project.
-Reported per run: process wall time, images/s end to end (start included) and in the loop, the
-start (process start until the loop), time to the first caption after the weights are on the
-GPU, the model's wait for files, peak GPU memory. `--card-gib 24` adds a run of the defaults
-with only that much GPU memory free (a second process holds the rest): `--batch-size auto` must
-fit it with no batch retried. `--sizes 32,256` adds the defaults and `--no-graphs` on the first N
-files, `--repeats R` times each (their order alternating; the report gives each one's median wall
-time: a start varies by a second or more between processes). Before the timed runs, one untimed
-run of the defaults on 16 files reads the libraries into the page cache and fills Triton's kernel
-cache, so the first timed run does not pay what a user pays once per machine. `--gpus N` runs the defaults as one torchrun job of N GPUs. Random weights (presets):
+  what a user writes without this project (videos: 16 frames each, as the command's default).
+Reported per run: process wall time, items/s end to end (start included) and in the loop (the
+`images_*` keys say the same, kept for older readers), the start (process start until the loop),
+time to the first caption after the weights are on the GPU, the model's wait for files, peak
+GPU memory, peak host memory of the whole process tree (the command's video decoders are
+processes of their own), and each kind's count where the stats report it. `--card-gib 24` adds
+a run of the defaults with only that much GPU memory free (a second process holds the rest):
+`--batch-size auto` must fit it with no batch retried. `--sizes 32,256` adds the defaults and
+`--no-graphs` on the first N files, `--repeats R` times each (their order alternating; the report
+gives each one's median wall time: a start varies by a second or more between processes). Before
+the timed runs, one untimed run of the defaults on 16 files reads the libraries into the page
+cache and fills Triton's kernel cache, so the first timed run does not pay what a user pays once
+per machine. `--gpus N` runs the defaults as one torchrun job of N GPUs. Random weights (presets):
 captions are noise, speed is real.
     python3 benchmarks/bench_cli.py [--preset qwen2.5-vl-3b] [--images 1024] [--runs defaults,no_graphs,stock]
-        [--sizes 32,256] [--card-gib 24] [--cli-args=--compile] [--pages] [--json out.json]
+        [--sizes 32,256] [--card-gib 24] [--cli-args=--compile] [--pages | --clips 512 | --mixed 768,256]
+        [--json out.json]
 """
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
+from clips import write_clip_folder, write_mixed_folder
 from pages import write_page_folder
 from photos import write_photo_folder
 from timing import environment, markdown_table, write_json
+
+from encoder_graphs.app.walk import media_kind
 
 HOLDER = """
 import sys, time, torch
@@ -42,6 +55,66 @@ held = torch.empty(max(0, free - keep), dtype=torch.uint8, device="cuda")
 print("held", held.numel(), flush=True)
 time.sleep(3600)
 """
+# The caption command's arguments of each run of ours that `--runs` may name.
+OUR_RUNS = {"defaults": [], "no_graphs": ["--no-graphs"], "frames_model": ["--max-frame-tokens", "model"],
+            "keyframes": ["--video-sampling", "keyframes"]}
+SAMPLE_S = 0.2  # how often the process tree's memory is read
+
+
+def children_of() -> dict[int, list[int]]:
+    """Every process's children, from /proc (no psutil here)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = Path(entry.path, "stat").read_text()
+        except OSError:  # ended meanwhile
+            continue
+        parent = int(stat.rsplit(")", 1)[1].split()[1])  # after "pid (name)": state, then the parent's pid
+        children.setdefault(parent, []).append(int(entry.name))
+    return children
+
+
+def tree_rss_bytes(root: int) -> int:
+    """Resident memory of `root` and all its descendants, summed: pages that processes share
+    (libraries, memory a fork inherited) count in each, so this bounds the tree's use from above."""
+    children, total, pending = children_of(), 0, [root]
+    while pending:
+        pid = pending.pop()
+        pending += children.get(pid, [])
+        try:
+            total += int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, IndexError):
+            continue
+    return total
+
+
+def watch_memory(pid: int, done: threading.Event, peak: list[int]) -> None:
+    """Keep in `peak[0]` the largest process-tree memory seen, every SAMPLE_S s until `done`."""
+    while True:
+        peak[0] = max(peak[0], tree_rss_bytes(pid))
+        if done.wait(SAMPLE_S):
+            return
+
+
+def run_measured(command: list[str]) -> tuple[subprocess.CompletedProcess, float, int]:
+    """Run `command` to its end: its result, wall time and peak memory of its process tree. The
+    tree's, not the process's: the caption command decodes videos in worker processes."""
+    started = time.perf_counter()
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    done, peak = threading.Event(), [0]
+    watcher = threading.Thread(target=watch_memory, args=(process.pid, done, peak), daemon=True)
+    watcher.start()
+    try:
+        stdout, stderr = process.communicate()
+    finally:
+        done.set()
+        watcher.join()
+    wall_s = time.perf_counter() - started
+    if process.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} exited {process.returncode}:\n{stderr[-4000:]}")
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr), wall_s, peak[0]
 
 
 def caption_command(folder: Path, out: Path, stats: Path, args: argparse.Namespace, extra: list[str], gpus: int) -> list[str]:
@@ -55,19 +128,22 @@ def caption_command(folder: Path, out: Path, stats: Path, args: argparse.Namespa
 def run_ours(folder: Path, work: Path, name: str, args: argparse.Namespace, extra: list[str], gpus: int = 1) -> dict:
     out, stats_path = work / f"{name}.jsonl", work / f"{name}.stats.json"
     command = caption_command(folder, out, stats_path, args, extra, gpus)
-    started = time.perf_counter()
-    result = subprocess.run(command, capture_output=True, text=True)
-    wall_s = time.perf_counter() - started
-    if result.returncode != 0:
-        raise RuntimeError(f"{' '.join(command)} exited {result.returncode}:\n{result.stderr[-4000:]}")
+    _, wall_s, peak_host = run_measured(command)
     stats = json.loads(stats_path.read_text())
     pipeline, encoder, decoder = stats["pipeline"], stats["encoder"], stats["decoder"] or {}
     return {
         "command": " ".join(command[command.index("caption"):]),
         "wall_s": wall_s,
-        "images": pipeline["succeeded"],
+        "images": pipeline["succeeded"],  # items captioned, whatever their kind (the key older reports read)
         "images_per_s_end_to_end": pipeline["succeeded"] / wall_s,
         "images_per_s_in_loop": pipeline["items_per_s"],
+        "items_per_s_end_to_end": pipeline["succeeded"] / wall_s,
+        "items_per_s_in_loop": pipeline["items_per_s"],
+        "by_kind": pipeline.get("by_kind"),
+        # Files a second of each kind's generate calls: a mixed folder's photos against a photo-only folder's.
+        "items_per_batch_s_by_kind": pipeline.get("items_per_batch_s_by_kind"),
+        "failed": pipeline.get("failed"),
+        "failures": pipeline.get("failures"),
         "loop_s": pipeline["wall_s"],
         "start_s": wall_s - pipeline["wall_s"],
         "load_s": pipeline.get("load_s"),
@@ -76,7 +152,9 @@ def run_ours(folder: Path, work: Path, name: str, args: argparse.Namespace, extr
         "input_wait_s": pipeline["input_wait_s"],
         "input_wait_pct": 100 * pipeline["input_wait_s"] / pipeline["wall_s"],
         "peak_gpu_memory_gib": pipeline.get("peak_gpu_memory_bytes", 0) / 2**30,
+        "peak_host_memory_gib": peak_host / 2**30,
         "batch_size": pipeline["batch_size"],
+        "video_batch_size": pipeline.get("video_batch_size"),  # videos batch apart, by limits of their own
         "retried_batches": pipeline["retried_batches"],
         "generated_tokens": pipeline["generated_tokens"],
         "prompt_tokens_mean": pipeline["prompt_tokens"] / max(1, pipeline["succeeded"]),
@@ -90,27 +168,28 @@ def run_ours(folder: Path, work: Path, name: str, args: argparse.Namespace, extr
     }
 
 
-def run_stock(folder: Path, work: Path, args: argparse.Namespace) -> dict:
+def run_stock(folder: Path, work: Path, args: argparse.Namespace, batch_size: int = 8) -> dict:
     if args.stock_images:
         folder = subset(folder, work, args.stock_images)
     command = [sys.executable, str(Path(__file__).with_name("stock_caption.py")), str(folder), "--preset", args.preset,
-               "--new-tokens", str(args.new_tokens), "--out", str(work / "stock.jsonl")]
-    started = time.perf_counter()
-    result = subprocess.run(command, capture_output=True, text=True)
-    wall_s = time.perf_counter() - started
-    if result.returncode != 0:
-        raise RuntimeError(f"{' '.join(command)} exited {result.returncode}:\n{result.stderr[-4000:]}")
+               "--new-tokens", str(args.new_tokens), "--out", str(work / "stock.jsonl"), "--batch-size", str(batch_size)]
+    result, wall_s, peak_host = run_measured(command)
     stats = json.loads(result.stdout.strip().splitlines()[-1])
+    videos = stats.get("videos", 0)
     return {
         **stats,
         "command": "stock_caption.py " + " ".join(command[2:]),
         "wall_s": wall_s,
         "images_per_s_end_to_end": stats["images"] / wall_s,
         "images_per_s_in_loop": stats["images"] / stats["loop_s"],
+        "items_per_s_end_to_end": stats["images"] / wall_s,
+        "items_per_s_in_loop": stats["images"] / stats["loop_s"],
+        "by_kind": {kind: n for kind, n in (("image", stats["images"] - videos), ("video", videos)) if n},
         "start_s": wall_s - stats["loop_s"],
         "input_wait_pct": 100 * stats["input_wait_s"] / stats["loop_s"],
         "peak_gpu_memory_gib": stats["peak_gpu_memory_bytes"] / 2**30,
-        "batch_size": 8,
+        "peak_host_memory_gib": peak_host / 2**30,
+        "batch_size": stats.get("batch_size", 8),
     }
 
 
@@ -136,29 +215,86 @@ def subset(folder: Path, work: Path, count: int) -> Path:
     return target
 
 
-def main() -> None:
+def mixed_counts(text: str) -> tuple[int, int]:
+    """`--mixed P,C`: photos and clips."""
+    photos, clips = (int(n) for n in text.split(","))
+    if photos < 0 or clips < 0:
+        raise ValueError(text)
+    return photos, clips
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="qwen2.5-vl-3b")
-    parser.add_argument("--images", type=int, default=1024)
+    parser.add_argument("--images", type=int, default=1024, help="photos (or --pages) generated")
     parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--runs", default="defaults,no_graphs,stock", help="of defaults, no_graphs, stock")
+    parser.add_argument("--runs", default="defaults,no_graphs,stock", help=f"of {', '.join(OUR_RUNS)}, stock")
     parser.add_argument("--sizes", default="", help="also defaults and --no-graphs on the first N files, e.g. 32,256")
     parser.add_argument("--repeats", type=int, default=1, help="runs of each --sizes configuration")
     parser.add_argument("--card-gib", type=float, default=0, help="also the defaults with only this much GPU memory free")
     parser.add_argument("--stock-images", type=int, default=0, help="run the stock script on the first N files only")
+    parser.add_argument("--stock-batches", type=lambda t: [int(b) for b in t.split(",")], default=[8],
+                        help="the stock script's batch sizes, each a run (its best is the baseline), e.g. 8,16,32")
     parser.add_argument("--gpus", type=int, default=1, help="also the defaults under torchrun on this many GPUs")
     parser.add_argument("--cli-args", default="", help="more arguments for every caption command, as --cli-args=--compile")
-    parser.add_argument("--folder", type=Path, help="a folder of files to use instead of the generated photos")
-    parser.add_argument("--pages", action="store_true", help="generated document pages (pages.py) instead of photos")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--folder", type=Path, help="a folder of files to use instead of the generated photos")
+    source.add_argument("--pages", action="store_true", help="generated document pages (pages.py) instead of photos")
+    source.add_argument("--clips", type=int, default=0, metavar="N", help="N generated video clips (clips.py) instead")
+    source.add_argument("--mixed", type=mixed_counts, metavar="P,C", help="P photos and C clips in one folder instead")
     parser.add_argument("--json", help="write results here")
     args = parser.parse_args()
+    unknown = [name for name in args.runs.split(",") if name and name not in {*OUR_RUNS, "stock"}]
+    if unknown:
+        parser.error(f"--runs: unknown {', '.join(unknown)} (of {', '.join(OUR_RUNS)}, stock)")
+    return args
+
+
+def folder_kind(args: argparse.Namespace) -> str:
+    if args.folder is not None:
+        return "folder"
+    return "pages" if args.pages else "clips" if args.clips else "mixed" if args.mixed else "photos"
+
+
+def unit(args: argparse.Namespace) -> str:
+    """What the table counts: clips, items (a mixed folder's photos and clips) or images; for a
+    given folder, by what the command would read in it."""
+    kind = folder_kind(args)
+    if kind == "folder":
+        kinds = {media_kind(path) for path in args.folder.rglob("*")} - {None}
+        kind = "clips" if kinds == {"video"} else "mixed" if len(kinds) > 1 else "photos"
+    return {"clips": "clips", "mixed": "items"}.get(kind, "images")
+
+
+def write_folder(args: argparse.Namespace, folder: Path) -> dict:
+    """The generated folder every run reads: its kind, files, bytes and the time it took."""
+    kind, started = folder_kind(args), time.perf_counter()
+    if kind == "clips":
+        paths = write_clip_folder(folder, args.clips)
+    elif kind == "mixed":
+        paths = write_mixed_folder(folder, *args.mixed)
+    else:
+        paths = (write_page_folder if kind == "pages" else write_photo_folder)(folder, args.images)
+    written = {"kind": kind, "files": len(paths), "bytes": sum(path.stat().st_size for path in paths),
+               "generate_s": time.perf_counter() - started}
+    print(f"wrote {written['files']} {kind} ({written['bytes'] / 2**30:.2f} GiB) in {written['generate_s']:.1f} s",
+          file=sys.stderr)
+    return written
+
+
+def given_folder(folder: Path) -> dict:
+    """A `--folder`'s files the command reads (images and videos), and their bytes."""
+    paths = [path for path in folder.rglob("*") if media_kind(path) is not None]
+    return {"kind": "folder", "files": len(paths), "bytes": sum(path.stat().st_size for path in paths),
+            "generate_s": None}
+
+
+def main() -> None:
+    args = parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench-cli-"))
     try:
-        folder = args.folder or work / ("pages" if args.pages else "photos")
-        if args.folder is None:
-            started = time.perf_counter()
-            (write_page_folder if args.pages else write_photo_folder)(folder, args.images)
-            print(f"wrote {args.images} {folder.name} in {time.perf_counter() - started:.1f} s", file=sys.stderr)
+        folder = args.folder or work / folder_kind(args)
+        written = write_folder(args, folder) if args.folder is None else given_folder(folder)
         runs: dict[str, dict] = {}
         print("untimed warm-up run ...", file=sys.stderr)
         run_ours(subset(folder, work, 16), work, "warm_up", args, [])
@@ -166,9 +302,11 @@ def main() -> None:
         for name in chosen:
             print(f"run {name} ...", file=sys.stderr)
             if name == "stock":
-                runs[name] = run_stock(folder, work, args)
+                for batch in args.stock_batches:
+                    key = name if len(args.stock_batches) == 1 else f"{name}_batch_{batch}"
+                    runs[key] = run_stock(folder, work, args, batch)
             else:
-                runs[name] = run_ours(folder, work, name, args, [] if name == "defaults" else ["--no-graphs"])
+                runs[name] = run_ours(folder, work, name, args, OUR_RUNS[name])
         for count in [int(n) for n in args.sizes.split(",") if n]:
             small = subset(folder, work, count)
             for repeat in range(args.repeats):
@@ -182,7 +320,7 @@ def main() -> None:
             runs[f"defaults_{args.gpus}_gpus"] = run_ours(folder, work, f"gpus_{args.gpus}", args, [], args.gpus)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    report(args, runs)
+    report(args, runs, written)
 
 
 def medians(args: argparse.Namespace, runs: dict[str, dict]) -> dict[str, float]:
@@ -197,16 +335,29 @@ def medians(args: argparse.Namespace, runs: dict[str, dict]) -> dict[str, float]
     return result
 
 
-def report(args: argparse.Namespace, runs: dict[str, dict]) -> None:
+def describe_source(args: argparse.Namespace) -> str:
+    kind = folder_kind(args)
+    if kind == "folder":
+        return str(args.folder)
+    if kind == "clips":
+        return f"{args.clips} generated clips (clips.py, seed 0, with its specials)"
+    if kind == "mixed":
+        return f"{args.mixed[0]} generated photos and {args.mixed[1]} clips interleaved (clips.py, seed 0)"
+    generated = "pages (pages.py" if kind == "pages" else "photos (photos.py"
+    return f"{args.images} generated {generated}, seed 0)"
+
+
+def report(args: argparse.Namespace, runs: dict[str, dict], written: dict) -> None:
     env = environment()
-    generated = "pages (pages.py" if args.pages else "photos (photos.py"
-    source = str(args.folder) if args.folder else f"{args.images} generated {generated}, seed 0)"
+    source, what = describe_source(args), unit(args)
     print(f"\n{args.preset}, {source}, {args.new_tokens} new tokens | {env}")
-    rows = [[name, str(r["images"]), str(r["batch_size"]), f"{r['wall_s']:.1f}", f"{r['images_per_s_end_to_end']:.2f}",
-             f"{r['images_per_s_in_loop']:.2f}", f"{r['start_s']:.1f}", f"{r['first_caption_after_load_s']:.1f}",
-             f"{r['input_wait_pct']:.1f}", f"{r['peak_gpu_memory_gib']:.1f}"] for name, r in runs.items()]
-    print(markdown_table(["run", "images", "batch", "wall s", "images/s end to end", "images/s in loop", "start s",
-                          "first caption s after load", "input wait % of loop", "peak GPU GiB"], rows))
+    rows = [[name, str(r["images"]), str(r["batch_size"] or r.get("video_batch_size")), f"{r['wall_s']:.1f}", f"{r['items_per_s_end_to_end']:.2f}",
+             f"{r['items_per_s_in_loop']:.2f}", f"{r['start_s']:.1f}", f"{r['first_caption_after_load_s']:.1f}",
+             f"{r['input_wait_pct']:.1f}", f"{r['peak_gpu_memory_gib']:.1f}", f"{r['peak_host_memory_gib']:.1f}"]
+            for name, r in runs.items()]
+    print(markdown_table(["run", what, "batch", "wall s", f"{what}/s end to end", f"{what}/s in loop", "start s",
+                          "first caption s after load", "input wait % of loop", "peak GPU GiB",
+                          "peak host GiB (process tree)"], rows))
     for name, r in runs.items():
         paths = (r.get("encoder") or {}).get("paths") or {}
         replays = ", ".join(f"{path} {p['hits']} replayed / {p['misses']} eager" for path, p in paths.items())
@@ -214,16 +365,24 @@ def report(args: argparse.Namespace, runs: dict[str, dict]) -> None:
         if replays or decoder.get("steps"):
             steps = f"{decoder.get('graph_steps')} of {decoder.get('steps')}"
             print(f"{name}: encoder {replays or '-'}; decode steps {steps} replayed")
-    result = {"preset": args.preset, "images": args.images, "source": source, "new_tokens": args.new_tokens,
-              "cli_args": args.cli_args, "environment": env, "runs": runs}
+        if r.get("by_kind") and (folder_kind(args) in ("mixed", "folder") or r.get("failed")):
+            kinds = ", ".join(f"{kind} {n}" for kind, n in sorted(r["by_kind"].items()))
+            failed = f"; failed {r['failed']} ({r.get('failures')})" if r.get("failed") else ""
+            print(f"{name}: {kinds}{failed}")
+    result = {"preset": args.preset, "images": written["files"], "items": written["files"], "unit": what,
+              "source": source, "folder": written, "new_tokens": args.new_tokens, "cli_args": args.cli_args,
+              "environment": env, "runs": runs}
     if args.repeats > 1:
         result["median_wall_s"] = medians(args, runs)
-    if "stock" in runs and "defaults" in runs:
-        result["speedup_over_stock"] = {
-            key: runs["defaults"][key] / runs["stock"][key] for key in ("images_per_s_end_to_end", "images_per_s_in_loop")
-        }
-        print("defaults over stock: end to end {images_per_s_end_to_end:.2f}x, in loop {images_per_s_in_loop:.2f}x".format(
-            **result["speedup_over_stock"]))
+    stock = [name for name in runs if name == "stock" or name.startswith("stock_batch_")]
+    if stock and "defaults" in runs:  # against the stock script's best batch, end to end
+        best = max(stock, key=lambda name: runs[name]["items_per_s_end_to_end"])
+        keys = ("items_per_s_end_to_end", "items_per_s_in_loop", "images_per_s_end_to_end", "images_per_s_in_loop")
+        result["stock_baseline"] = best
+        result["speedup_over_stock"] = {key: runs["defaults"][key] / runs[best][key] for key in keys}
+        speedup = result["speedup_over_stock"]
+        print(f"defaults over stock: end to end {speedup['items_per_s_end_to_end']:.2f}x, "
+              f"in loop {speedup['items_per_s_in_loop']:.2f}x")
     write_json(args.json, result)
 
 

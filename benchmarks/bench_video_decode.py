@@ -1,0 +1,108 @@
+"""The video loader alone, over a folder of clips: clips a second from file to the frames the model
+takes (16 a clip at its frame size), by the caption command's decoder (`app/video.py`: seeking,
+one resize, worker processes) and by the ways it replaced or could use instead, each over the same
+files with the same number of workers:
+- `processes` (the command's): `VideoDecoders`, a worker process per loader;
+- `threads`: the same `decode_video` on threads (the GIL's cost);
+- `processes_full_pass`: processes decoding every frame of each stream (the old loader's way);
+- `processes_nvdec`: the command's, with FFmpeg's CUDA decoder (NVDEC) where the GPU's driver has it.
+    python3 benchmarks/bench_video_decode.py FOLDER [--workers 16] [--frames 16] [--frame-tokens 256] [--json out.json]
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+
+from encoder_graphs.app.media import LoadLimits, MediaError
+from encoder_graphs.app.video import VideoDecoders, decode_video, default_decoder_threads
+from encoder_graphs.app.walk import VIDEO_EXTENSIONS
+from encoder_graphs.models.qwen.geometry import VIDEO_DEFAULTS, PixelSettings, QwenFrameSize
+
+
+def full_pass(path: Path, limits: LoadLimits):
+    """`decode_video` made to decode every frame: the stream's duration hidden from the sampler."""
+    import encoder_graphs.app.video as video
+
+    original = video._Stream.of
+
+    def without_duration(container, stream):
+        return replace(original(container, stream), duration_s=None)
+
+    video._Stream.of = without_duration
+    try:
+        return decode_video(path, limits)
+    finally:
+        video._Stream.of = original
+
+
+def run(name: str, files: list[Path], limits: LoadLimits, workers: int) -> dict:
+    started = time.perf_counter()
+    outcomes: list[object] = []
+    if name == "threads":
+        with ThreadPoolExecutor(workers) as pool:
+            outcomes = list(pool.map(lambda path: _safely(decode_video, path, limits), files))
+    else:
+        decoders = VideoDecoders(workers, limits)
+        try:
+            if name == "processes_full_pass":
+                schedule = [decoders._pool.schedule(full_pass, (path, limits)) for path in files]
+                outcomes = [_safely(future.result) for future in schedule]
+            else:
+                with ThreadPoolExecutor(workers) as pool:
+                    outcomes = list(pool.map(lambda path: _safely(decoders.decode, path), files))
+        finally:
+            decoders.close()
+    seconds = time.perf_counter() - started
+    errors = [str(o) for o in outcomes if isinstance(o, Exception)]
+    decoded = [o for o in outcomes if not isinstance(o, Exception)]
+    return {
+        "clips": len(decoded), "errors": len(errors), "first_errors": errors[:3], "seconds": seconds,
+        "clips_per_s": len(decoded) / seconds,
+        "sampling": sorted({o.sampling.split(":")[0] for o in decoded}),
+        "frame_sizes": sorted({f"{o.frames.shape[2]}x{o.frames.shape[1]}" for o in decoded})[:6],
+    }
+
+
+def _safely(function, *args):
+    try:
+        return function(*args)
+    except (MediaError, Exception) as error:  # noqa: BLE001
+        return error
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("folder", type=Path)
+    parser.add_argument("--workers", type=int, default=min(16, max(2, (os.cpu_count() or 2) - 1)))
+    parser.add_argument("--frames", type=int, default=16)
+    parser.add_argument("--frame-tokens", type=int, default=256, help="Qwen2.5-VL frame cap (0: the processor's own)")
+    parser.add_argument("--runs", default="processes,threads,processes_full_pass,processes_nvdec")
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    files = sorted(p for p in args.folder.rglob("*") if p.suffix.lower() in VIDEO_EXTENSIONS)
+    settings = PixelSettings.from_config({}, VIDEO_DEFAULTS["Qwen2VLVideoProcessor"], clip_budget=False)
+    if args.frame_tokens:
+        settings = settings.capped(args.frame_tokens * settings.factor**2)
+    limits = LoadLimits(max_frames=args.frames, frame_size=QwenFrameSize(settings), min_side=28,
+                        video_threads=default_decoder_threads(args.workers))
+    results = {}
+    for name in args.runs.split(","):
+        chosen = replace(limits, video_hwaccel="cuda") if name == "processes_nvdec" else limits
+        results[name] = run(name, files, chosen, args.workers)
+        print(f"{name}: {results[name]['clips_per_s']:.2f} clips/s ({results[name]['clips']} clips, "
+              f"{results[name]['errors']} errors, {results[name]['seconds']:.1f} s) {results[name]['sampling']} "
+              f"{results[name]['first_errors'][:1]}", file=sys.stderr, flush=True)
+    payload = {"folder": str(args.folder), "files": len(files), "workers": args.workers, "frames": args.frames,
+               "frame_tokens": args.frame_tokens, "cpus": os.cpu_count(), "runs": results}
+    if args.json:
+        Path(args.json).write_text(json.dumps(payload, indent=2) + "\n")
+    print(json.dumps(payload))
+
+
+if __name__ == "__main__":
+    main()
