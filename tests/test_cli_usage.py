@@ -21,7 +21,8 @@ from transformers import Qwen2VLForConditionalGeneration
 from encoder_graphs.app import loading
 from encoder_graphs.app.cli import build_parser, main
 from encoder_graphs.app.config import CaptionConfig
-from encoder_graphs.app.media import SAMPLES_DIR, LoadLimits, MediaError, load
+from encoder_graphs.app.media import SAMPLES_DIR, LoadLimits, MediaError
+from encoder_graphs.app.pipeline import load
 from encoder_graphs.app.outputs import Outputs, SidecarPolicy
 from encoder_graphs.app.pipeline import Captioner
 from encoder_graphs.app.results import ResultsFile

@@ -25,7 +25,8 @@ from test_media import png_header_only, write_video
 from encoder_graphs.app import loading
 from encoder_graphs.app.cli import main
 from encoder_graphs.app.config import CaptionConfig
-from encoder_graphs.app.media import LoadLimits, MediaError, load, load_image
+from encoder_graphs.app.media import LoadLimits, MediaError, load_image
+from encoder_graphs.app.pipeline import load
 from encoder_graphs.app.walk import MAX_FOLDER_NAMES, MediaFile, discover
 
 FAST = ["--max-new-tokens", "3", "--quiet"]

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from encoder_graphs.app.media import LoadLimits, MediaError, fit, load, load_image
+from encoder_graphs.app.media import LoadLimits, MediaError, fit, load_image
+from encoder_graphs.app.pipeline import load
 from encoder_graphs.app.video import DecodedVideo, decode_video
 from encoder_graphs.app.walk import MediaFile, discover
 from privileges import run_unprivileged

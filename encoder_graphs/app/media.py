@@ -1,4 +1,5 @@
-"""Loading the images and videos `walk.discover` found, safely.
+"""Reading the files `walk.discover` found, safely: the images here, and what videos share with
+them (`LoadLimits`, `MediaError`, opening and size checks; their frames: `app/video.py`).
 
 Every way a file can be bad ends in a `MediaError` naming the file and a short `kind`, so the
 pipeline can record it and go on. Nothing is read that could hang the run or exhaust its memory:
@@ -15,15 +16,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import Any, BinaryIO
 
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from encoder_graphs.app.walk import MediaFile, list_folder, os_reason
-
-if TYPE_CHECKING:
-    from encoder_graphs.app.video import DecodedVideo, VideoDecoders
 
 SAMPLES_DIR = Path(__file__).parent / "samples"
 ORIENTATION_TAG = 0x0112  # EXIF
@@ -103,31 +100,6 @@ class LoadLimits:
             raise ValueError("max_pixels must not exceed max_decode_pixels")
         if not self.max_aspect >= 1:
             raise ValueError(f"max_aspect must be >= 1, got {self.max_aspect}")
-
-
-def load(file: MediaFile, limits: LoadLimits, videos: "VideoDecoders | None" = None) -> "Image.Image | DecodedVideo":
-    """An RGB image, or a video's frames (`app/video.py`), decoded by `videos`' worker processes
-    (None: in this process)."""
-    if file.reason:
-        raise MediaError(file.path, file.error_kind, file.reason)
-    if file.kind == "folder":
-        raise MediaError(file.path, "unreadable", f"cannot list this folder: {_folder_reason(file.path)}")
-    if file.kind == "image":
-        return load_image(file.path, limits)
-    if videos is not None:
-        return videos.decode(file.path)
-    from encoder_graphs.app.video import decode_video
-
-    return decode_video(file.path, limits)
-
-
-def _folder_reason(path: Path) -> str:
-    """Why a folder entry made without a `reason` cannot be listed (now)."""
-    try:
-        list_folder(path)
-    except OSError as error:
-        return os_reason(error)
-    return "it could not be listed when the files were gathered"
 
 
 class DecodeBudget:

@@ -16,11 +16,11 @@ from PIL import Image
 from transformers import PreTrainedModel
 
 from encoder_graphs.app.config import CaptionConfig
-from encoder_graphs.app.media import LoadLimits, MediaError, load
+from encoder_graphs.app.media import LoadLimits, MediaError, load_image
 from encoder_graphs.app.outputs import Outputs, relative_path
 from encoder_graphs.app.runstats import RunStats
-from encoder_graphs.app.video import VideoDecoders
-from encoder_graphs.app.walk import MediaFile
+from encoder_graphs.app.video import DecodedVideo, VideoDecoders, decode_video
+from encoder_graphs.app.walk import MediaFile, list_folder, os_reason
 from encoder_graphs.decoder.step import prompt_positions
 from encoder_graphs.protocols import CaptionInputs, EncodedMedia
 
@@ -328,6 +328,27 @@ class Captioner:
     def _count_failure(record: dict, stats: RunStats) -> None:
         stats.failed += 1
         stats.failures[record["error_kind"]] += 1
+
+
+def load(file: MediaFile, limits: LoadLimits, videos: VideoDecoders | None = None) -> "Image.Image | DecodedVideo":
+    """An RGB image (`app/media.py`), or a video's frames (`app/video.py`) decoded by `videos`'
+    worker processes (None: in this process); a file that cannot be read raises `MediaError`."""
+    if file.reason:
+        raise MediaError(file.path, file.error_kind, file.reason)
+    if file.kind == "folder":
+        raise MediaError(file.path, "unreadable", f"cannot list this folder: {folder_reason(file.path)}")
+    if file.kind == "image":
+        return load_image(file.path, limits)
+    return videos.decode(file.path) if videos is not None else decode_video(file.path, limits)
+
+
+def folder_reason(path: Path) -> str:
+    """Why a folder entry made without a `reason` cannot be listed (now)."""
+    try:
+        list_folder(path)
+    except OSError as error:
+        return os_reason(error)
+    return "it could not be listed when the files were gathered"
 
 
 def original_size(path: Path) -> tuple[int, int]:
