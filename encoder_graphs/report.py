@@ -91,7 +91,7 @@ def format_run_stats(stats: dict) -> str:
         f"  throughput: {stats['items_per_s']:.2f} items/s, {stats['tokens_per_s']:.1f} tokens/s "
         f"({stats['generated_tokens']} tokens in {stats['wall_s']:.2f} s, {stats['batches']} batches, "
         f"{stats['retried_batches']} retried in parts)",
-        f"  batch size {stats.get('batch_size', '-')}"
+        f"  batch size {stats.get('batch_size') or '-'}"
         + (f" (videos {stats['video_batch_size']})" if stats.get("video_batch_size") else "")
         + f", prompt padding {stats.get('prompt_padding_pct', 0.0):.0f}%; "
         f"the model waited {stats.get('input_wait_s', 0.0):.2f} s for files still loading "

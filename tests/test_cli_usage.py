@@ -160,20 +160,25 @@ def test_a_huge_batch_size_is_capped_by_what_the_cache_can_hold():
 
 def test_photos_and_videos_get_their_own_batches_beside_one_cache():
     """`batch_sizes_for`: photos are not batched by a clip's prompt; each kind's prefill fits
-    beside the one cache whose rows the largest batch takes, at the longest sequence."""
+    beside the one cache whose rows the largest batch takes, at the longest sequence; a kind is
+    batched by no more files than it has, and a job of clips alone holds no rows for photos."""
     from encoder_graphs.app.sizing import batch_sizes_for
 
     sizes = TextSizes.of(get_config("qwen2.5-vl-3b").get_text_config(decoder=True), 2)
     free, longest, prompts = RESERVE_BYTES + 20 * 2**30, 6200, {"image": 1300, "video": 6168}
-    batches = batch_sizes_for(free, sizes, longest, prompts, most=1_000_000)
-    alone = {kind: batch_size_for(free, sequence_memory(sizes, longest, p), most=1_000_000) for kind, p in prompts.items()}
+    unbounded = {"image": 10**6, "video": 10**6}
+    batches = batch_sizes_for(free, sizes, longest, prompts, unbounded, multiple=1)
+    alone = {kind: batch_size_for(free, sequence_memory(sizes, longest, p), 10**6, 1) for kind, p in prompts.items()}
     assert batches["image"] == alone["image"] > 2 * batches["video"]
     resident = sequence_memory(sizes, longest, 1).resident
     for kind, prompt in prompts.items():  # what a batch of each kind holds at its peak fits
         peak = batches["image"] * resident + batches[kind] * sequence_memory(sizes, longest, prompt).prefill
         assert peak <= free - RESERVE_BYTES
     assert batches["video"] < alone["video"]  # the photos' rows of the cache stay allocated
-    assert batch_sizes_for(free, sizes, 1400, {"image": 1300}) == {"image": 64}
+    few_photos = batch_sizes_for(free, sizes, longest, prompts, {"image": 3, "video": 10**6}, multiple=1)
+    assert few_photos == {"image": 3, "video": alone["video"]}  # 3 photo rows take nothing from the clips
+    assert batch_sizes_for(free, sizes, longest, {"video": 6168}, {"video": 10**6}, 1) == {"video": alone["video"]}
+    assert batch_sizes_for(free, sizes, 1400, {"image": 1300}, {"image": 64}) == {"image": 64}
 
 
 def test_video_flags_parse_into_the_settings():

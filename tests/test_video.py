@@ -126,6 +126,60 @@ def test_keyframe_sampling_takes_the_nearest_keyframes_and_exact_frames_elsewher
         assert np.array_equal(frame, reference[index]), f"frame {index}"
 
 
+@pytest.mark.parametrize("threads", [1, 2, 4])
+def test_every_sampling_of_a_short_clip_gives_the_exact_frames(tmp_path, threads):
+    """A 30-frame clip with a keyframe every 5 frames and B-frames, sampled at every count from 2
+    to 30 (targets just after keyframes, next to each other, repeated): each frame is the one a
+    full decode shows at its index, with 1 to 4 decoder threads (frames no other refers to are
+    left undecoded only where they cannot be the frame asked for)."""
+    write_h264(tmp_path / "short.mp4", frames=30, gop=5)
+    reference = every_frame(tmp_path / "short.mp4", (48, 32))
+    for count in range(2, 31, 2):
+        limits = LoadLimits(max_frames=count, frame_size=(48, 32), video_threads=threads)
+        video = decode_video(tmp_path / "short.mp4", limits)
+        assert video.sampling == "seek"
+        assert video.metadata["frames_indices"] == np.linspace(0, 29, count).round().astype(int).tolist()
+        for index, frame in zip(video.metadata["frames_indices"], video.frames, strict=True):
+            assert np.array_equal(frame, reference[index]), f"{count} frames: frame {index}"
+
+
+def write_trimmed(path: Path, frames: int, cut: int) -> None:
+    """An MP4 as `ffmpeg -ss -c copy` cuts one: the packets from a keyframe before the cut kept,
+    their times moved so the cut is at 0, the frames before it hidden by an edit list."""
+    with av.open(str(path), "w") as output:
+        stream = output.add_stream("libx264", rate=30)
+        stream.width, stream.height, stream.pix_fmt = 96, 64, "yuv420p"
+        stream.options = {"g": "50", "bf": "2", "preset": "ultrafast", "keyint_min": "50", "sc_threshold": "0"}
+        packets = []
+        for index in range(frames):
+            packets += stream.encode(av.VideoFrame.from_ndarray(scene(index, 96, 64), format="rgb24"))
+        packets += stream.encode()
+        for packet in packets:
+            shift = cut * int(1 / (packet.time_base * 30))
+            packet.pts, packet.dts = packet.pts - shift, packet.dts - shift
+            output.mux(packet)
+
+
+def test_a_clip_cut_without_reencoding_is_sampled_over_what_it_shows(tmp_path):
+    """The container counts the hidden frames before the cut, its duration does not: the frames
+    are sampled over the shown ones, by seeking (not a full pass)."""
+    write_trimmed(tmp_path / "cut.mp4", frames=200, cut=60)
+    video = decode_video(tmp_path / "cut.mp4", LoadLimits(max_frames=8, frame_size=(48, 32)))
+    assert video.sampling == "seek"
+    assert video.metadata["total_num_frames"] == 140 and video.metadata["frames_indices"][-1] == 139
+    reference = every_frame(tmp_path / "cut.mp4", (48, 32))  # the 140 frames shown, as a player shows them
+    assert len(reference) == 140
+    for index, frame in zip(video.metadata["frames_indices"], video.frames, strict=True):
+        assert np.array_equal(frame, reference[index]), f"frame {index}"
+
+
+def test_keyframe_sampling_reads_a_matroska_index(tmp_path):
+    """Matroska loads its index at the first seek: keyframes mode seeks once to read it."""
+    write_h264(tmp_path / "clip.mkv", frames=150)
+    video = decode_video(tmp_path / "clip.mkv", LoadLimits(max_frames=8, frame_size=(48, 32), video_sampling="keyframes"))
+    assert video.sampling == "seek, 7 of 8 at keyframes"
+
+
 def test_frame_counts_follow_the_clip_length():
     assert frame_count(LoadLimits(max_frames=16), 20.0, 600) == 16
     assert frame_count(LoadLimits(max_frames=16, video_fps=2.0), 20.0, 600) == 16

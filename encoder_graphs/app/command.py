@@ -95,7 +95,7 @@ def run(plan: Plan) -> int:
     longest = check_length(plan, source, limits)  # before the weights: GBs for a real model
     check_seeded_sampling(settings, source)
     name = printable(settings.model) if settings.model else "(embedded tiny default)"
-    videos = start_video_decoders(plan, limits)  # their start overlaps the model's load
+    videos = start_video_decoders(plan, source, limits)  # their start overlaps the model's load
     try:
         print(f"encoder-graphs: loading model {name} on {device} ...", file=sys.stderr)
         model = load_model(source, device)
@@ -246,13 +246,14 @@ def caption_files(
     return summary, graph_stats
 
 
-def start_video_decoders(plan: Plan, limits: "LoadLimits") -> "VideoDecoders | None":
-    """The video decoder processes, started now where the job has videos (the run stops them)."""
-    from encoder_graphs.app.video import VideoDecoders
+def start_video_decoders(plan: Plan, source: "ModelSource", limits: "LoadLimits") -> "VideoDecoders | None":
+    """The video decoder processes, started now where the job has videos the model reads (the
+    run stops them)."""
+    from encoder_graphs.app.video import VideoDecoders, video_workers
 
-    if not any(f.kind == "video" for f in plan.todo):
+    if not source.inputs.reads_videos or not any(f.kind == "video" for f in plan.todo):
         return None
-    return VideoDecoders(plan.config.load_workers, limits).start()
+    return VideoDecoders(video_workers(plan.config.load_workers), limits).start()
 
 
 def batched_config(
@@ -270,11 +271,13 @@ def batched_config(
     prompts = {"image": longest_sequence(inputs, plan.config, limits, videos=False) - new_tokens}
     if counts["video"]:
         prompts["video"] = longest - new_tokens
+        if not counts["image"]:
+            del prompts["image"]  # no photo rows in the cache
     requested = settings.batch_size
-    sizes = fitting_batch_sizes(requested, model, longest, prompts, device)
-    sizes = {kind: min(size, max(1, counts[kind])) for kind, size in sizes.items()}
+    most = {kind: max(1, counts[kind]) for kind in prompts}
+    sizes = fitting_batch_sizes(requested, model, longest, prompts, most, device)
     for kind, size in sizes.items():
-        if requested is not None and size < min(requested, max(1, counts[kind])):
+        if requested is not None and size < min(requested, most[kind]):
             print(f"encoder-graphs: --batch-size {requested} capped to {size} for {kind}s: the GPU memory free holds "
                   f"{size} sequences of up to {prompts[kind] + new_tokens} tokens beside the cache", file=sys.stderr)
     # Unless given, the vision-token cap lets a batch of the largest items through: the batch
@@ -282,8 +285,8 @@ def batched_config(
     tokens = {kind: settings.max_batch_tokens or prompts[kind] * size for kind, size in sizes.items()}
     return replace(
         plan.config,
-        batch_size=sizes["image"],
-        max_batch_tokens=tokens["image"],
+        batch_size=sizes.get("image", 1),
+        max_batch_tokens=tokens.get("image", plan.config.max_batch_tokens),
         video_batch_size=sizes.get("video"),
         video_max_batch_tokens=tokens.get("video"),
         prefetch_batches=1 if plan.job.distributed else plan.config.prefetch_batches,
@@ -304,7 +307,7 @@ def wants_compile(plan: Plan, device: "torch.device") -> bool:
 def load_limits(settings: Settings, source: "ModelSource") -> "LoadLimits":
     from encoder_graphs.app.config import default_load_workers
     from encoder_graphs.app.media import LoadLimits
-    from encoder_graphs.app.video import default_decoder_threads
+    from encoder_graphs.app.video import default_decoder_threads, video_workers
 
     inputs = source.inputs
     return LoadLimits(
@@ -316,7 +319,7 @@ def load_limits(settings: Settings, source: "ModelSource") -> "LoadLimits":
         frame_max_pixels=inputs.max_frame_pixels,
         frame_size=inputs.frame_size,
         video_timeout_s=settings.video_timeout,
-        video_threads=default_decoder_threads(default_load_workers()),
+        video_threads=default_decoder_threads(video_workers(default_load_workers())),
     )
 
 
@@ -363,23 +366,24 @@ def check_seeded_sampling(settings: Settings, source: "ModelSource") -> None:
 
 
 def fitting_batch_sizes(
-    requested: int | None, model: "PreTrainedModel", longest: int, prompts: dict[str, int], device: "torch.device"
+    requested: int | None, model: "PreTrainedModel", longest: int, prompts: dict[str, int], files: dict[str, int],
+    device: "torch.device",
 ) -> dict[str, int]:
-    """Per kind of file (its longest prompt in `prompts`): `--batch-size N`, capped on a GPU at the
-    most sequences its free memory holds beside the cache of `longest` slots (a batch whose cache
-    cannot be allocated would fail every file); `auto` (`requested` None): that most, up to 64
-    (`app.sizing`), as throughput grows with the batch (RESULTS.md). Without CUDA, N or 8."""
-    from encoder_graphs.app.sizing import AUTO_BATCH_DEFAULT, TextSizes, batch_sizes_for
+    """Per kind of file (its longest prompt in `prompts`, its count in `files`, which no batch
+    exceeds): `--batch-size N`, capped on a GPU at the most sequences its free memory holds beside
+    the cache of `longest` slots (a batch whose cache cannot be allocated would fail every file);
+    `auto` (`requested` None): that most, up to 64 (`app.sizing`), as throughput grows with the
+    batch (RESULTS.md). Without CUDA, N or 8."""
+    from encoder_graphs.app.sizing import AUTO_BATCH_DEFAULT, AUTO_BATCH_MAX, TextSizes, batch_sizes_for
 
     if device.type != "cuda":
-        return dict.fromkeys(prompts, requested or AUTO_BATCH_DEFAULT)
+        return {kind: min(requested or AUTO_BATCH_DEFAULT, files[kind]) for kind in prompts}
     import torch
 
     sizes = TextSizes.of(model.config.get_text_config(decoder=True), model.dtype.itemsize)
     free, _ = torch.cuda.mem_get_info(device)
-    if requested is None:
-        return batch_sizes_for(free, sizes, longest, prompts)
-    return batch_sizes_for(free, sizes, longest, prompts, most=requested, multiple=1)
+    most = {kind: min(requested or AUTO_BATCH_MAX, files[kind]) for kind in prompts}
+    return batch_sizes_for(free, sizes, longest, prompts, most, multiple=1 if requested else 8)
 
 
 @contextmanager

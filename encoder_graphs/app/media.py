@@ -46,7 +46,7 @@ class MediaError(Exception):
     `kind`: unreadable, empty, special (a FIFO, device or socket, or a link into /proc, /sys or
     /dev: never opened), corrupt, too_large (pixels), aspect_ratio (past the models' 200:1),
     no_frames, unsupported (no video decoder), timeout (a video past `--video-timeout`), crashed
-    (a video decoder's process died).
+    (a video decoder's process died), cancelled (the run ended while its frames were decoded).
     """
 
     def __init__(self, path: Path | str, kind: str, reason: str) -> None:

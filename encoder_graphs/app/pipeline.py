@@ -19,7 +19,7 @@ from encoder_graphs.app.config import CaptionConfig
 from encoder_graphs.app.media import LoadLimits, MediaError, load_image
 from encoder_graphs.app.outputs import Outputs, relative_path
 from encoder_graphs.app.runstats import RunStats
-from encoder_graphs.app.video import DecodedVideo, VideoDecoders, decode_video
+from encoder_graphs.app.video import DecodedVideo, VideoDecoders, decode_video, video_workers
 from encoder_graphs.app.walk import MediaFile, list_folder, os_reason
 from encoder_graphs.decoder.step import prompt_positions
 from encoder_graphs.protocols import CaptionInputs, EncodedMedia
@@ -62,6 +62,7 @@ class Captioner:
         self._warming: Future | None = None
         self.device = next(model.parameters()).device
         self._videos, self._own_videos = videos, videos is None
+        self._ended = False
         self._videos_lock = threading.Lock()
 
     def run(self, files: Iterable[MediaFile], outputs: Outputs, stop: Callable[[], bool] = lambda: False) -> RunStats:
@@ -75,7 +76,7 @@ class Captioner:
         `stop` is asked between files and batches: once it says so, the run ends after writing
         what is done (stats.interrupted); files loaded but not captioned are left to a rerun."""
         stats = RunStats()
-        self._started = time.perf_counter()
+        self._started, self._ended = time.perf_counter(), False
         window = min(self.config.largest_batch, self.config.load_workers)
         ahead = self.config.largest_batch * self.config.prefetch_batches
         ready: list[Pending] = []
@@ -109,9 +110,11 @@ class Captioner:
         finally:  # a second Ctrl-C must not wait for the files still queued
             pool.shutdown(wait=False, cancel_futures=True)
             self._collator.shutdown(wait=False, cancel_futures=True)
-            if self._videos is not None and self._own_videos:
-                self._videos.close()
-                self._videos = None
+            with self._videos_lock:
+                self._ended = True
+                if self._videos is not None and self._own_videos:
+                    self._videos.close()
+                    self._videos = None
             warming.shutdown(wait=True)  # its GPU work must not outlive the run
         stats.wall_s = time.perf_counter() - self._started
         return stats
@@ -194,7 +197,7 @@ class Captioner:
             return self._error_record(file, "unsupported", f"{file.path}: this model reads images, not videos")
         video = None
         try:
-            media = load(file, self.limits, self._video_decoders() if file.kind == "video" else None)
+            media = load(file, self.limits, self._video_decoders(file.path) if file.kind == "video" else None)
             if file.kind == "image":
                 item = self.inputs.encode_image(media)
                 size = original_size(file.path)
@@ -210,12 +213,14 @@ class Captioner:
         prompt = self.config.prompt_for(file.path.stem, file.path.parent.name, *size)
         return Pending(file, item, 1000.0 * (time.perf_counter() - started), prompt, size, video)
 
-    def _video_decoders(self) -> VideoDecoders:
+    def _video_decoders(self, path: Path) -> VideoDecoders:
         """The run's video decoder processes, started by the first video a loader thread takes,
         one a loader thread (each thread waits on one video at a time)."""
         with self._videos_lock:
+            if self._ended:  # a loader thread still at work after the run: no new workers
+                raise MediaError(path, "cancelled", "the run ended before its frames were decoded")
             if self._videos is None:
-                self._videos = VideoDecoders(self.config.load_workers, self.limits).start()
+                self._videos = VideoDecoders(video_workers(self.config.load_workers), self.limits).start()
             return self._videos
 
     def caption_batch(

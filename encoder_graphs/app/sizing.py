@@ -124,14 +124,15 @@ def batch_size_for(
 
 
 def batch_sizes_for(
-    free_bytes: int, sizes: TextSizes, longest: int, prompts: dict[str, int], most: int = AUTO_BATCH_MAX,
+    free_bytes: int, sizes: TextSizes, longest: int, prompts: dict[str, int], most: dict[str, int],
     multiple: int = 8,
 ) -> dict[str, int]:
-    """`batch_size_for` for each kind of file (its longest prompt in `prompts`) where one static
-    cache of `longest` slots serves them all: its rows are the largest kind's batch, so a kind of
-    longer prompts gets what the prefill can take beside that cache. Photos are not batched by a
-    video's prompt; both are bounded by the cache the longest sequence sizes."""
-    first = {kind: batch_size_for(free_bytes, sequence_memory(sizes, longest, prompt), most, multiple)
+    """`batch_size_for` for each kind of file (its longest prompt in `prompts`, at most `most` of
+    it) where one static cache of `longest` slots serves them all: its rows are the largest
+    kind's batch, so a kind of longer prompts gets what the prefill can take beside that cache.
+    Photos are not batched by a video's prompt; both are bounded by the cache the longest
+    sequence sizes."""
+    first = {kind: batch_size_for(free_bytes, sequence_memory(sizes, longest, prompt), most[kind], multiple)
              for kind, prompt in prompts.items()}
     rows = max(first.values())
     resident = sequence_memory(sizes, longest, 1).resident

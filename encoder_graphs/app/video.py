@@ -95,7 +95,10 @@ class _Stream:
             duration = max(duration, indexed + (1 / fps if fps else 0))
         if duration is not None and not 0 < duration < 10**7:
             duration = None
-        total = stream.frames or (round(duration * fps) if duration and fps else None)
+        shown = round(duration * fps) if duration and fps else None
+        # A clip cut without re-encoding keeps the frames before its cut, hidden by an edit list:
+        # the container counts them, its duration does not.
+        total = min(stream.frames, shown) if stream.frames and shown else stream.frames or shown
         return cls(time_base, stream.start_time or 0, fps, duration, total or None)
 
     def pts(self, seconds: float) -> int:
@@ -119,37 +122,43 @@ def frame_count(limits: LoadLimits, duration_s: float | None, available: int | N
 
 def decode_video(path: Path | str, limits: LoadLimits) -> DecodedVideo:
     """`limits`' frames of the video at `path` (`DecodedVideo`); every way the file can be bad
-    raises `MediaError` naming it. What the worker processes run, and tests in-process."""
+    raises `MediaError` naming it. What the worker processes run, and tests in-process. Where
+    seeking cannot give the frames, the file is opened again for one full pass."""
     try:
         import av
     except ImportError as error:
         raise MediaError(path, "unsupported", "video needs PyAV: pip install 'encoder-graphs[video]'") from error
     path = Path(path)
+    _limit_cpu(limits)
     options = {}
     if limits.video_hwaccel is not None:
         from av.codec.hwaccel import HWAccel
 
         options["hwaccel"] = HWAccel(limits.video_hwaccel, allow_software_fallback=True)
-    with open_regular(path) as handle:
-        try:
-            with av.open(handle, metadata_errors="ignore", **options) as container:
-                if not container.streams.video:
-                    raise MediaError(path, "no_frames", "no video stream")
-                stream = container.streams.video[0]
-                codec = stream.codec_context
-                if codec.width and codec.height:  # 0 where the header does not say
-                    check_size(path, codec.width, codec.height, limits, limits.max_video_pixels)
-                stream.thread_type = "AUTO"
-                codec.thread_count = limits.video_threads
-                return _Sampler(path, container, stream, limits).run()
-        except (MediaError, MemoryError):
-            raise
-        except (av.FFmpegError, OSError, ValueError, EOFError) as error:
-            raise MediaError(path, "corrupt", f"cannot decode video ({error})") from error
+    why = None  # why seeking could not serve, once it was tried
+    while True:
+        with open_regular(path) as handle:
+            try:
+                with av.open(handle, metadata_errors="ignore", **options) as container:
+                    sampler = _Sampler.of(path, container, limits)
+                    if why is not None:
+                        return sampler.full_pass(why)
+                    try:
+                        return sampler.by_seeking()
+                    except _CannotSeek as cannot:
+                        why = str(cannot)
+            except (MediaError, MemoryError):
+                raise
+            except (av.FFmpegError, OSError, ValueError, EOFError) as error:
+                raise MediaError(path, "corrupt", f"cannot decode video ({error})") from error
 
 
 class _Sampler:
     """One video's frames: by seeking where the container allows, else by one full pass."""
+
+    # Decoders that read `skip_frame` for each packet (checked exact): where the frames that no
+    # other refers to may be left undecoded. Others (libdav1d) read it once, when they open.
+    SKIPPING_CODECS = frozenset({"h264", "hevc", "mpeg2video", "mpeg4", "vp9"})
 
     def __init__(self, path: Path, container: Any, stream: Any, limits: LoadLimits) -> None:
         self.path, self.container, self.stream, self.limits = path, container, stream, limits
@@ -162,27 +171,45 @@ class _Sampler:
         # the stream's start and decoded at the index's first time (MP4: -2 frames with x264's B-frames).
         entries = stream.index_entries
         self._delay = max(0, (stream.start_time or 0) - entries[0].timestamp) if len(entries) else 0
-        frame_pts = 1 / (self.info.fps or 30) / self.info.time_base
-        self._margin = math.ceil((8 + limits.video_threads) * frame_pts)
+        self._skips = stream.codec_context.name in self.SKIPPING_CODECS
+        self._skip_before: int | None = None  # packets shown before it need not decode unless referred to
         import av
 
         self._broken = av.FFmpegError  # a packet that does not decode (a cut or damaged stream)
 
-    def run(self) -> DecodedVideo:
+    @classmethod
+    def of(cls, path: Path, container: Any, limits: LoadLimits) -> "_Sampler":
+        """The sampler of `container`'s first video stream, refused by its header where it has
+        none, no decoder, or frames too large."""
+        if not container.streams.video:
+            raise MediaError(path, "no_frames", "no video stream")
+        stream = container.streams.video[0]
+        codec = stream.codec_context
+        if codec is None:
+            raise MediaError(path, "unsupported", "no decoder for its video codec")
+        if codec.width and codec.height:  # 0 where the header does not say
+            check_size(path, codec.width, codec.height, limits, limits.max_video_pixels)
+        stream.thread_type = "AUTO"
+        codec.thread_count = limits.video_threads
+        return cls(path, container, stream, limits)
+
+    def by_seeking(self) -> DecodedVideo:
+        """The frames at evenly spaced times; `_CannotSeek` where the container cannot give them."""
         info = self.info
         if info.duration_s is None or info.fps is None:
-            return self._full_pass("the container gives no duration or frame rate")
+            raise _CannotSeek("the container gives no duration or frame rate")
         count = frame_count(self.limits, info.duration_s, info.total_frames)
         total = info.total_frames or round(info.duration_s * info.fps)
         indices = np.linspace(0, max(total - 1, 0), count).round().astype(int)
         targets = [info.pts(index / info.fps) for index in indices.tolist()]
         sampling = "seek"
-        if self.limits.video_sampling == "keyframes" and len(self.stream.index_entries):
-            targets, snapped = self._snapped(targets)
-            sampling = f"seek, {snapped} of {count} at keyframes"
-        frames, why = self._seek(targets, count)
-        if frames is None:
-            return self._full_pass(why)
+        if self.limits.video_sampling == "keyframes":
+            if len(self.stream.index_entries) <= 1:  # Matroska reads its index at the first seek
+                self.container.seek(info.start, stream=self.stream, backward=True, any_frame=False)
+            if len(self.stream.index_entries) > 1:
+                targets, snapped = self._snapped(targets)
+                sampling = f"seek, {snapped} of {count} at keyframes"
+        frames = self._seek(targets, count)
         return self._result(frames, info.duration_s, info.fps, total, sampling)
 
     def _snapped(self, targets: list[int]) -> tuple[list[int], int]:
@@ -211,20 +238,17 @@ class _Sampler:
         return before
 
     # ----- frames by seeking ---------------------------------------------------------------
-    def _seek(self, targets: list[int], count: int) -> tuple[list[tuple[int, np.ndarray]] | None, str]:
-        """The frame shown at each target pts, or (None, why) where seeking cannot give them."""
+    def _seek(self, targets: list[int], count: int) -> list[tuple[int, np.ndarray]]:
+        """The frame shown at each target pts; `_CannotSeek` where seeking cannot give them."""
         half = max(1, round(0.5 / self.info.fps / self.info.time_base))  # half a frame: the nearest frame wins
         frames: list[tuple[int, np.ndarray]] = []
-        try:
-            for target in targets:
-                if frames and target <= self._last:  # the same frame again (a clip of fewer frames than asked)
-                    frames.append(frames[-1])
-                    continue
-                found = self._frame_at(target, half)
-                frames.append((found.pts, self._convert(found, count)))
-        except _CannotSeek as why:
-            return None, str(why)
-        return frames, ""
+        for target in targets:
+            if frames and target <= self._last:  # the same frame again (a clip of fewer frames than asked)
+                frames.append(frames[-1])
+                continue
+            found = self._frame_at(target, half)
+            frames.append((found.pts, self._convert(found, count)))
+        return frames
 
     def _frame_at(self, target: int, half: int) -> Any:
         """The frame shown at `target`: decoding on from where the last one was found, or from
@@ -232,11 +256,11 @@ class _Sampler:
         index time is its decode time, which can precede a frame shown before it) starts again
         from the keyframe before; twice past, the index is not usable."""
         landing = target if self._decoding is None or self._should_seek(target) else None
+        self._skip_before = target - half
         for _ in range(3):
             if landing is not None:
                 self.container.seek(landing, stream=self.stream, backward=True, any_frame=False)
-                self._decoding = self.container.decode(self.stream)
-            self._skip_nonref(True)
+                self._decoding = self._decoded()
             first = landing is not None
             while (frame := self._next_frame(target)) is not None:
                 if frame.pts is None:
@@ -245,8 +269,6 @@ class _Sampler:
                     landing = self._keyframe_before(landing)
                     break
                 first, self._last = False, frame.pts
-                if frame.pts >= target - self._margin:
-                    self._skip_nonref(False)
                 if frame.pts >= target - half:
                     return frame
             else:
@@ -258,12 +280,17 @@ class _Sampler:
                 break
         raise _CannotSeek("seeking lands after the frames asked for (no usable index)")
 
-    def _skip_nonref(self, skip: bool) -> None:
-        """Decode no frame that no other frame refers to (B-frames, about half of H.264's) while
-        the target is far ahead: the frames that are decoded are the same, bit for bit. Close to
-        it (`_margin`: the decoder's reordering and threads hold a few frames) every frame is
-        decoded, so the target is whichever frame it is."""
-        self.stream.codec_context.skip_frame = "NONREF" if skip else "DEFAULT"
+    def _decoded(self) -> Any:
+        """The stream's frames from where the demuxer stands. A packet shown before
+        `_skip_before` cannot be the frame asked for: its decoder may leave it undecoded unless
+        other frames refer to it (skip_frame NONREF; about half of H.264's frames), decided per
+        packet, so the frame asked for and every frame it refers to decode as in a full decode."""
+        codec = self.stream.codec_context
+        for packet in self.container.demux(self.stream):
+            if self._skips:
+                skip = packet.pts is not None and self._skip_before is not None and packet.pts < self._skip_before
+                codec.skip_frame = "NONREF" if skip else "DEFAULT"
+            yield from self.stream.decode(packet)
 
     def _next_frame(self, target: int) -> Any:
         """The next frame of the decode in progress (None at its end); a packet that does not
@@ -300,14 +327,13 @@ class _Sampler:
         return self.info.seconds(target) - self.info.seconds(self._last) > NO_INDEX_SEEK_S
 
     # ----- frames by one full pass ---------------------------------------------------------
-    def _full_pass(self, why: str) -> DecodedVideo:
-        """Every frame decoded once, a bounded set of candidates kept (every `stride`-th frame,
-        the stride doubling when the set fills), for containers that cannot be sampled by time.
-        The frames are scaled for `max_frames` frames: a clip found to hold fewer keeps them so."""
+    def full_pass(self, why: str) -> DecodedVideo:
+        """Every frame decoded once (on a container just opened), a bounded set of candidates
+        kept (every `stride`-th frame, the stride doubling when the set fills), for containers
+        that cannot be sampled by time. The frames are scaled as for `max_frames` frames; where
+        fewer are found (a Qwen3-VL clip's pixel budget grows as its frames fall), `encode_video`
+        sizes them again."""
         info, limits = self.info, self.limits
-        if self._decoding is not None:  # a seek was tried: back to the start, every frame decoded
-            self._skip_nonref(False)
-            self.container.seek(0, stream=self.stream, backward=True, any_frame=False)
         keep = 4 * limits.max_frames
         candidates: list[tuple[int | None, np.ndarray]] = []  # candidates[i] is frame i * stride
         stride, decoded, last = 1, 0, None
@@ -331,9 +357,11 @@ class _Sampler:
         fps = info.fps or ((decoded - 1) / span if span > 0 else None)
         duration = decoded / fps if fps else float(decoded)
         count = frame_count(limits, duration, decoded)
-        picks = np.linspace(0, len(candidates) - 1, count).round().astype(int)
-        frames = [(candidates[i][0] if candidates[i][0] is not None else int(i) * stride, candidates[i][1]) for i in picks]
-        indices = [int(i) * stride for i in picks]
+        picks = [int(i) for i in np.linspace(0, len(candidates) - 1, count).round()]
+        indices = [i * stride for i in picks]
+        # A frame without a timestamp is placed by its index (the processors' 24 fps where none is known).
+        frames = [(candidates[i][0] if candidates[i][0] is not None else info.pts(index / (fps or 24)), candidates[i][1])
+                  for i, index in zip(picks, indices, strict=True)]
         return self._result(frames, duration, fps, decoded, f"full pass: {why}", indices)
 
     # ----- conversion ----------------------------------------------------------------------
@@ -387,9 +415,25 @@ def resized(rgb: np.ndarray, width: int, height: int) -> np.ndarray:
 
 
 # ----- worker processes -----------------------------------------------------------------------
+_IN_WORKER = []  # set in a decoder's worker process
+
+
+def _limit_cpu(limits: LoadLimits) -> None:
+    """In a worker: the kernel stops it once this file took twice its time limit of CPU time (all
+    its threads), a backstop for a worker whose parent died (and with it the time limit's timer)."""
+    if not _IN_WORKER:
+        return
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    seconds = math.ceil(usage.ru_utime + usage.ru_stime + 2 * limits.video_timeout_s * limits.video_threads + 5)
+    _, hard = resource.getrlimit(resource.RLIMIT_CPU)
+    if hard == resource.RLIM_INFINITY or seconds <= hard:
+        resource.setrlimit(resource.RLIMIT_CPU, (seconds, hard))
+
+
 def _worker_setup(data_bytes: int, threads: int) -> None:
     """A worker ignores Ctrl-C (the parent decides when the run stops and stops its workers),
     resizes on `threads` threads and allocates at most `data_bytes` (libraries mapped not counted)."""
+    _IN_WORKER.append(True)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     import torch
 
@@ -401,10 +445,20 @@ def _worker_setup(data_bytes: int, threads: int) -> None:
             pass  # a hard limit below it stays
 
 
-def default_decoder_threads(workers: int) -> int:
-    """FFmpeg threads a worker's decoder takes: the cores shared among the workers."""
+def _cores_of_this_process() -> int:
+    """The cores this process may use, shared with the other processes torchrun started here."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, cores // max(1, workers))
+    return max(1, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+
+
+def video_workers(load_workers: int) -> int:
+    """Decoder processes: one a loader thread, no more than this process's share of the cores."""
+    return max(1, min(load_workers, _cores_of_this_process()))
+
+
+def default_decoder_threads(workers: int) -> int:
+    """FFmpeg threads a worker's decoder takes: this process's cores shared among its workers."""
+    return max(1, _cores_of_this_process() // max(1, workers))
 
 
 class VideoDecoders:
@@ -434,19 +488,30 @@ class VideoDecoders:
         return self
 
     def decode(self, path: Path) -> DecodedVideo:
-        """The file's frames, waiting for a worker; `MediaError` for a bad file, a timeout or a crash."""
+        """The file's frames, waiting for a worker; `MediaError` for a bad file, a timeout, a crash
+        or a run that ended first."""
+        from concurrent.futures import CancelledError
+        from concurrent.futures import TimeoutError as FutureTimeout  # the builtin only from Python 3.11
+        from concurrent.futures.process import BrokenProcessPool
+
         from pebble import ProcessExpired
 
-        future = self._pool.schedule(decode_video, (path, self.limits), timeout=self.limits.video_timeout_s)
+        try:
+            future = self._pool.schedule(decode_video, (path, self.limits), timeout=self.limits.video_timeout_s)
+        except RuntimeError as error:  # the pool was stopped: the run is ending
+            raise MediaError(path, "cancelled", "the run ended before its frames were decoded") from error
         try:
             return future.result()
-        except TimeoutError as error:
+        except FutureTimeout as error:
             raise MediaError(path, "timeout", f"decoding took longer than {self.limits.video_timeout_s:g} s "
                              "(--video-timeout); its worker was stopped") from error
-        except ProcessExpired as error:
-            raise MediaError(path, "crashed", f"the video decoder's process died ({_death(error.exitcode)})") from error
+        except (ProcessExpired, BrokenProcessPool) as error:
+            death = _death(error.exitcode) if isinstance(error, ProcessExpired) else str(error)
+            raise MediaError(path, "crashed", f"the video decoder's process died ({death})") from error
         except MemoryError as error:
             raise MediaError(path, "too_large", "decoding it needed more memory than a video worker may take") from error
+        except CancelledError as error:  # the pool stopped mid-decode: the run is ending
+            raise MediaError(path, "cancelled", "the run ended before its frames were decoded") from error
 
     def close(self) -> None:
         """Stop the workers now (files still queued are dropped: their run is ending)."""
