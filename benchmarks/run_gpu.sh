@@ -5,9 +5,11 @@
 # Usage (from the repo root, on the device): bash benchmarks/run_gpu.sh [pytest -k expression]
 # BENCHMARKS picks benchmarks (default: all six; "" for none); BENCH_FLAGS="" runs them in full;
 # a -k expression that matches nothing runs the benchmarks alone.
-# WHEELS names folders of carried wheels installed first (default: .whl, for flashinfer and its
-# needs); e.g. WHEELS=".whl .whl523" with a transformers wheel in .whl523 runs the suite on that
-# transformers. Logs are named by the transformers version, so several runs can share $OUT.
+# WHEELS names folders of carried wheels installed first (default: .whl: PyAV and pebble, which the
+# video tests and the package need there and the machine lacks, e.g. `pip download --no-deps
+# --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 -d .whl av==18.1.0
+# pebble==5.2.3`; flashinfer and its needs); e.g. WHEELS=".whl .whl523" with a transformers wheel
+# in .whl523 runs the suite on that transformers. Logs are named by the transformers version, so several runs can share $OUT.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
