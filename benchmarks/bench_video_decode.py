@@ -19,25 +19,20 @@ from dataclasses import replace
 from pathlib import Path
 
 from encoder_graphs.app.media import LoadLimits, MediaError
-from encoder_graphs.app.video import VideoDecoders, decode_video, default_decoder_threads
+from encoder_graphs.app.decoders import VideoDecoders, default_decoder_threads
+from encoder_graphs.app.video import decode_video
 from encoder_graphs.app.walk import VIDEO_EXTENSIONS
 from encoder_graphs.models.qwen.geometry import VIDEO_DEFAULTS, PixelSettings, QwenFrameSize
 
 
 def full_pass(path: Path, limits: LoadLimits):
-    """`decode_video` made to decode every frame: the stream's duration hidden from the sampler."""
-    import encoder_graphs.app.video as video
+    """The decoder's full pass (every frame decoded, candidates kept), as for a clip it cannot seek."""
+    import av
 
-    original = video._Stream.of
+    from encoder_graphs.app.video import _Sampler
 
-    def without_duration(container, stream):
-        return replace(original(container, stream), duration_s=None)
-
-    video._Stream.of = without_duration
-    try:
-        return decode_video(path, limits)
-    finally:
-        video._Stream.of = original
+    with av.open(str(path)) as container:
+        return _Sampler.of(path, container, limits).full_pass("benchmark: every frame")
 
 
 def run(name: str, files: list[Path], limits: LoadLimits, workers: int) -> dict:

@@ -147,7 +147,7 @@ def test_out_of_memory_splits_the_batch_and_fails_only_a_file_that_fails_alone(t
 
 
 def test_a_huge_batch_size_is_capped_by_what_the_cache_can_hold():
-    """The cap `--batch-size N` gets on a GPU (command.fitting_batch_sizes; the GPU test below runs
+    """The cap `--batch-size N` gets on a GPU (sizing.fitting_batch_sizes; the GPU test below runs
     it): the most sequences whose memory fits, not rounded to the auto size's multiples of 8."""
     sizes = TextSizes.of(get_config("qwen2.5-vl-7b").get_text_config(decoder=True), 2)
     per_sequence = sequence_memory(sizes, 2048, 2000)

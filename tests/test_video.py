@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from encoder_graphs.app.media import LoadLimits, MediaError
-from encoder_graphs.app.video import VideoDecoders, decode_video, frame_count, resized
+from encoder_graphs.app.decoders import VideoDecoders
+from encoder_graphs.app.video import decode_video, frame_count, resized
 
 av = pytest.importorskip("av")
 

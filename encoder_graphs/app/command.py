@@ -26,9 +26,9 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
     from encoder_graphs.app.config import CaptionConfig
+    from encoder_graphs.app.decoders import VideoDecoders
     from encoder_graphs.app.loading import ModelSource
     from encoder_graphs.app.media import LoadLimits
-    from encoder_graphs.app.video import VideoDecoders
     from encoder_graphs.protocols import CaptionInputs
 
 RESUME_HINT = "rerun the same command to resume"
@@ -91,7 +91,7 @@ def run(plan: Plan) -> int:
         max_frame_tokens=settings.max_frame_tokens,
     )
     plan.config = plan.config.with_prompt_of(source.inputs.default_prompt)  # e.g. an OCR model's
-    limits = load_limits(settings, source)
+    limits = load_limits(settings, source, plan.config.load_workers)
     longest = check_length(plan, source, limits)  # before the weights: GBs for a real model
     check_seeded_sampling(settings, source)
     name = printable(settings.model) if settings.model else "(embedded tiny default)"
@@ -230,7 +230,7 @@ def caption_files(
     stats.files = len(plan.files)
     summary = {
         **stats.as_dict(),
-        "batch_size": config.batch_size if any(f.kind == "image" for f in plan.todo) else None,  # images'
+        "batch_size": config.batch_size if stats.by_kind.get("image") else None,  # images'
         "video_batch_size": config.video_batch_size,
         "sidecars": outputs.sidecars_written,
         "sidecar_errors": len(outputs.sidecar_errors),
@@ -249,7 +249,7 @@ def caption_files(
 def start_video_decoders(plan: Plan, source: "ModelSource", limits: "LoadLimits") -> "VideoDecoders | None":
     """The video decoder processes, started now where the job has videos the model reads (the
     run stops them)."""
-    from encoder_graphs.app.video import VideoDecoders, video_workers
+    from encoder_graphs.app.decoders import VideoDecoders, video_workers
 
     if not source.inputs.reads_videos or not any(f.kind == "video" for f in plan.todo):
         return None
@@ -265,6 +265,7 @@ def batched_config(
     (the decoder then captures no larger bucket). Images and videos batch apart: a video's
     prompt does not shrink the photos' batches."""
     from encoder_graphs.app.pipeline import longest_sequence
+    from encoder_graphs.app.sizing import fitting_batch_sizes
 
     settings, new_tokens = plan.settings, plan.config.max_new_tokens
     counts = {kind: sum(f.kind == kind for f in plan.todo) for kind in ("image", "video")}
@@ -304,10 +305,9 @@ def wants_compile(plan: Plan, device: "torch.device") -> bool:
     return device.type == "cuda" and len(plan.todo) >= COMPILE_FROM_FILES * plan.job.world_size
 
 
-def load_limits(settings: Settings, source: "ModelSource") -> "LoadLimits":
-    from encoder_graphs.app.config import default_load_workers
+def load_limits(settings: Settings, source: "ModelSource", load_workers: int) -> "LoadLimits":
+    from encoder_graphs.app.decoders import default_decoder_threads, video_workers
     from encoder_graphs.app.media import LoadLimits
-    from encoder_graphs.app.video import default_decoder_threads, video_workers
 
     inputs = source.inputs
     return LoadLimits(
@@ -319,7 +319,7 @@ def load_limits(settings: Settings, source: "ModelSource") -> "LoadLimits":
         frame_max_pixels=inputs.max_frame_pixels,
         frame_size=inputs.frame_size,
         video_timeout_s=settings.video_timeout,
-        video_threads=default_decoder_threads(video_workers(default_load_workers())),
+        video_threads=default_decoder_threads(video_workers(load_workers)),
     )
 
 
@@ -363,27 +363,6 @@ def check_seeded_sampling(settings: Settings, source: "ModelSource") -> None:
         if (reason := DecoderGraphRunner.unsupported(source.config)) is not None:
             raise UsageError(f"--seed: this model's language model decodes through stock generate ({reason}), "
                              "which takes no seed a file; sample without --seed")
-
-
-def fitting_batch_sizes(
-    requested: int | None, model: "PreTrainedModel", longest: int, prompts: dict[str, int], files: dict[str, int],
-    device: "torch.device",
-) -> dict[str, int]:
-    """Per kind of file (its longest prompt in `prompts`, its count in `files`, which no batch
-    exceeds): `--batch-size N`, capped on a GPU at the most sequences its free memory holds beside
-    the cache of `longest` slots (a batch whose cache cannot be allocated would fail every file);
-    `auto` (`requested` None): that most, up to 64 (`app.sizing`), as throughput grows with the
-    batch (RESULTS.md). Without CUDA, N or 8."""
-    from encoder_graphs.app.sizing import AUTO_BATCH_DEFAULT, AUTO_BATCH_MAX, TextSizes, batch_sizes_for
-
-    if device.type != "cuda":
-        return {kind: min(requested or AUTO_BATCH_DEFAULT, files[kind]) for kind in prompts}
-    import torch
-
-    sizes = TextSizes.of(model.config.get_text_config(decoder=True), model.dtype.itemsize)
-    free, _ = torch.cuda.mem_get_info(device)
-    most = {kind: min(requested or AUTO_BATCH_MAX, files[kind]) for kind in prompts}
-    return batch_sizes_for(free, sizes, longest, prompts, most, multiple=1 if requested else 8)
 
 
 @contextmanager

@@ -186,13 +186,21 @@ def reduce(image: Image.Image, max_pixels: int) -> Image.Image:
 def fit(image: Image.Image, max_pixels: int | None, min_side: int) -> Image.Image:
     """Shrink to at most `max_pixels` (None: never), then grow so the short side is at least
     `min_side`."""
-    width, height = image.size
+    size = fitted_size(*image.size, max_pixels, min_side)
+    if size == image.size:
+        return image
+    grows = size[0] > image.width
+    return image.resize(size, Image.Resampling.BICUBIC, reducing_gap=None if grows else 3.0)
+
+
+def fitted_size(width: int, height: int, max_pixels: int | None, min_side: int) -> tuple[int, int]:
+    """(width, height) shrunk to at most `max_pixels` (None: never), then grown so the short side
+    is at least `min_side`."""
     scale = 1.0 if max_pixels is None else min(1.0, math.sqrt(max_pixels / (width * height)))
     scale = max(scale, min_side / min(width, height))
     if scale == 1.0:
-        return image
-    size = (max(min_side, round(width * scale)), max(min_side, round(height * scale)))
-    return image.resize(size, Image.Resampling.BICUBIC, reducing_gap=None if scale > 1 else 3.0)
+        return width, height
+    return max(min_side, round(width * scale)), max(min_side, round(height * scale))
 
 
 def open_regular(path: Path) -> BinaryIO:

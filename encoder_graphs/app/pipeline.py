@@ -16,10 +16,11 @@ from PIL import Image
 from transformers import PreTrainedModel
 
 from encoder_graphs.app.config import CaptionConfig
+from encoder_graphs.app.decoders import VideoDecoders, video_workers
 from encoder_graphs.app.media import LoadLimits, MediaError, load_image
 from encoder_graphs.app.outputs import Outputs, relative_path
 from encoder_graphs.app.runstats import RunStats
-from encoder_graphs.app.video import DecodedVideo, VideoDecoders, decode_video, video_workers
+from encoder_graphs.app.video import DecodedVideo, decode_video
 from encoder_graphs.app.walk import MediaFile, list_folder, os_reason
 from encoder_graphs.decoder.step import prompt_positions
 from encoder_graphs.protocols import CaptionInputs, EncodedMedia
@@ -82,7 +83,7 @@ class Captioner:
         ready: list[Pending] = []
         failures: list[dict] = []  # written with the next batch, so a kill loses at most one batch
         # Files load on worker threads a window ahead of the model (PIL and torch's CPU kernels
-        # release the GIL; a video's thread waits on its decoder process, `app/video.py`); the
+        # release the GIL; a video's thread waits on its decoder process, `app/decoders.py`); the
         # next batch is collated on its own thread while the model runs one, so neither waits
         # behind the other.
         pool = ThreadPoolExecutor(self.config.load_workers)

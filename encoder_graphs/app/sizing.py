@@ -11,8 +11,13 @@ fixed reserve with the graph pools and library workspaces.
 """
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from encoder_graphs.models.seam.text import linear_attention_layers, linear_state_shapes, mixer_width, text_head_dim
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel
 
 GIB = 2**30
 # Graph pools (the encoder's ~0.75 GiB at budgets up to 4096 tokens, the decoder's), the encoder's
@@ -141,3 +146,22 @@ def batch_sizes_for(
         fits = max(0, free_bytes - RESERVE_BYTES - rows * resident) // sequence_memory(sizes, longest, prompt).prefill
         result[kind] = max(1, min(first[kind], fits if fits < multiple else fits - fits % multiple))
     return result
+
+
+def fitting_batch_sizes(
+    requested: int | None, model: "PreTrainedModel", longest: int, prompts: dict[str, int], files: dict[str, int],
+    device: "torch.device",
+) -> dict[str, int]:
+    """Per kind of file (its longest prompt in `prompts`, its count in `files`, which no batch
+    exceeds): `--batch-size N`, capped on a GPU at the most sequences its free memory holds beside
+    the cache of `longest` slots (a batch whose cache cannot be allocated would fail every file);
+    `auto` (`requested` None): that most, up to 64 (`batch_sizes_for`), as throughput grows with the
+    batch (RESULTS.md). Without CUDA, N or 8."""
+    if device.type != "cuda":
+        return {kind: min(requested or AUTO_BATCH_DEFAULT, files[kind]) for kind in prompts}
+    import torch
+
+    sizes = TextSizes.of(model.config.get_text_config(decoder=True), model.dtype.itemsize)
+    free, _ = torch.cuda.mem_get_info(device)
+    most = {kind: min(requested or AUTO_BATCH_MAX, files[kind]) for kind in prompts}
+    return batch_sizes_for(free, sizes, longest, prompts, most, multiple=1 if requested else 8)

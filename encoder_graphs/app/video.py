@@ -1,5 +1,5 @@
 """A video's frames for the caption command: sampled at timestamps and reached by seeking, scaled
-once to the size the model takes as they are decoded, in worker processes with a time limit a file.
+once to the size the model takes as they are decoded (in `app/decoders.py`'s worker processes).
 
 Why seeking: a caption reads 16 frames of a clip's hundreds; decoding every frame of every stream
 kept the GPU waiting most of the run (benchmarks/RESULTS.md). The container's index says where
@@ -7,10 +7,6 @@ the keyframes are, so each sampled frame costs the decode from the keyframe befo
 that share a stretch between keyframes are reached by decoding on, not by seeking again. Where a
 container has no usable duration, or seeking does not land where asked, one full pass decodes the
 stream instead, and the record says so.
-Why processes: decoding and converting frames on threads held the GIL; worker processes run side
-by side, and one that hangs or takes too long on a hostile file is killed at its time limit and
-replaced (pebble), its file an error record. Workers fork from a server that imported this module
-(and torch) once, so a new one starts at once.
 Why this scaling: a frame is converted to RGB at its size (swscale, as transformers' PyAV loader
 does) and shrunk by the processors' own resize (torchvision's antialiased bicubic on uint8, which
 is this `interpolate`; PIL's bicubic shrinks the same): the model sees what its processor would
@@ -18,11 +14,6 @@ give it. swscale scaling straight from the decoded YUV took a little less time t
 and was 1-6 levels off the processors' pixels on average (tests/test_processors.py bounds ours).
 """
 
-import math
-import multiprocessing
-import os
-import resource
-import signal
 from bisect import bisect_right
 from dataclasses import dataclass
 from fractions import Fraction
@@ -31,12 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from encoder_graphs.app.media import LoadLimits, MediaError, check_size, open_regular
+from encoder_graphs.app.media import LoadLimits, MediaError, check_size, fitted_size, open_regular
 
-# Memory a worker may allocate (a backstop: frames are refused by their header's size first). A
-# decoder holds a few of its stream's frames (up to 8192 x 8192 by `LoadLimits.max_video_pixels`,
-# 100 MB each) and its reference frames; a worker past it fails its file, not the machine.
-WORKER_DATA_BYTES = 6 << 30
 # Without an index, decoding on to a frame this close is assumed cheaper than seeking to it.
 NO_INDEX_SEEK_S = 2.0
 
@@ -129,7 +116,6 @@ def decode_video(path: Path | str, limits: LoadLimits) -> DecodedVideo:
     except ImportError as error:
         raise MediaError(path, "unsupported", "video needs PyAV: pip install 'encoder-graphs[video]'") from error
     path = Path(path)
-    _limit_cpu(limits)
     options = {}
     if limits.video_hwaccel is not None:
         from av.codec.hwaccel import HWAccel
@@ -386,9 +372,7 @@ class _Sampler:
             return size(width, height, count)
         if size is not None:
             return size
-        scale = min(1.0, math.sqrt(self.limits.frame_max_pixels / (width * height)))
-        scale = max(scale, self.limits.min_side / min(width, height))
-        return max(self.limits.min_side, round(width * scale)), max(self.limits.min_side, round(height * scale))
+        return fitted_size(width, height, self.limits.frame_max_pixels, self.limits.min_side)
 
     def _result(
         self, frames: list[tuple[int, np.ndarray]], duration: float, fps: float | None, total: int, sampling: str,
@@ -412,117 +396,3 @@ def resized(rgb: np.ndarray, width: int, height: int) -> np.ndarray:
     pixels = torch.from_numpy(np.ascontiguousarray(rgb)).permute(2, 0, 1)[None]
     pixels = F.interpolate(pixels, size=(height, width), mode="bicubic", align_corners=False, antialias=True)
     return pixels[0].permute(1, 2, 0).contiguous().numpy()
-
-
-# ----- worker processes -----------------------------------------------------------------------
-_IN_WORKER = []  # set in a decoder's worker process
-
-
-def _limit_cpu(limits: LoadLimits) -> None:
-    """In a worker: the kernel stops it once this file took twice its time limit of CPU time (all
-    its threads), a backstop for a worker whose parent died (and with it the time limit's timer)."""
-    if not _IN_WORKER:
-        return
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    seconds = math.ceil(usage.ru_utime + usage.ru_stime + 2 * limits.video_timeout_s * limits.video_threads + 5)
-    _, hard = resource.getrlimit(resource.RLIMIT_CPU)
-    if hard == resource.RLIM_INFINITY or seconds <= hard:
-        resource.setrlimit(resource.RLIMIT_CPU, (seconds, hard))
-
-
-def _worker_setup(data_bytes: int, threads: int) -> None:
-    """A worker ignores Ctrl-C (the parent decides when the run stops and stops its workers),
-    resizes on `threads` threads and allocates at most `data_bytes` (libraries mapped not counted)."""
-    _IN_WORKER.append(True)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    import torch
-
-    torch.set_num_threads(threads)
-    if data_bytes:
-        try:
-            resource.setrlimit(resource.RLIMIT_DATA, (data_bytes, data_bytes))
-        except (ValueError, OSError):
-            pass  # a hard limit below it stays
-
-
-def _cores_of_this_process() -> int:
-    """The cores this process may use, shared with the other processes torchrun started here."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
-
-
-def video_workers(load_workers: int) -> int:
-    """Decoder processes: one a loader thread, no more than this process's share of the cores."""
-    return max(1, min(load_workers, _cores_of_this_process()))
-
-
-def default_decoder_threads(workers: int) -> int:
-    """FFmpeg threads a worker's decoder takes: this process's cores shared among its workers."""
-    return max(1, _cores_of_this_process() // max(1, workers))
-
-
-class VideoDecoders:
-    """Worker processes that decode videos (`decode_video`), a file each at a time; a file that
-    takes longer than `limits.video_timeout_s` has its worker killed and replaced, and so has one
-    whose worker dies (a decoder crash, the address-space limit): either becomes the file's
-    `MediaError`, and the other files go on. Workers start from a fork server, so they inherit no
-    CUDA state or threads of the parent."""
-
-    def __init__(self, workers: int, limits: LoadLimits, data_bytes: int = WORKER_DATA_BYTES) -> None:
-        import pebble
-
-        methods = multiprocessing.get_all_start_methods()
-        context = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
-        if context.get_start_method() == "forkserver":
-            context.set_forkserver_preload([__name__, "torch", "av"])
-        self.limits, self.workers = limits, workers
-        self._pool = pebble.ProcessPool(
-            max_workers=workers, initializer=_worker_setup, initargs=(data_bytes, limits.video_threads), context=context
-        )
-
-    def start(self) -> "VideoDecoders":
-        """Start the fork server and the workers now (a no-op task each), not at the first video:
-        the caption command does it before the model loads, so the two overlap."""
-        for _ in range(self.workers):
-            self._pool.schedule(os.getpid)
-        return self
-
-    def decode(self, path: Path) -> DecodedVideo:
-        """The file's frames, waiting for a worker; `MediaError` for a bad file, a timeout, a crash
-        or a run that ended first."""
-        from concurrent.futures import CancelledError
-        from concurrent.futures import TimeoutError as FutureTimeout  # the builtin only from Python 3.11
-        from concurrent.futures.process import BrokenProcessPool
-
-        from pebble import ProcessExpired
-
-        try:
-            future = self._pool.schedule(decode_video, (path, self.limits), timeout=self.limits.video_timeout_s)
-        except RuntimeError as error:  # the pool was stopped: the run is ending
-            raise MediaError(path, "cancelled", "the run ended before its frames were decoded") from error
-        try:
-            return future.result()
-        except FutureTimeout as error:
-            raise MediaError(path, "timeout", f"decoding took longer than {self.limits.video_timeout_s:g} s "
-                             "(--video-timeout); its worker was stopped") from error
-        except (ProcessExpired, BrokenProcessPool) as error:
-            death = _death(error.exitcode) if isinstance(error, ProcessExpired) else str(error)
-            raise MediaError(path, "crashed", f"the video decoder's process died ({death})") from error
-        except MemoryError as error:
-            raise MediaError(path, "too_large", "decoding it needed more memory than a video worker may take") from error
-        except CancelledError as error:  # the pool stopped mid-decode: the run is ending
-            raise MediaError(path, "cancelled", "the run ended before its frames were decoded") from error
-
-    def close(self) -> None:
-        """Stop the workers now (files still queued are dropped: their run is ending)."""
-        self._pool.stop()
-        self._pool.join(timeout=10)
-
-
-def _death(exitcode: int | None) -> str:
-    if exitcode is not None and exitcode < 0:
-        try:
-            return f"killed by {signal.Signals(-exitcode).name}"
-        except ValueError:
-            return f"signal {-exitcode}"
-    return f"exit status {exitcode}"

@@ -1,0 +1,133 @@
+"""The video decoder's worker processes: each decodes a file at a time (`video.decode_video`) within
+a time limit.
+
+Why processes: decoding and converting frames on threads held the GIL (benchmarks/RESULTS.md);
+worker processes run side by side, and one that hangs or takes too long on a hostile file is killed
+at its time limit and replaced (pebble), its file an error record, the other files unharmed.
+Workers fork from a server that imported the decoder (and torch and PyAV) once, so a new one
+starts at once, and inherit no CUDA state or threads of the caption process.
+"""
+
+import math
+import multiprocessing
+import os
+import resource
+import signal
+from pathlib import Path
+
+from encoder_graphs.app.media import LoadLimits, MediaError
+from encoder_graphs.app.video import DecodedVideo, decode_video
+
+# Memory a worker may allocate (a backstop: frames are refused by their header's size first). A
+# decoder holds a few of its stream's frames (up to 8192 x 8192 by `LoadLimits.max_video_pixels`,
+# 100 MB each) and its reference frames; a worker past it fails its file, not the machine.
+WORKER_DATA_BYTES = 6 << 30
+
+
+def _decode_in_worker(path: Path, limits: LoadLimits) -> DecodedVideo:
+    """`decode_video` in a worker, whose kernel stops it once this file took twice its time limit
+    of CPU time (all its threads): a backstop for a worker whose parent died (and with it the time
+    limit's timer)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    seconds = math.ceil(usage.ru_utime + usage.ru_stime + 2 * limits.video_timeout_s * limits.video_threads + 5)
+    _, hard = resource.getrlimit(resource.RLIMIT_CPU)
+    if hard == resource.RLIM_INFINITY or seconds <= hard:
+        resource.setrlimit(resource.RLIMIT_CPU, (seconds, hard))
+    return decode_video(path, limits)
+
+
+def _worker_setup(data_bytes: int, threads: int) -> None:
+    """A worker ignores Ctrl-C (the parent decides when the run stops and stops its workers),
+    resizes on `threads` threads and allocates at most `data_bytes` (libraries mapped not counted)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    import torch
+
+    torch.set_num_threads(threads)
+    if data_bytes:
+        try:
+            resource.setrlimit(resource.RLIMIT_DATA, (data_bytes, data_bytes))
+        except (ValueError, OSError):
+            pass  # a hard limit below it stays
+
+
+def _cores_of_this_process() -> int:
+    """The cores this process may use, shared with the other processes torchrun started here."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+
+
+def video_workers(load_workers: int) -> int:
+    """Decoder processes: one a loader thread, no more than this process's share of the cores."""
+    return max(1, min(load_workers, _cores_of_this_process()))
+
+
+def default_decoder_threads(workers: int) -> int:
+    """FFmpeg threads a worker's decoder takes: this process's cores shared among its workers."""
+    return max(1, _cores_of_this_process() // max(1, workers))
+
+
+class VideoDecoders:
+    """Worker processes that decode videos (`decode_video`), a file each at a time; a file that
+    takes longer than `limits.video_timeout_s` has its worker killed and replaced, and so has one
+    whose worker dies (a decoder crash, the address-space limit): either becomes the file's
+    `MediaError`, and the other files go on. Workers start from a fork server, so they inherit no
+    CUDA state or threads of the parent."""
+
+    def __init__(self, workers: int, limits: LoadLimits, data_bytes: int = WORKER_DATA_BYTES) -> None:
+        import pebble
+
+        methods = multiprocessing.get_all_start_methods()
+        context = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
+        if context.get_start_method() == "forkserver":
+            context.set_forkserver_preload([__name__, "encoder_graphs.app.video", "torch", "av"])
+        self.limits, self.workers = limits, workers
+        self._pool = pebble.ProcessPool(
+            max_workers=workers, initializer=_worker_setup, initargs=(data_bytes, limits.video_threads), context=context
+        )
+
+    def start(self) -> "VideoDecoders":
+        """Start the fork server and the workers now (a no-op task each), not at the first video:
+        the caption command does it before the model loads, so the two overlap."""
+        for _ in range(self.workers):
+            self._pool.schedule(os.getpid)
+        return self
+
+    def decode(self, path: Path) -> DecodedVideo:
+        """The file's frames, waiting for a worker; `MediaError` for a bad file, a timeout, a crash
+        or a run that ended first."""
+        from concurrent.futures import CancelledError
+        from concurrent.futures import TimeoutError as FutureTimeout  # the builtin only from Python 3.11
+        from concurrent.futures.process import BrokenProcessPool
+
+        from pebble import ProcessExpired
+
+        try:
+            future = self._pool.schedule(_decode_in_worker, (path, self.limits), timeout=self.limits.video_timeout_s)
+        except RuntimeError as error:  # the pool was stopped: the run is ending
+            raise MediaError(path, "cancelled", "the run ended before its frames were decoded") from error
+        try:
+            return future.result()
+        except FutureTimeout as error:
+            raise MediaError(path, "timeout", f"decoding took longer than {self.limits.video_timeout_s:g} s "
+                             "(--video-timeout); its worker was stopped") from error
+        except (ProcessExpired, BrokenProcessPool) as error:
+            death = _death(error.exitcode) if isinstance(error, ProcessExpired) else str(error)
+            raise MediaError(path, "crashed", f"the video decoder's process died ({death})") from error
+        except MemoryError as error:
+            raise MediaError(path, "too_large", "decoding it needed more memory than a video worker may take") from error
+        except CancelledError as error:  # the pool stopped mid-decode: the run is ending
+            raise MediaError(path, "cancelled", "the run ended before its frames were decoded") from error
+
+    def close(self) -> None:
+        """Stop the workers now (files still queued are dropped: their run is ending)."""
+        self._pool.stop()
+        self._pool.join(timeout=10)
+
+
+def _death(exitcode: int | None) -> str:
+    if exitcode is not None and exitcode < 0:
+        try:
+            return f"killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"signal {-exitcode}"
+    return f"exit status {exitcode}"
