@@ -246,3 +246,38 @@ def test_lazy_capture_skips_a_budget_measured_gpu_bound():
     stats = manager.stats()
     assert stats["captured_budgets"] == {GLOBAL: []} and stats["graph_memory_bytes"] == 0
     assert stats["paths"][GLOBAL]["miss_reasons"] == {"GPU-bound size, not captured": 1}
+
+
+def test_lazy_captures_succeed_while_another_thread_pins_memory():
+    """The caption command's collator thread pins memory (and runs transformers' host code)
+    while the model's thread captures lazily: no capture may fail for it (under CUDA's "global"
+    capture mode nearly all did), and the graphs match eager."""
+    import threading
+
+    model = build(seed=7, two_paths=False)
+    budgets = [64, 128, 256, 512, 1024, 2048]
+    manager = EncoderCudaGraphManager(model, budgets=budgets, max_items=4, lazy=True, choose_by_cost=False)
+    manager.capture()
+    eager = EncoderCudaGraphManager(model, max_items=4, enabled=False)
+    stop = threading.Event()
+
+    def pin() -> None:
+        while not stop.is_set():
+            torch.empty(1 << 16, dtype=torch.uint8).pin_memory()
+
+    pinning = threading.Thread(target=pin, daemon=True)
+    pinning.start()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a failed capture warns
+            with torch.inference_mode():
+                for tokens in (40, 100, 200, 400, 900, 1800, 60, 1000):
+                    items = [ToyItem(torch.randn(tokens, model.config.in_dim, device="cuda"))]
+                    assert_close_bf16(manager.execute(items)[0], eager.execute(items)[0])
+    finally:
+        stop.set()
+        pinning.join()
+    stats = manager.stats()
+    assert not stats["failed_budgets"].get(GLOBAL), stats["failed_budgets"]
+    assert stats["captured_budgets"][GLOBAL] == budgets
+

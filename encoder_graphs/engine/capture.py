@@ -18,6 +18,11 @@ T = TypeVar("T")
 # Phrases of the RuntimeErrors torch raises when a stream capture itself fails (an op that syncs,
 # allocates pinned memory or queries the device while capturing), as opposed to a wrong program.
 _CAPTURE_PHRASES = ("captur", "out of memory")
+# Only this thread's calls may break a capture: the caption command's collator thread pins memory
+# and runs transformers' position code while the model's thread captures, and under the default
+# ("global") CUDA fails a capture for calls such as those from any thread (a GPU probe: 1,816 of
+# 1,820 captures failed beside a thread pinning in a loop; none "thread_local").
+CAPTURE_ERROR_MODE = "thread_local"
 
 
 def unavailable_reason(enabled: bool, device: torch.device) -> str | None:
@@ -89,6 +94,6 @@ class GraphCapture:
             forward()
         current.wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode=CAPTURE_ERROR_MODE):
             produced = forward()
         return graph, produced

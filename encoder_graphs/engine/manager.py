@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from encoder_graphs.engine.buffers import BudgetGraph, SharedBuffers, fill_buffers
-from encoder_graphs.engine.capture import GraphCapture, unavailable_reason
+from encoder_graphs.engine.capture import CAPTURE_ERROR_MODE, GraphCapture, unavailable_reason
 from encoder_graphs.engine.stats import EncoderCounters, elapsed_ms
 from encoder_graphs.packing import BudgetCosts, SubBatch, generate_budgets, greedy_pack, merge_eager
 from encoder_graphs.protocols import SupportsEncoderCudaGraph, check_supports_encoder_cuda_graph
@@ -157,7 +157,7 @@ class EncoderCudaGraphManager:
         """Fill blocks of the graph pool with NaN bits and free them, so that graphs captured
         next reuse NaN memory: a test of rule 1 (no uninitialised rows reach real tokens)."""
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._capture.pool):
+        with torch.cuda.graph(graph, pool=self._capture.pool, capture_error_mode=CAPTURE_ERROR_MODE):
             blocks = [torch.empty(self.poison_pool_bytes, dtype=torch.uint8, device="cuda")]
             blocks += [torch.empty(_SMALL_BLOCK, dtype=torch.uint8, device="cuda") for _ in range(64)]
             for block in blocks:
