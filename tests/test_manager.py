@@ -135,3 +135,19 @@ def test_summary_is_logged(model, caplog):
         manager.execute([ToyItem(torch.randn(8, 48))])
         manager.close()
     assert sum("hit rate" in record.message for record in caplog.records) == 2
+
+
+def test_shared_output_buffers_refuse_what_is_not_a_prefix():
+    """An output larger than the buffer the first forward sized (or of another width or dtype)
+    is refused by name, not written into a truncated view."""
+    from encoder_graphs.engine.buffers import SharedBuffers
+
+    buffers = SharedBuffers()
+    views = buffers.output_views("global", {"hidden": torch.zeros(64, 8)})
+    assert views["hidden"].shape == (64, 8) and buffers.output_views("global", {"hidden": torch.zeros(16, 8)})["hidden"].shape == (16, 8)
+    for wrong in (torch.zeros(65, 8), torch.zeros(16, 4), torch.zeros(16, 8, dtype=torch.float16)):
+        with pytest.raises(ValueError, match="output 'hidden' of path 'global'.*not a prefix"):
+            buffers.output_views("global", {"hidden": wrong})
+    assert not buffers.sized("global")  # no inputs yet: a whole forward sizes both
+    buffers.drop("global")
+    assert buffers.outputs == {}

@@ -281,3 +281,36 @@ def test_lazy_captures_succeed_while_another_thread_pins_memory():
     assert not stats["failed_budgets"].get(GLOBAL), stats["failed_budgets"]
     assert stats["captured_budgets"][GLOBAL] == budgets
 
+
+class SizingOomViT(ToyViT):
+    """Runs out of memory at the largest budget's forward (after its inputs are in the buffers),
+    as a large budget of a real tower can on a full card."""
+
+    def graph_forward(self, buffers, path):
+        if buffers["patches"].shape[0] == 4096:
+            raise torch.cuda.OutOfMemoryError("simulated: no memory for the forward of budget 4096")
+        return super().graph_forward(buffers, path)
+
+
+def test_buffers_sized_by_the_largest_budget_that_runs():
+    """The shared buffers are sized by a whole forward: where the largest budget's runs out of
+    memory, that budget is dropped (loudly) and the next sizes them; budgets captured later in
+    any order fit their prefix, and every output matches eager (once, a smaller budget sized the
+    outputs and a larger capture then failed on a truncated view)."""
+    torch.manual_seed(6)
+    model = SizingOomViT(ToyViTConfig(two_paths=False)).to("cuda", torch.bfloat16).eval()
+    manager = EncoderCudaGraphManager(model, budgets=[64, 256, 1024, 4096], max_items=4, lazy=True,
+                                      choose_by_cost=False)
+    manager.capture()
+    with pytest.warns(UserWarning, match="budget 4096 is dropped"):
+        with torch.inference_mode():
+            small = [ToyItem(torch.randn(50, model.config.in_dim, device="cuda"))]
+            assert_close_bf16(manager.execute(small)[0], model.eager_forward(small, GLOBAL)["hidden"])
+    with torch.inference_mode():
+        for tokens in (900, 200, 3000, 60):
+            items = [ToyItem(torch.randn(tokens, model.config.in_dim, device="cuda"))]
+            assert_close_bf16(manager.execute(items)[0], model.eager_forward(items, GLOBAL)["hidden"])
+    stats = manager.stats()
+    assert stats["captured_budgets"] == {GLOBAL: [64, 256, 1024]}
+    assert "sizing the shared buffers" in stats["failed_budgets"][GLOBAL][4096]
+    assert all(b.shape[0] == 1024 for b in manager.buffers.outputs[GLOBAL].values())

@@ -46,8 +46,13 @@ class SharedBuffers:
         self.outputs: dict[str, dict[str, torch.Tensor]] = {}
 
     def sized(self, path: str) -> bool:
-        """Whether `path`'s largest budget has sized its buffers yet."""
-        return bool(self.inputs.get(path))
+        """Whether a whole forward has sized `path`'s input and output buffers."""
+        return bool(self.inputs.get(path)) and bool(self.outputs.get(path))
+
+    def drop(self, path: str) -> None:
+        """Forget `path`'s buffers (a forward that sized them in part failed)."""
+        self.inputs.pop(path, None)
+        self.outputs.pop(path, None)
 
     def input_views(self, path: str, capture: CaptureInputs) -> dict[str, torch.Tensor]:
         """Prefix views holding the capture's values (the first capture of a path sizes them)."""
@@ -73,7 +78,13 @@ class SharedBuffers:
         for key, value in produced.items():
             if key not in largest:
                 largest[key] = torch.empty_like(value, memory_format=torch.contiguous_format)
-            views[key] = largest[key][: value.shape[0]]
+            base = largest[key]
+            if value.shape[1:] != base.shape[1:] or value.shape[0] > base.shape[0] or value.dtype != base.dtype:
+                raise ValueError(
+                    f"output {key!r} of path {path!r} has shape {tuple(value.shape)} ({value.dtype}), "
+                    f"not a prefix of the buffer the largest budget sized, {tuple(base.shape)} ({base.dtype})"
+                )
+            views[key] = base[: value.shape[0]]
         return views
 
     def poison(self) -> None:

@@ -5,6 +5,7 @@ The manager knows no model: everything model-specific comes through SupportsEnco
 
 import logging
 import time
+import warnings
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -193,6 +194,22 @@ class EncoderCudaGraphManager:
 
         return inputs, forward
 
+    def _size_buffers(self, path: str) -> None:
+        """Size `path`'s shared buffers by a whole eager forward at its largest budget (timed);
+        where that runs out of memory, at the next largest, and so on: the budgets above the one
+        that sized them are dropped (a graph of one could not fit its buffers), each with its
+        reason, so no later capture meets buffers too small for it."""
+        for budget in reversed(self.budgets[path]):
+            if (path, budget) in self._capture.failed:
+                continue
+            self._time_eager(path, budget)
+            if self.buffers.sized(path):
+                return
+            self.buffers.drop(path)
+            self._capture.failed[path, budget] = "OutOfMemoryError: sizing the shared buffers by an eager forward"
+            warnings.warn(f"encoder graphs of path {path!r}: budget {budget} is dropped, it ran out of memory "
+                          "sizing the shared buffers; its items run eagerly", stacklevel=3)
+
     def _time_eager(self, path: str, budget: int) -> None:
         """Time the eager forward over `budget`'s capture inputs (uncaptured; after one untimed
         call: lazy inits, kernel choice), the faster of two. Out of memory leaves it untimed."""
@@ -287,10 +304,13 @@ class EncoderCudaGraphManager:
     def _measured_gpu_bound(self, path: str, budget: int) -> bool:
         """Whether `budget` is GPU-bound by eager timings at it and at a budget half its size
         (`BudgetCosts.gpu_bound`), timing them where not yet timed. A path's first use also runs
-        its largest budget eagerly, which sizes the shared buffers every graph takes a prefix of."""
+        its largest budget eagerly, which sizes the shared buffers every graph takes a prefix of
+        (`_size_buffers`)."""
         costs, budgets = self.costs[path], self.budgets[path]
         if not self.buffers.sized(path):
-            self._time_eager(path, budgets[-1])
+            self._size_buffers(path)
+            if (path, budget) in self._capture.failed:
+                return True  # dropped: it runs eagerly
         if not self.choose_by_cost:
             return False
         for timed in costs.gpu_bound_pair(budgets, budget):
