@@ -224,6 +224,9 @@ def _graphed_generate(handle: EncoderGraphsHandle, runner: DecoderGraphRunner, o
             if args:
                 raise StockOnly("positional arguments after generation_config")
             arguments = runner_arguments(model, inputs, generation_config, kwargs)
+            batch, prompt_len = arguments["input_ids"].shape
+            if arguments["max_new_tokens"] > 1 and (unfit := runner.unfit_reason(batch, prompt_len + arguments["max_new_tokens"] - 1)):
+                raise StockOnly(unfit)
         except StockOnly as why:
             if generator is not None:
                 raise ValueError(f"generator= needs the decoder graphs; this call goes to stock: {why}") from why

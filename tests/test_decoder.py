@@ -264,7 +264,7 @@ def test_sampling_reproducible_and_top_p_tiny_is_greedy(model):
 
 
 def test_stats_and_eager_reasons(model):
-    runner = DecoderGraphRunner(model, max_batch_size=2, max_cache_len=40, enabled=False)
+    runner = DecoderGraphRunner(model, max_batch_size=3, batch_sizes=[2], max_cache_len=40, enabled=False)
     three = make_batch(model.config, grids=[(1, 4, 4), (1, 4, 4), (1, 4, 4)], seed=5)
     one = make_batch(model.config, grids=[(1, 4, 4)], seed=6)
     long_one = make_batch(model.config, grids=[(1, 8, 8)], seed=7)  # 16 image tokens + 6
@@ -274,21 +274,25 @@ def test_stats_and_eager_reasons(model):
     assert torch.equal(
         runner_generate(runner, one, eos_token_id=NO_EOS), hf_generate(model, one, eos_token_id=NO_EOS)
     )
-    runner_generate(runner, long_one, eos_token_id=NO_EOS, max_new_tokens=30)  # 23 + 29 slots > 40
+    # What the static cache cannot hold is refused before any work (enable_cuda_graphs sends it
+    # to the stock generate), not given a cache of its own.
+    slots = long_one["input_ids"].shape[1] + 29
+    with pytest.raises(ValueError, match=f"sequence of {slots} cache slots, longer than decoder max_cache_len 40"):
+        runner_generate(runner, long_one, eos_token_id=NO_EOS, max_new_tokens=30)
+    four = make_batch(model.config, grids=[(1, 4, 4)] * 4, seed=8)
+    with pytest.raises(ValueError, match="batch of 4, larger than decoder max_batch_size 3"):
+        runner_generate(runner, four, eos_token_id=NO_EOS)
 
     stats = runner.stats()
-    assert stats["calls"] == 3 and stats["sequences"] == 5
-    assert stats["steps"] == 2 * (NEW_TOKENS - 1) + 29
+    assert stats["calls"] == 2 and stats["sequences"] == 4
+    assert stats["steps"] == 2 * (NEW_TOKENS - 1)
     assert stats["graph_steps"] == 0 and stats["eager_steps"] == stats["steps"]
     assert stats["eager_reasons"] == {
         "batch larger than largest bucket 2": NEW_TOKENS - 1,
         "--no-graphs / enabled=False": NEW_TOKENS - 1,
-        "sequence longer than max_cache_len 40": 29,
     }
     assert stats["replays_per_bucket"] == {} and stats["replays_per_tier"] == {}
-    # The too-long sequence runs in its own longer cache: the configured tier, then all of it.
-    long_len = long_one["input_ids"].shape[1] + 29
-    assert stats["length_tiers"] == [40] and set(stats["steps_per_tier"]) == {40, long_len}
+    assert stats["length_tiers"] == [40] and set(stats["steps_per_tier"]) == {40}
     assert sum(stats["steps_per_tier"].values()) == stats["steps"]
     assert stats["decode_ms_per_step"]["mean"] > 0
     assert "decoder graphs: off (--no-graphs / enabled=False)" in runner.format_stats()

@@ -65,6 +65,26 @@ def test_generate_equals_stock_and_disable_restores(model):
     assert torch.equal(generate(model, batch, do_sample=False), expected["batch"])
 
 
+def test_calls_past_the_static_cache_go_to_stock(model):
+    """A batch or a sequence larger than the decoder's static cache goes to the stock generate,
+    counted with its reason (no second cache is allocated for it); tokens as stock's."""
+    batch = make_batch(model.config, GRIDS, seed=4)
+    single = make_batch(model.config, GRIDS[1:2], seed=5)
+    expected = {"batch": generate(model, batch, do_sample=False), "long": generate(model, single, max_new_tokens=40)}
+    handle = enable_cuda_graphs(model, budgets=[64], decoder_max_batch_size=2, decoder_max_cache_len=48)
+    try:
+        assert torch.equal(generate(model, batch, do_sample=False), expected["batch"])
+        assert torch.equal(generate(model, single, max_new_tokens=40), expected["long"])
+        slots = single["input_ids"].shape[1] + 39
+        assert handle.stats()["generate_fallbacks"] == {
+            "batch of 3, larger than decoder max_batch_size 2": 1,
+            f"sequence of {slots} cache slots, longer than decoder max_cache_len 48": 1,
+        }
+        assert handle.stats()["decoder"]["calls"] == 0
+    finally:
+        handle.disable()
+
+
 def test_settings_resolve_like_generate_and_unsupported_ones_fall_back(model):
     inputs = make_batch(model.config, GRIDS[:2], seed=3)
     handle = enable_cuda_graphs(model, budgets=[64], decoder_max_batch_size=2, decoder_max_cache_len=96)

@@ -242,6 +242,8 @@ class DecoderGraphRunner:
         input_ids = input_ids.to(self.device)
         mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(self.device)
         batch, prompt_len = input_ids.shape
+        if max_new_tokens > 1 and (unfit := self.unfit_reason(batch, prompt_len + max_new_tokens - 1)):
+            raise ValueError(f"the decoder's static cache cannot hold this call: {unfit}")
         tokens = NewTokens(batch, max_new_tokens, eos_ids, self._pad_id(pad_token_id, eos_ids), self.device)
         sample = partial(select_next_tokens, params=params, generator=generator)
         with torch.inference_mode():
@@ -294,15 +296,22 @@ class DecoderGraphRunner:
             steps += 1
         self.counters.timer.stop(started, steps)
 
-    def _route(self, batch: int, needed_slots: int) -> _Route:
+    def unfit_reason(self, batch: int, needed_slots: int) -> str | None:
+        """Why a call of `batch` sequences that need `needed_slots` cache slots each does not fit
+        the static cache (None: it fits). Such a call is refused, not given a cache of its own
+        (a whole second store, allocated per call): `enable_cuda_graphs` sends it to the stock
+        `generate` with this reason."""
         if needed_slots > self.config.max_cache_len:
-            reason = f"sequence longer than max_cache_len {self.config.max_cache_len}"
-            return _Route(self._buffers(batch, needed_slots), batch, reason)
+            return f"sequence of {needed_slots} cache slots, longer than decoder max_cache_len {self.config.max_cache_len}"
+        if batch > self.config.max_batch_size:
+            return f"batch of {batch}, larger than decoder max_batch_size {self.config.max_batch_size}"
+        return None
+
+    def _route(self, batch: int, needed_slots: int) -> _Route:
+        assert self.unfit_reason(batch, needed_slots) is None, "generate refuses what the static cache cannot hold"
         bucket = next((b for b in self.config.buckets if b >= batch), None)
         if bucket is None:
             reason = f"batch larger than largest bucket {self.config.buckets[-1]}"
-            if batch > self.config.max_batch_size:
-                return _Route(self._buffers(batch, self.config.max_cache_len), batch, reason)
             return _Route(self.static_buffers(), batch, reason)
         # Eager steps take the same padded bucket as a replay would: one code path everywhere.
         return _Route(self.static_buffers(), bucket, None)
