@@ -165,6 +165,11 @@ def run_ours(folder: Path, work: Path, name: str, args: argparse.Namespace, extr
         "decoder": {k: decoder.get(k) for k in ("steps", "graph_steps", "capture_seconds", "captured_graphs",
                                                 "static_buffer_bytes", "decode_ms_per_step")},
         "compile_s": (encoder.get("compile") or {}).get("seconds", 0.0),
+        # Graphs whose capture failed (their shapes ran eagerly): a run with any fails the benchmark.
+        "capture_failures": {**{f"encoder {path}, budget {budget}": reason
+                                for path, failed in (encoder.get("failed_budgets") or {}).items()
+                                for budget, reason in failed.items()},
+                             **{f"decoder {key}": reason for key, reason in (decoder.get("failed_graphs") or {}).items()}},
     }
 
 
@@ -384,6 +389,9 @@ def report(args: argparse.Namespace, runs: dict[str, dict], written: dict) -> No
         print(f"defaults over stock: end to end {speedup['items_per_s_end_to_end']:.2f}x, "
               f"in loop {speedup['items_per_s_in_loop']:.2f}x")
     write_json(args.json, result)
+    failures = {name: r["capture_failures"] for name, r in runs.items() if r.get("capture_failures")}
+    if failures:
+        sys.exit(f"missed: graph captures failed (those shapes ran eagerly): {failures}")
 
 
 if __name__ == "__main__":
