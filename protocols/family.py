@@ -77,6 +77,9 @@ class CaptionInputs(Protocol):
     default_prompt: str | None
     # Whether `encode_video` takes videos (False: the command refuses them before decoding).
     reads_videos: bool
+    # The resolution arguments of `from_pretrained` this family reads (the others it ignores, and
+    # the caption command refuses their flags for it).
+    resolution_arguments: tuple[str, ...]
 
     @classmethod
     def from_pretrained(

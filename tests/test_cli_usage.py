@@ -355,3 +355,21 @@ def test_the_settings_are_the_parsed_flags_frozen_with_the_same_defaults():
         settings.out = Path("elsewhere.jsonl")
     with pytest.raises(UsageError, match="--seed applies to sampling"):
         Settings(seed=3)
+
+
+def test_flags_of_another_family_and_other_formats_are_usage_errors(tmp_path, no_model, capsys):
+    """A resolution flag the model's family does not read, and an --out named for a format the
+    results are not written in, are refused by name before the model loads (issue 41: ignored)."""
+    images(tmp_path / "data", 1)
+    base = ["caption", str(tmp_path / "data"), "--out", str(tmp_path / "r.jsonl")] + FAST
+    cases = [
+        (["--max-tiles", "4"], "--max-tiles does not apply to the embedded tiny default"),
+        (["--model", "tiny-internvl", "--max-image-tokens", "256"], "--max-image-tokens does not apply to tiny-internvl"),
+        (["--model", "tiny-internvl", "--max-frame-tokens", "model"], "--max-frame-tokens does not apply"),
+        (["--model", "tiny-deepseek-ocr-2", "--max-image-tokens", "model"], "its resolution flags: --max-tiles"),
+        (["--out", str(tmp_path / "captions.parquet")], "written as JSON lines, not parquet; name it .jsonl"),
+    ]
+    for extra, message in cases:
+        assert main(base + extra) == 2, extra
+        assert message in capsys.readouterr().err, extra
+    assert not (tmp_path / "r.jsonl").exists() and not (tmp_path / "captions.parquet").exists()

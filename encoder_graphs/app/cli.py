@@ -171,7 +171,8 @@ def _performance_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-batch-tokens",
         type=_positive_int,
         default=None,
-        help="vision tokens in one generate call (default: 1024 x the batch size)",
+        help="vision tokens in one generate call (default: what a batch of the longest prompts holds, the batch "
+        "size x the longest prompt)",
     )
     group.add_argument("--budgets", type=_budgets, default=None, help="encoder token budgets, e.g. 1024,4096")
     group.add_argument(

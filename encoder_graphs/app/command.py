@@ -90,6 +90,7 @@ def run(plan: Plan) -> int:
         max_image_tokens=settings.max_image_tokens,
         max_frame_tokens=settings.max_frame_tokens,
     )
+    check_resolution_flags(settings, source.inputs)
     plan.config = plan.config.with_prompt_of(source.inputs.default_prompt)  # e.g. an OCR model's
     limits = load_limits(settings, source, plan.config.load_workers)
     longest = check_length(plan, source, limits)  # before the weights: GBs for a real model
@@ -303,6 +304,23 @@ def wants_compile(plan: Plan, device: "torch.device") -> bool:
     if plan.settings.compile is not None:
         return plan.settings.compile
     return device.type == "cuda" and len(plan.todo) >= COMPILE_FROM_FILES * plan.job.world_size
+
+
+def check_resolution_flags(settings: Settings, inputs: "CaptionInputs") -> None:
+    """A resolution flag the model's family does not read is a usage error, not ignored."""
+    from encoder_graphs.app.config import DEFAULT_FRAME_TOKENS, DEFAULT_IMAGE_TOKENS
+
+    given = {
+        "max_tiles": settings.max_tiles is not None,
+        "max_image_tokens": settings.max_image_tokens != DEFAULT_IMAGE_TOKENS,
+        "max_frame_tokens": settings.max_frame_tokens != DEFAULT_FRAME_TOKENS,
+    }
+    flags = ", ".join("--" + name.replace("_", "-") for name in inputs.resolution_arguments)
+    for name, was_given in given.items():
+        if was_given and name not in inputs.resolution_arguments:
+            model = printable(settings.model) if settings.model else "the embedded tiny default"
+            raise UsageError(f"--{name.replace('_', '-')} does not apply to {model} ({type(inputs).__name__}); "
+                             f"its resolution flags: {flags}")
 
 
 def load_limits(settings: Settings, source: "ModelSource", load_workers: int) -> "LoadLimits":

@@ -149,9 +149,16 @@ def read_prompt(settings: Settings) -> str | None:
         raise UsageError(f"cannot read --prompt-file {settings.prompt_file}: {error}") from error
 
 
+# `--out` names that promise a format the results file is not (it is JSON lines).
+OTHER_FORMATS = frozenset({".parquet", ".pq", ".csv", ".tsv", ".arrow", ".feather", ".xlsx"})
+
+
 def check_outputs(settings: Settings, roots: list[Path], files: "list[MediaFile]", sidecars: SidecarPolicy) -> None:
     """Every path the run will write can be written, and is its own: checked now, not after the
     model loaded (the results file's format: when `open_results` opens it)."""
+    if settings.out.suffix.lower() in OTHER_FORMATS:
+        raise UsageError(f"--out {settings.out}: the captions are written as JSON lines, not "
+                         f"{settings.out.suffix[1:]}; name it .jsonl")
     named = [("--out", settings.out)] + ([("--stats-json", settings.stats_json)] if settings.stats_json is not None else [])
     problems = [(flag, path, special_file(path) or unwritable(path)) for flag, path in named]
     if sidecars.enabled:

@@ -74,6 +74,7 @@ class DeepseekOcrInputs(CollatingInputs):
 
     default_prompt: str | None = "Free OCR."  # the model card's plain reading (its other: markdown with boxes)
     reads_videos = False
+    resolution_arguments = ("max_tiles",)
 
     def __init__(
         self,

@@ -52,6 +52,7 @@ class InternVLInputs(CollatingInputs):
 
     default_prompt: str | None = None  # a caption's
     reads_videos = True
+    resolution_arguments = ("max_tiles",)
 
     def __init__(
         self,

@@ -78,6 +78,7 @@ class QwenVLInputs(CollatingInputs):
 
     default_prompt: str | None = None  # a caption's
     reads_videos = True
+    resolution_arguments = ("max_image_tokens", "max_frame_tokens")
 
     def __init__(
         self,
