@@ -373,3 +373,21 @@ def test_flags_of_another_family_and_other_formats_are_usage_errors(tmp_path, no
         assert main(base + extra) == 2, extra
         assert message in capsys.readouterr().err, extra
     assert not (tmp_path / "r.jsonl").exists() and not (tmp_path / "captions.parquet").exists()
+
+
+def test_messages_say_what_to_do(tmp_path, no_model, capsys):
+    """--hf-metadata over files alone, a token cap below the smallest image, and a prompt with
+    literal braces: each refused with what to do (issue 41, case 10)."""
+    images(tmp_path / "data", 1)
+    photo = next((tmp_path / "data").iterdir())
+    base = ["caption", "--out", str(tmp_path / "r.jsonl")] + FAST
+    cases = [
+        ([str(photo), "--hf-metadata"], "only files were named: name their folder instead"),
+        ([str(photo), "--max-image-tokens", "3"], "--max-image-tokens 3 is below the 4 tokens"),
+        ([str(photo), "--max-frame-tokens", "1"], "--max-frame-tokens 1 is below the 4 tokens"),
+        ([str(photo), "--prompt", "Describe {this}."], "write {{ and }} for literal braces"),
+    ]
+    for extra, message in cases:
+        assert main(base + extra) == 2, extra
+        assert message in capsys.readouterr().err, extra
+    assert not (tmp_path / "r.jsonl").exists()

@@ -133,7 +133,8 @@ def check_template(prompt: str) -> None:
     fields = [item for item in parsed if item[0] is not None]
     if unknown := sorted({name for name, _, _ in fields} - set(PROMPT_FIELDS)):
         names = ", ".join("{" + f + "}" for f in unknown)
-        raise ValueError(f"the prompt names {names}; it may use {', '.join('{' + f + '}' for f in PROMPT_FIELDS)}")
+        raise ValueError(f"the prompt names {names}; it may use {', '.join('{' + f + '}' for f in PROMPT_FIELDS)} "
+                         "(write {{ and }} for literal braces)")
     for name, spec, conversion in fields:
         field_text = "{" + name + (f"!{conversion}" if conversion else "") + (f":{spec}" if spec else "") + "}"
         if conversion is not None:

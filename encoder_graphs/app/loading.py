@@ -64,7 +64,7 @@ def open_model(
         try:
             inputs = family_for_config(config).inputs.from_pretrained(preset_files_dir(name), **resolution)
         except ValueError as error:  # a resolution policy the family's processor refuses (--max-tiles)
-            raise UsageError(f"--model {name}: {error}") from error
+            raise resolution_error(error) or UsageError(f"--model {name}: {error}") from error
         inputs.check_model(config)
         return ModelSource(config, inputs, preset=name)
     from encoder_graphs.models.presets.default_model import default_model_dir
@@ -79,8 +79,17 @@ def open_model(
         inputs = family_for_config(config).inputs.from_pretrained(directory, **resolution)
         inputs.check_model(config)
     except (OSError, ValueError) as error:
-        raise UsageError(f"cannot load the model from {directory}: {error}") from error
+        raise resolution_error(error) or UsageError(f"cannot load the model from {directory}: {error}") from error
     return ModelSource(config, inputs, directory=directory)
+
+
+def resolution_error(error: Exception) -> UsageError | None:
+    """A family's refusal of a resolution argument (its message starts with the argument's name)
+    as the usage error of its flag; None for another error."""
+    for name in ("max_tiles", "max_image_tokens", "max_frame_tokens"):
+        if isinstance(error, ValueError) and str(error).startswith(name):
+            return UsageError(f"--{name.replace('_', '-')}{str(error)[len(name):]}")
+    return None
 
 
 def load_model(source: ModelSource, device: "torch.device") -> "PreTrainedModel":

@@ -165,6 +165,9 @@ def check_outputs(settings: Settings, roots: list[Path], files: "list[MediaFile]
         folders = {name.parent for f in files for name in f.names}
         problems += [("--sidecar", folder, unwritable(folder, folder=True)) for folder in sorted(folders)]
     if settings.hf_metadata:
+        if not any(root.is_dir() for root in roots):
+            raise UsageError("--hf-metadata writes a metadata.jsonl into each folder named; only files were "
+                             "named: name their folder instead")
         problems += [("--hf-metadata", root, unwritable(root, folder=True)) for root in roots if root.is_dir()]
     for flag, path, problem in problems:
         if problem is not None:

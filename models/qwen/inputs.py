@@ -102,8 +102,13 @@ class QwenVLInputs(CollatingInputs):
         self.tokenizer.padding_side = "left"
         self.image_processor = image_processor
         image = PixelSettings.of_image_processor(image_processor)
-        self.image = image.capped(None if max_image_tokens is None else max_image_tokens * image.factor**2)
         video = video if video is not None else image
+        for name, tokens, pixels in (("max_image_tokens", max_image_tokens, image), ("max_frame_tokens", max_frame_tokens, video)):
+            least = -(-max(pixels.min_pixels, pixels.factor**2) // pixels.factor**2)
+            if tokens is not None and tokens < least:
+                raise ValueError(f"{name} {tokens} is below the {least} tokens ({pixels.min_pixels} pixels) the "
+                                 "processor makes of the smallest image")
+        self.image = image.capped(None if max_image_tokens is None else max_image_tokens * image.factor**2)
         self.video = video.capped(None if max_frame_tokens is None else max_frame_tokens * video.factor**2)
         self.model_type = model_type
         self.chat_template = chat_template if chat_template is not None else tokenizer.chat_template
