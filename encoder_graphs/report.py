@@ -81,6 +81,11 @@ def format_graph_stats(stats: dict) -> str:
     )
 
 
+def format_not_read(skipped: dict) -> str:
+    """The folders' entries a run did not take, by reason (`walk.discover`'s `skipped`)."""
+    return "not read under the folders: " + ", ".join(f"{reason} {n}" for reason, n in sorted(skipped.items()))
+
+
 def format_run_stats(stats: dict) -> str:
     """`RunStats.as_dict()` of a captioning run as a table."""
     lines = [
@@ -109,6 +114,8 @@ def format_run_stats(stats: dict) -> str:
             f"  {name.removesuffix('_ms').replace('_', ' ')} ms: mean {latency['mean']:.1f}  "
             f"p50 {latency['p50']:.1f}  p99 {latency['p99']:.1f}"
         )
+    if stats.get("not_read"):
+        lines.append("  " + format_not_read(stats["not_read"]))
     if stats["failures"]:
         lines.append("  failures: " + ", ".join(f"{kind} {n}" for kind, n in stats["failures"].items()))
     for rank in stats.get("ranks", []):  # a torchrun job

@@ -167,6 +167,38 @@ def test_end_to_end_over_every_bad_input(tmp_path, capsys):
     assert "decoder graphs" in printed and "generate calls sent to stock generate: -" in printed
 
 
+def test_every_entry_is_captioned_failed_or_counted_as_not_read(tmp_path, capsys):
+    """JPEG under .jfif/.jpe, PPM, ICO and (where Pillow reads it) AVIF are captioned; a file
+    named on the command line that is not media is an error record, not skipped; what the walk
+    leaves (hidden, not media) is counted by reason in the report and the stats (issue 41, case 5)."""
+    from PIL import features
+
+    folder = tmp_path / "media"
+    folder.mkdir()
+    photo = Image.new("RGB", (64, 48), (200, 40, 40))
+    formats = {"a.jfif": "JPEG", "b.jpe": "JPEG", "c.ppm": "PPM", "d.ico": "ICO"}
+    if features.check("avif"):
+        formats["e.avif"] = "AVIF"
+    for name, kind in formats.items():
+        photo.save(folder / name, format=kind)
+    photo.save(folder / ".hidden.png")
+    (folder / "notes.txt").write_text("not media")
+    (folder / "README").write_text("not media")
+    (tmp_path / "phone.heic").write_bytes(b"\0" * 64)
+    out, stats_path = tmp_path / "captions.jsonl", tmp_path / "stats.json"
+    argv = ["caption", str(folder), str(tmp_path / "phone.heic"), "--out", str(out), "--stats-json", str(stats_path)]
+    assert main(argv + ["--max-new-tokens", "2"]) == 1
+    by_name = {Path(r["path"]).name: r for r in lines_of(out)}
+    assert set(by_name) == {*formats, "phone.heic"}
+    assert all("caption" in by_name[name] for name in formats)
+    assert by_name["phone.heic"]["error_kind"] == "unsupported" and "(.heic)" in by_name["phone.heic"]["error"]
+    not_read = {"hidden": 1, "not media (.txt)": 1, "not media (no extension)": 1}
+    assert json.loads(stats_path.read_text())["pipeline"]["not_read"] == not_read
+    assert "not read under the folders: hidden 1, not media (.txt) 1, not media (no extension) 1" in capsys.readouterr().out
+    assert main(argv + ["--max-new-tokens", "2"]) == 1  # nothing to do: the same said
+    assert "not read under the folders: hidden 1" in capsys.readouterr().out
+
+
 def test_resume_after_a_kill_redoes_only_the_missing_files(tmp_path):
     good_images(tmp_path / "media", 7)
     (tmp_path / "media" / "bad.jpg").write_text("nope")

@@ -50,9 +50,12 @@ def caption(settings: Settings) -> int:
         if plan.todo:
             status = run(plan)
         else:
+            from encoder_graphs.report import format_not_read
+
             failed = sum(plan.results.is_failed(f.path) for f in plan.files)
             where = printable(settings.out) + (" or have sidecars" if plan.sidecars.enabled else "")
-            print(f"nothing to do: all {len(plan.files)} files are already in {where} ({failed} of them as errors)")
+            print(f"nothing to do: all {len(plan.files)} files are already in {where} ({failed} of them as errors)"
+                  + (f"; {format_not_read(plan.skipped)}" if plan.skipped else ""))
             write_metadata(plan)
             if plan.job.rank == 0:
                 files = len(plan.files)
@@ -106,6 +109,7 @@ def run(plan: Plan) -> int:
         if videos is not None:
             videos.close()
     summary["load_s"] = loaded - STARTED
+    summary["not_read"] = dict(sorted(plan.skipped.items()))
     if summary["first_records_s"] is not None:
         summary["first_caption_after_load_s"] = summary["setup_s"] + summary["first_records_s"]
     if plan.job.distributed:

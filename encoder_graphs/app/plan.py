@@ -6,6 +6,7 @@ captions already written backfilled), the files still to do."""
 import codecs
 import os
 import sys
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -35,6 +36,8 @@ class Plan:
     sidecars: SidecarPolicy
     results: "ResultsFile"
     job: Job = field(default_factory=Job)
+    # Entries of the folders not taken, by reason (`walk.discover`'s `skipped`): said in the report.
+    skipped: Counter = field(default_factory=Counter)
 
 
 def make_plan(settings: Settings, job: Job) -> Plan:
@@ -47,7 +50,9 @@ def make_plan(settings: Settings, job: Job) -> Plan:
     if not roots:
         raise UsageError("give at least one PATH (or --samples)")
     try:
-        files = discover(roots, include_hidden=settings.include_hidden, follow_links=not settings.no_follow_links)
+        skipped: Counter = Counter()
+        files = discover(roots, include_hidden=settings.include_hidden, follow_links=not settings.no_follow_links,
+                         skipped=skipped)
     except FileNotFoundError as error:
         raise UsageError(str(error)) from error
     if not files:
@@ -78,7 +83,7 @@ def make_plan(settings: Settings, job: Job) -> Plan:
     todo = [f for f in files if not results.is_done(f.path) and not all(map(sidecars.skips, f.names))]
     if job.distributed:  # every rank must hold the same list before any starts writing parts
         job.barrier("planned")
-    return Plan(settings, roots, files, todo, config, sidecars, results, job)
+    return Plan(settings, roots, files, todo, config, sidecars, results, job, skipped)
 
 
 def default_out(samples: bool, job: Job) -> Path:
@@ -184,7 +189,7 @@ def check_outputs(settings: Settings, roots: list[Path], files: "list[MediaFile]
     for flag, path in metadata:
         if (problem := special_file(path)) is not None:
             raise UsageError(f"cannot use {flag} {path}: {problem}")
-    check_targets(metadata + named, roots, [n for f in files if f.kind != "folder" for n in f.names], sidecars)
+    check_targets(metadata + named, roots, [n for f in files if f.kind in ("image", "video") for n in f.names], sidecars)
     if settings.stats_json is not None and (problem := not_our_stats(settings.stats_json)) is not None:
         raise UsageError(f"cannot use --stats-json {settings.stats_json}: {problem}")
 
@@ -198,7 +203,7 @@ def tidy_outputs(
     this run's prefix and suffix (`text`; one that cannot be written is its file's error record)."""
     from encoder_graphs.app.outputs import remove_stale_temporaries
 
-    media = [name for f in files if f.kind != "folder" for name in f.names]
+    media = [name for f in files if f.kind in ("image", "video") for name in f.names]
     targets = [sidecars.path(path) for path in media] if sidecars.enabled else []
     targets += [root / METADATA_FILE for root in roots if settings.hf_metadata and root.is_dir()]
     targets += [Path(os.path.realpath(settings.stats_json))] if settings.stats_json is not None else []

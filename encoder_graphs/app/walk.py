@@ -2,13 +2,18 @@
 only where safe, each real file once under all its names. Nothing is opened here but folders."""
 
 import os
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from encoder_graphs.app.results import path_key
 
-IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tiff", ".tif"})
+# What Pillow reads (AVIF where its build has libavif: else such a file is an error record).
+IMAGE_EXTENSIONS = frozenset({
+    ".jpg", ".jpeg", ".jpe", ".jfif", ".png", ".webp", ".bmp", ".gif", ".tiff", ".tif", ".avif", ".ppm", ".pgm",
+    ".pbm", ".pnm", ".ico",
+})
 VIDEO_EXTENSIONS = frozenset({".mp4", ".m4v", ".mov", ".webm", ".mkv", ".avi"})  # .mov, .m4v: what phones record
 # Decided by the real path (links resolved): whatever is mounted there is the kernel's view of
 # processes, devices and drivers, not a dataset (`ds/me -> /proc/self` reaches the whole disk).
@@ -21,7 +26,9 @@ MAX_FOLDER_NAMES = 32
 @dataclass(frozen=True)
 class MediaFile:
     path: Path
-    kind: str  # "image" | "video" | "folder" (one the walk could not list or would not enter: `load` raises)
+    # "image" | "video" | "folder" (one the walk could not list or would not enter) | "other" (a
+    # file named on the command line that is not media): `load` raises for the last two.
+    kind: str
     # Set by the walk for an entry it will not read (`load` raises it): why, and the MediaError kind.
     reason: str = field(default="", compare=False)
     error_kind: str = field(default="unreadable", compare=False)
@@ -44,7 +51,8 @@ def media_kind(path: Path) -> str | None:
 
 
 def discover(
-    paths: list[str | Path], *, include_hidden: bool = False, follow_links: bool = True
+    paths: list[str | Path], *, include_hidden: bool = False, follow_links: bool = True,
+    skipped: Counter | None = None,
 ) -> list[MediaFile]:
     """Media files under `paths` (files or folders, walked recursively), sorted, each file once.
 
@@ -66,14 +74,21 @@ def discover(
     is the name without links when there is one, else the first name in order; `aliases` holds the
     others (`names`: all of them), so that each name can get its own sidecar and metadata row while
     the file is captioned once.
+
+    `skipped` (given) counts the entries of the walked folders not taken, by reason: "hidden",
+    "link (--no-follow-links)", "not media (.txt)". A file named in `paths` that is not media
+    is not skipped: it is an entry (kind "other") whose reason `load` raises.
     """
-    walk = _Walk(include_hidden, follow_links)
+    walk = _Walk(include_hidden, follow_links, skipped if skipped is not None else Counter())
     names: dict[str, set[Path]] = {}  # real path -> names
     refused: dict[Path, MediaFile] = {}
     for root in map(Path, paths):
         if not root.exists() and not root.is_symlink():
             raise FileNotFoundError(f"no such file or directory: {root}")
         absolute = Path(os.path.abspath(root))
+        if not root.is_dir() and (refusal := _named_refusal(absolute)) is not None:
+            refused[absolute] = MediaFile(absolute, "other", *refusal)
+            continue
         found = walk.folder(absolute) if root.is_dir() else [(absolute, path_key(absolute), None)]
         for path, real, refusal in found:
             if refusal is not None:
@@ -82,6 +97,14 @@ def discover(
                 names.setdefault(real, set()).add(path)
     files = [_named(real, sorted(same)) for real, same in names.items()] + list(refused.values())
     return sorted(files, key=lambda f: str(f.path))
+
+
+def _named_refusal(path: Path) -> tuple[str, str] | None:
+    """Why a file named on the command line is not read: not an image or video by its extension."""
+    if media_kind(path) is not None:
+        return None
+    extension = path.suffix.lower() or "no extension"
+    return f"not an image or video this command reads ({extension})", "unsupported"
 
 
 def _named(real: str, names: list[Path]) -> MediaFile:
@@ -94,9 +117,10 @@ class _Walk:
     """The walk of `discover` over any number of roots: how many names each real folder has been
     walked under so far."""
 
-    def __init__(self, include_hidden: bool, follow_links: bool) -> None:
+    def __init__(self, include_hidden: bool, follow_links: bool, skipped: Counter) -> None:
         self.include_hidden = include_hidden
         self.follow_links = follow_links
+        self.skipped = skipped
         self.folder_names: dict[tuple[int, int], set[Path]] = {}  # (st_dev, st_ino) -> names walked
 
     def folder(self, root: Path) -> Iterator[tuple[Path, str, tuple[str, str] | None]]:
@@ -128,11 +152,16 @@ class _Walk:
                 continue
             subfolders = []
             for name, is_dir, is_link in entries:
-                if (not self.include_hidden and name.startswith(".")) or (is_link and not self.follow_links):
+                if not self.include_hidden and name.startswith("."):
+                    self.skipped["hidden"] += 1
+                    continue
+                if is_link and not self.follow_links:
+                    self.skipped["link (--no-follow-links)"] += 1
                     continue
                 path = folder / name
                 if not is_dir and media_kind(path) is None:
-                    continue  # not media: never resolved or read
+                    self.skipped[f"not media ({path.suffix.lower() or 'no extension'})"] += 1
+                    continue  # never resolved or read
                 target = os.path.realpath(path) if is_link else os.path.join(real, name)
                 pseudo = _pseudo_filesystem(target)
                 if pseudo is not None and pseudo != home:
