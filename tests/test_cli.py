@@ -199,6 +199,34 @@ def test_every_entry_is_captioned_failed_or_counted_as_not_read(tmp_path, capsys
     assert "not read under the folders: hidden 1" in capsys.readouterr().out
 
 
+def test_a_rerun_with_other_settings_is_refused_or_redone(tmp_path, capsys):
+    """Each caption records the settings that made it; a rerun on the same --out with another
+    prompt or length is refused, naming what changed, where it used to say "nothing to do" and
+    keep the old captions; --redo captions every file again (the latest record wins); records
+    from before settings were recorded resume as before (issue 41, case 4)."""
+    good_images(tmp_path / "media", 3)
+    out = tmp_path / "captions.jsonl"
+    argv = ["caption", str(tmp_path / "media"), "--out", str(out), "--quiet", "--max-new-tokens", "2"]
+    assert main(argv) == 0
+    first = lines_of(out)
+    assert all(r["settings"]["max_new_tokens"] == 2 and r["settings"]["prompt"] is None for r in first)
+    other = argv[:-1] + ["3", "--prompt", "List the colours."]
+    assert main(other) == 2
+    err = capsys.readouterr().err
+    assert "holds captions of 3 of these files made with other settings" in err
+    assert "--prompt its default (now 'List the colours.')" in err and "--max-new-tokens 2 (now 3)" in err
+    assert "--redo" in err and lines_of(out) == first
+    assert main(other + ["--redo"]) == 0
+    records = lines_of(out)
+    assert len(records) == 6 and all(r["prompt"].startswith("List the colours.") for r in records[3:])
+    assert main(other) == 0 and "nothing to do" in capsys.readouterr().out
+    # Records without settings (an earlier version's) are taken as this run's.
+    out.write_text("".join(json.dumps({k: v for k, v in r.items() if k != "settings"}) + "\n" for r in first))
+    assert main(argv[:-1] + ["7"]) == 0 and "nothing to do" in capsys.readouterr().out
+    sidecars = argv + ["--sidecar", "--redo"]
+    assert main(sidecars) == 2 and "add --overwrite" in capsys.readouterr().err
+
+
 def test_resume_after_a_kill_redoes_only_the_missing_files(tmp_path):
     good_images(tmp_path / "media", 7)
     (tmp_path / "media" / "bad.jpg").write_text("nope")
@@ -371,7 +399,7 @@ def test_killed_python_dash_m_run_resumes_without_loss_or_repeats(tmp_path):
     assert out.exists(), stderr.decode()
     before = out.read_bytes()
     kept = before[: before.rfind(b"\n") + 1]
-    assert main(argv + FAST) == 0
+    assert main(argv + ["--max-new-tokens", "16", "--quiet"]) == 0  # the same settings: a resume
     after = out.read_bytes()
     assert after.startswith(kept), "lines written before the kill stay byte for byte"
     paths = [json.loads(line)["path"] for line in after.splitlines()]

@@ -223,5 +223,6 @@ def test_odd_names_templates_and_rotation(tmp_path, capsys):
     assert (by_name["turned.jpg"]["width"], by_name["turned.jpg"]["height"]) == (40, 80)
     assert by_name["turned.jpg"]["prompt"] == "40x80"
     (folder / "metadata.jsonl").unlink()
-    assert main(["caption", str(folder), "--out", str(out), "--hf-metadata"] + FAST) == 0, "nothing to do"
+    again = ["caption", str(folder), "--out", str(out), "--hf-metadata", "--prompt", "{width}x{height}"]
+    assert main(again + FAST) == 0, "nothing to do"
     assert len(records(folder / "metadata.jsonl")) == 1, "no JSON file_name opens caf\\xe9.png: it has no row"

@@ -147,6 +147,12 @@ def _output_arguments(parser: argparse.ArgumentParser) -> None:
         "--hf-metadata", action="store_true", help="also write metadata.jsonl (file_name, text) in each folder given"
     )
     group.add_argument("--retry-failed", action="store_true", help="try again the files whose latest record is an error")
+    group.add_argument(
+        "--redo", action="store_true",
+        help="caption every file again, also those --out holds (the latest record of a file wins); needed to "
+        "write captions of other settings (--model, --prompt, --max-new-tokens, resolution, sampling) into an --out "
+        "that holds some",
+    )
     group.add_argument("--include-hidden", action="store_true", help="also caption hidden files and folders")
     group.add_argument(
         "--no-follow-links",

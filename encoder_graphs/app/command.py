@@ -217,8 +217,8 @@ def caption_files(
     outputs = Outputs(writer, plan.sidecars, progress.advance if progress else None, aliases)
     warm_up = partial(warm_up_language_model, model) if device.type == "cuda" else None
     captioner = Captioner(
-        model, inputs, config, limits, roots=plan.roots, model_name=settings.model or "default", warm_up=warm_up,
-        videos=videos,
+        model, inputs, config, limits, roots=plan.roots, model_name=settings.model or "default",
+        run_settings=plan.identity, warm_up=warm_up, videos=videos,
     )
     try:
         if job.distributed:  # ranks start claiming together: one whose capture ends first would claim ahead

@@ -50,6 +50,7 @@ class Captioner:
         model_name: str = "default",
         warm_up: Callable[[], None] | None = None,
         videos: VideoDecoders | None = None,
+        run_settings: dict | None = None,
     ) -> None:
         """`videos`: the run's video decoder processes, started ahead by the caller (None: started
         by the first video, and stopped with the run either way)."""
@@ -59,6 +60,7 @@ class Captioner:
         self.limits = limits
         self.roots = [Path(root).absolute() for root in roots]
         self.model_name = model_name
+        self.run_settings = run_settings  # each caption record's "settings" (`settings.run_identity`)
         self.warm_up = warm_up  # run beside the first files' loading and collation, joined before the first batch
         self._warming: Future | None = None
         self.device = next(model.parameters()).device
@@ -314,6 +316,7 @@ class Captioner:
             "model_height": pending.item.size[1],
             "vision_tokens": pending.item.vision_tokens,
             **({"video": pending.video} if pending.video is not None else {}),
+            **({"settings": self.run_settings} if self.run_settings is not None else {}),
             "timings": {"load_ms": round(pending.load_ms, 3), "batch_ms": round(batch_ms, 3), "batch_size": batch_size},
         }
 

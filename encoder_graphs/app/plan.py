@@ -17,7 +17,7 @@ from encoder_graphs.app.distributed import Job
 from encoder_graphs.app.errors import UsageError, printable
 from encoder_graphs.app.output_checks import check_targets, not_our_stats, special_file
 from encoder_graphs.app.outputs import METADATA_FILE, SidecarPolicy, unwritable
-from encoder_graphs.app.settings import Settings
+from encoder_graphs.app.settings import Settings, run_identity
 
 if TYPE_CHECKING:
     from encoder_graphs.app.results import ResultsFile
@@ -38,6 +38,7 @@ class Plan:
     job: Job = field(default_factory=Job)
     # Entries of the folders not taken, by reason (`walk.discover`'s `skipped`): said in the report.
     skipped: Counter = field(default_factory=Counter)
+    identity: dict = field(default_factory=dict)  # the settings each caption record carries (`run_identity`)
 
 
 def make_plan(settings: Settings, job: Job) -> Plan:
@@ -80,10 +81,32 @@ def make_plan(settings: Settings, job: Job) -> Plan:
         tidy_outputs(settings, roots, files, sidecars, results, config.text)
     if job.distributed and job.rank == 0:  # the other ranks read --out once rank 0 is done writing it
         job.store.add("opened", 1)
-    todo = [f for f in files if not results.is_done(f.path) and not all(map(sidecars.skips, f.names))]
+    identity = run_identity(settings, config.prompt)
+    if not settings.redo and (others := results.made_otherwise([f.path for f in files], identity)):
+        raise UsageError(settings_clash(settings.out, identity, others))
+    if settings.redo:
+        todo = list(files)
+    else:
+        todo = [f for f in files if not results.is_done(f.path) and not all(map(sidecars.skips, f.names))]
     if job.distributed:  # every rank must hold the same list before any starts writing parts
         job.barrier("planned")
-    return Plan(settings, roots, files, todo, config, sidecars, results, job, skipped)
+    return Plan(settings, roots, files, todo, config, sidecars, results, job, skipped, identity)
+
+
+def settings_clash(out: Path, identity: dict, others: dict[str, int]) -> str:
+    """Why a run may not write into `out`: it holds captions of these files made otherwise."""
+    import json
+
+    count = sum(others.values())
+    theirs = json.loads(max(others, key=others.get))
+    def shown(value: object) -> str:
+        return "its default" if value is None else repr(value)
+
+    changed = [f"--{name.replace('_', '-')} {shown(theirs.get(name))} (now {shown(identity[name])})"
+               for name in identity if theirs.get(name) != identity[name]]
+    return (f"--out {printable(out)} holds captions of {count} of these files made with other settings: "
+            f"{'; '.join(changed) or 'settings of another version'}; give another --out, or add --redo to caption "
+            "every file again (the latest record of a file wins)")
 
 
 def default_out(samples: bool, job: Job) -> Path:

@@ -75,6 +75,10 @@ class ResultsFile:
         self.lock_path = self._lock.path
         self.done: set[str] = set()  # every path with a record
         self.failed: set[str] = set()  # the subset of `done` whose latest record is an error
+        # The "settings" of each path's latest caption (`settings.IDENTITY`), as canonical JSON
+        # (one string for every record of a run); absent for records written before they had any.
+        self.settings: dict[str, str] = {}
+        self._seen_settings: dict[str, str] = {}
         self.repaired_bytes = 0
         # Here, not at the first append: a bad --out fails before any model loads or batch runs.
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -203,6 +207,22 @@ class ResultsFile:
             self.failed.add(key)
         else:
             self.failed.discard(key)
+            if isinstance(record.get("settings"), dict):
+                text = json.dumps(record["settings"], sort_keys=True)
+                self.settings[key] = self._seen_settings.setdefault(text, text)
+            else:
+                self.settings.pop(key, None)
+
+    def made_otherwise(self, paths: Sequence[str | Path], identity: dict) -> dict[str, int]:
+        """Of `paths`, how many have a latest caption made with other settings than `identity`,
+        by those settings (canonical JSON)."""
+        ours = json.dumps(identity, sort_keys=True)
+        counts: dict[str, int] = {}
+        for path in paths:
+            theirs = self.settings.get(path_key(path))
+            if theirs is not None and theirs != ours:
+                counts[theirs] = counts.get(theirs, 0) + 1
+        return counts
 
 
 def read_records(path: str | Path) -> list[dict]:

@@ -42,6 +42,7 @@ class Settings:
     overwrite: bool = False
     hf_metadata: bool = False
     retry_failed: bool = False
+    redo: bool = False
     include_hidden: bool = False
     no_follow_links: bool = False
     stats_json: Path | None = None
@@ -67,12 +68,28 @@ class Settings:
         return cls(**values)
 
 
+# The settings that make a caption what it is, each record's "settings": a rerun on the same
+# --out with others is refused (or, with --redo, captions again). Prefix and suffix only frame
+# the text, and speed settings change no token: neither is here.
+IDENTITY = ("model", "prompt", "max_new_tokens", "temperature", "top_p", "seed", "max_image_tokens", "max_tiles",
+            "max_frame_tokens", "max_frames", "video_fps", "video_sampling")
+
+
+def run_identity(settings: Settings, prompt: str | None) -> dict:
+    """This run's settings of `IDENTITY` (`prompt`: the prompt text, from --prompt or --prompt-file;
+    None: the model's own)."""
+    values = {name: getattr(settings, name) for name in IDENTITY if name not in ("model", "prompt")}
+    return {"model": settings.model or "default", "prompt": prompt, **values}
+
+
 def ignored_flag(settings: Settings) -> str | None:
     """A flag that the others given would make ignored (a usage error, not a silent no-op)."""
     if not settings.sidecar:
         for flag, given in (("--overwrite", settings.overwrite), ("--sidecar-ext", settings.sidecar_ext is not None)):
             if given:
                 return f"{flag} applies to sidecars: add --sidecar"
+    elif settings.redo and not settings.overwrite:
+        return "--redo with --sidecar keeps the sidecars as they are: add --overwrite so they follow the new captions"
     if settings.temperature == 0:
         for flag, given in (("--top-p", settings.top_p is not None), ("--seed", settings.seed is not None)):
             if given:
