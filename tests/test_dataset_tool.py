@@ -74,6 +74,30 @@ def test_hf_metadata_and_prompt_templates(tmp_path):
     assert all(row["text"] == by_path[str(f)]["text"] for row, f in zip(rows, files))
 
 
+def test_hf_metadata_keeps_the_users_columns_and_the_file_it_replaces(tmp_path, capsys):
+    """The user's own metadata.jsonl columns survive --hf-metadata (each row gains or replaces
+    `text`); a row whose image is gone is dropped and said, and the replaced file is kept as
+    metadata.jsonl.bak; `datasets` loads the folder with every column (issue 41, case 1)."""
+    files = images(tmp_path / "m1", 2)
+    original = (json.dumps({"file_name": files[0].name, "score": 5.5, "tags": "red"}) + "\n"
+                + json.dumps({"file_name": files[1].name, "score": 1.0, "tags": "blue", "text": "old"}) + "\n"
+                + json.dumps({"file_name": "gone.png", "score": 0.0, "tags": "x"}) + "\n")
+    (tmp_path / "m1" / "metadata.jsonl").write_text(original)
+    out = tmp_path / "r.jsonl"
+    assert main(["caption", str(tmp_path / "m1"), "--out", str(out), "--hf-metadata"] + FAST) == 0
+    assert "without 1 rows of the one it replaced, kept as metadata.jsonl.bak" in capsys.readouterr().out
+    by_name = {Path(r["path"]).name: r for r in records(out)}
+    rows = records(tmp_path / "m1" / "metadata.jsonl")
+    assert rows == [
+        {"file_name": files[0].name, "score": 5.5, "tags": "red", "text": by_name[files[0].name]["text"]},
+        {"file_name": files[1].name, "score": 1.0, "tags": "blue", "text": by_name[files[1].name]["text"]},
+    ]
+    assert (tmp_path / "m1" / "metadata.jsonl.bak").read_text() == original
+    datasets = pytest.importorskip("datasets")
+    loaded = datasets.load_dataset("imagefolder", data_dir=str(tmp_path / "m1"), split="train")
+    assert {"image", "score", "tags", "text"} <= set(loaded.column_names) and sorted(loaded["score"]) == [1.0, 5.5]
+
+
 def test_bad_prompt_templates_and_arguments_are_usage_errors(tmp_path, capsys):
     images(tmp_path / "data", 1)
     base = ["caption", str(tmp_path / "data"), "--out", str(tmp_path / "r.jsonl")]

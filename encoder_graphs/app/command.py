@@ -152,11 +152,13 @@ def write_metadata(plan: Plan) -> None:
     from encoder_graphs.app.metadata import write_hf_metadata
 
     try:
-        written, left_out = write_hf_metadata(plan.results.path, plan.roots, plan.files, plan.sidecars)
+        written, left_out, dropped = write_hf_metadata(plan.results.path, plan.roots, plan.files, plan.sidecars)
     except OSError as error:
         raise OutputError(error.filename or METADATA_FILE, error) from error
     for path in written:
-        print(f"wrote {printable(path)}")
+        print(f"wrote {printable(path)}" + (f" (without {dropped[path]} rows of the one it replaced, kept as "
+                                              f"{METADATA_FILE}.bak: their images are gone or the rows unreadable)"
+                                              if path in dropped else ""))
     if left_out:
         print(f"encoder-graphs: metadata.jsonl has no row for {len(left_out)} images whose names are not UTF-8, "
               f"which a JSON file_name cannot name (rename them), e.g. {printable(left_out[0])}", file=sys.stderr)

@@ -14,16 +14,22 @@ from encoder_graphs.app.outputs import METADATA_FILE, SidecarPolicy, latest_reco
 from encoder_graphs.app.results import path_key
 from encoder_graphs.app.walk import MediaFile, media_kind
 
+BACKUP_FILE = METADATA_FILE + ".bak"  # the metadata file a run replaced (not a name the loader reads)
+
 
 def write_hf_metadata(
     results_path: Path, roots: Sequence[Path], files: Sequence[MediaFile], sidecars: SidecarPolicy
-) -> tuple[list[Path], list[Path]]:
+) -> tuple[list[Path], list[Path], dict[Path, int]]:
     """Write `metadata.jsonl` in every dataset root: a row for every name of every image under it
     that has a caption, from its sidecar (with `--sidecar`), else from its latest record in
-    `results_path`, else the row it had already (captioned through another --out). Returns the
-    files written, and the names left out because they are not UTF-8."""
+    `results_path`, else the row it had already (captioned through another --out). A row the
+    file had keeps its other columns (the user's: scores, tags), its `text` replaced; the file
+    it replaces is kept as `metadata.jsonl.bak` (which the loader does not read). Returns the
+    files written, the names left out because they are not UTF-8, and per file written the rows
+    it no longer has (their image is gone, or the row could not be read)."""
     homes = dataset_homes(roots)
-    rows = {root: existing_rows(root) for root, _ in homes.values()}
+    found = {root: existing_rows(root) for root, _ in homes.values()}
+    rows = {root: kept for root, (kept, _) in found.items()}
     records = latest_records(results_path)
     left_out = []
     for file in files:
@@ -34,16 +40,31 @@ def write_hf_metadata(
                 continue
             root, file_name = placed
             if is_text(file_name):
-                rows[root][file_name] = text
+                rows[root][file_name] = {**rows[root].get(file_name, {}), "text": text}
             else:
                 left_out.append(name)
-    written = []
-    for root, found in rows.items():
-        if found:
-            lines = "".join(json.dumps({"file_name": name, "text": text}) + "\n" for name, text in sorted(found.items()))
-            write_atomically(root / METADATA_FILE, lines)
-            written.append(root / METADATA_FILE)
-    return written, left_out
+    written, dropped = [], {}
+    for root, kept in rows.items():
+        if not kept:
+            continue
+        lines = "".join(json.dumps({"file_name": name, **row}) + "\n" for name, row in sorted(kept.items()))
+        target = root / METADATA_FILE
+        previous = _read(target)
+        if previous is not None and previous != lines.encode():
+            write_atomically(root / BACKUP_FILE, previous)
+        write_atomically(target, lines)
+        written.append(target)
+        if found[root][1]:
+            dropped[target] = found[root][1]
+    return written, left_out, dropped
+
+
+def _read(path: Path) -> bytes | None:
+    """A regular file's bytes (None: none there, or not a regular file)."""
+    try:
+        return path.read_bytes() if path.is_file() else None
+    except OSError:
+        return None
 
 
 def dataset_homes(roots: Sequence[Path]) -> dict[Path, tuple[Path, str]]:
@@ -67,25 +88,32 @@ def place(name: Path, homes: dict[Path, tuple[Path, str]]) -> tuple[Path, str] |
     return None
 
 
-def existing_rows(root: Path) -> dict[str, str]:
-    """The rows of the root's metadata.jsonl whose file is still an image inside the root."""
-    rows: dict[str, str] = {}
-    try:
-        with open(root / METADATA_FILE, "rb") as handle:
-            lines = handle.readlines()
-    except OSError:  # none yet (or none readable: it is rebuilt from what this run knows)
-        return rows
-    for line in lines:
+def existing_rows(root: Path) -> tuple[dict[str, dict], int]:
+    """The rows of the root's metadata.jsonl whose file is still an image inside the root, by
+    file_name, each with its other columns (`text` among them where it has one); and how many
+    rows are not kept (their file gone, outside the root, not an image, or the row unreadable)."""
+    rows: dict[str, dict] = {}
+    previous = _read(root / METADATA_FILE)
+    if previous is None:  # none yet (or none readable: it is rebuilt from what this run knows)
+        return rows, 0
+    dropped = 0
+    for line in previous.splitlines():
+        if not line.strip():
+            continue
         try:
             row = json.loads(line)
-            name, text = os.path.normpath(row["file_name"]), row["text"]
-        except (ValueError, TypeError, KeyError):
+            name = os.path.normpath(row.pop("file_name"))
+        except (ValueError, TypeError, KeyError, AttributeError):
+            dropped += 1
             continue
+        text = row.get("text")
         inside = not os.path.isabs(name) and name.split(os.sep)[0] != ".."
-        valid = isinstance(text, str) and is_text(text) and is_text(name)  # not an old run's surrogates
+        valid = (text is None or isinstance(text, str) and is_text(text)) and is_text(name)  # not an old run's surrogates
         if valid and inside and media_kind(Path(name)) == "image" and (root / name).is_file():
-            rows[name] = text
-    return rows
+            rows[name] = row
+        else:
+            dropped += 1
+    return rows, dropped
 
 
 def caption_of(file: MediaFile, records: dict[str, dict], sidecars: SidecarPolicy) -> str | None:

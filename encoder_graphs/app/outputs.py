@@ -150,7 +150,7 @@ def latest_records(results_path: Path) -> dict[str, dict]:
     return latest
 
 
-def write_atomically(path: Path, text: str, *, replace: bool = True) -> bool:
+def write_atomically(path: Path, text: str | bytes, *, replace: bool = True) -> bool:
     """Write `text` to a temporary beside `path`, then rename it to `path`: a kill never leaves
     half a file, and a symlink (or another name of a file) at `path` is replaced, never written
     through. `replace=False` keeps whatever regular file is at `path` already: False then. An
@@ -167,7 +167,7 @@ def write_atomically(path: Path, text: str, *, replace: bool = True) -> bool:
         except FileNotFoundError:  # mkstemp makes 0600 files: a new one gets what the umask gives
             mode = 0o666 & ~_umask()
         os.fchmod(fd, mode)
-        data = memoryview(text.encode("utf-8"))
+        data = memoryview(text if isinstance(text, bytes) else text.encode("utf-8"))
         while data:
             data = data[os.write(fd, data) :]
         if not replace:
