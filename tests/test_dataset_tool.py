@@ -98,6 +98,25 @@ def test_hf_metadata_keeps_the_users_columns_and_the_file_it_replaces(tmp_path, 
     assert {"image", "score", "tags", "text"} <= set(loaded.column_names) and sorted(loaded["score"]) == [1.0, 5.5]
 
 
+def test_hf_metadata_keeps_a_csv_a_csv_and_refuses_two_formats(tmp_path, capsys):
+    """Beside a metadata.csv the run merges into it (its columns kept, `text` added), writing no
+    metadata.jsonl that would stop the folder loading; a folder with two formats is refused
+    (issue 41, case 3)."""
+    files = images(tmp_path / "m3", 2)
+    (tmp_path / "m3" / "metadata.csv").write_text(f"file_name,score\n{files[0].name},5.5\n{files[1].name},1\n")
+    out = tmp_path / "r.jsonl"
+    assert main(["caption", str(tmp_path / "m3"), "--out", str(out), "--hf-metadata"] + FAST) == 0
+    assert not (tmp_path / "m3" / "metadata.jsonl").exists()
+    texts = {Path(r["path"]).name: r["text"] for r in records(out)}
+    datasets = pytest.importorskip("datasets")
+    loaded = datasets.load_dataset("imagefolder", data_dir=str(tmp_path / "m3"), split="train")
+    assert sorted(zip(loaded["score"], loaded["text"])) == sorted([(5.5, texts[files[0].name]), (1.0, texts[files[1].name])])
+    assert (tmp_path / "m3" / "metadata.csv.bak").exists()
+    (tmp_path / "m3" / "metadata.jsonl").write_text("")
+    assert main(["caption", str(tmp_path / "m3"), "--out", str(tmp_path / "r2.jsonl"), "--hf-metadata"] + FAST) == 2
+    assert "holds metadata.csv where this run writes metadata.jsonl" in capsys.readouterr().err
+
+
 def test_bad_prompt_templates_and_arguments_are_usage_errors(tmp_path, capsys):
     images(tmp_path / "data", 1)
     base = ["caption", str(tmp_path / "data"), "--out", str(tmp_path / "r.jsonl")]

@@ -157,7 +157,7 @@ def write_metadata(plan: Plan) -> None:
         raise OutputError(error.filename or METADATA_FILE, error) from error
     for path in written:
         print(f"wrote {printable(path)}" + (f" (without {dropped[path]} rows of the one it replaced, kept as "
-                                              f"{METADATA_FILE}.bak: their images are gone or the rows unreadable)"
+                                              f"{path.name}.bak: their images are gone or the rows unreadable)"
                                               if path in dropped else ""))
     if left_out:
         print(f"encoder-graphs: metadata.jsonl has no row for {len(left_out)} images whose names are not UTF-8, "

@@ -1,9 +1,11 @@
-"""`--hf-metadata`: `metadata.jsonl` (file_name, text) in each dataset root, the layout the
-`datasets` imagefolder loader reads. The loader makes one example of every row of every
+"""`--hf-metadata`: `metadata.jsonl` (file_name, text; or the root's `metadata.csv`) in each
+dataset root, the layout the `datasets` imagefolder loader reads. The loader makes one example of every row of every
 metadata.jsonl under the folder it is given and opens each row's file as an image: so one file per
 dataset root (a root folder given that no other holds), rows of existing images only, each name
 once, by a name a JSON string can spell."""
 
+import csv
+import io
 import json
 import os
 from collections.abc import Sequence
@@ -14,7 +16,14 @@ from encoder_graphs.app.outputs import METADATA_FILE, SidecarPolicy, latest_reco
 from encoder_graphs.app.results import path_key
 from encoder_graphs.app.walk import MediaFile, media_kind
 
-BACKUP_FILE = METADATA_FILE + ".bak"  # the metadata file a run replaced (not a name the loader reads)
+CSV_FILE = "metadata.csv"  # the loader's other format: a root that has one (and no JSON lines) keeps it
+
+
+def metadata_path(root: Path) -> Path:
+    """The root's metadata file: its metadata.csv where it has one and no metadata.jsonl, else
+    metadata.jsonl (the loader refuses a folder with two formats: `plan` refuses that first)."""
+    csv_path = root / CSV_FILE
+    return csv_path if csv_path.is_file() and not os.path.lexists(root / METADATA_FILE) else root / METADATA_FILE
 
 
 def write_hf_metadata(
@@ -23,8 +32,9 @@ def write_hf_metadata(
     """Write `metadata.jsonl` in every dataset root: a row for every name of every image under it
     that has a caption, from its sidecar (with `--sidecar`), else from its latest record in
     `results_path`, else the row it had already (captioned through another --out). A row the
-    file had keeps its other columns (the user's: scores, tags), its `text` replaced; the file
-    it replaces is kept as `metadata.jsonl.bak` (which the loader does not read). Returns the
+    file had keeps its other columns (the user's: scores, tags), its `text` replaced; a root with
+    a metadata.csv keeps it (`metadata_path`); the file replaced is kept as `<its name>.bak`
+    (which the loader does not read). Returns the
     files written, the names left out because they are not UTF-8, and per file written the rows
     it no longer has (their image is gone, or the row could not be read)."""
     homes = dataset_homes(roots)
@@ -47,16 +57,27 @@ def write_hf_metadata(
     for root, kept in rows.items():
         if not kept:
             continue
-        lines = "".join(json.dumps({"file_name": name, **row}) + "\n" for name, row in sorted(kept.items()))
-        target = root / METADATA_FILE
+        target = metadata_path(root)
+        lines = _as_csv(kept) if target.name == CSV_FILE else "".join(
+            json.dumps({"file_name": name, **row}) + "\n" for name, row in sorted(kept.items()))
         previous = _read(target)
         if previous is not None and previous != lines.encode():
-            write_atomically(root / BACKUP_FILE, previous)
+            write_atomically(target.with_name(target.name + ".bak"), previous)
         write_atomically(target, lines)
         written.append(target)
         if found[root][1]:
             dropped[target] = found[root][1]
     return written, left_out, dropped
+
+
+def _as_csv(rows: dict[str, dict]) -> str:
+    """Rows as metadata.csv: file_name, the columns in the order first met, text last if new."""
+    columns = list(dict.fromkeys(column for row in rows.values() for column in row if column != "text"))
+    out = io.StringIO()
+    writer = csv.DictWriter(out, ["file_name", *columns, "text"], restval="", lineterminator="\n")
+    writer.writeheader()
+    writer.writerows({"file_name": name, **row} for name, row in sorted(rows.items()))
+    return out.getvalue()
 
 
 def _read(path: Path) -> bytes | None:
@@ -93,15 +114,14 @@ def existing_rows(root: Path) -> tuple[dict[str, dict], int]:
     file_name, each with its other columns (`text` among them where it has one); and how many
     rows are not kept (their file gone, outside the root, not an image, or the row unreadable)."""
     rows: dict[str, dict] = {}
-    previous = _read(root / METADATA_FILE)
+    path = metadata_path(root)
+    previous = _read(path)
     if previous is None:  # none yet (or none readable: it is rebuilt from what this run knows)
         return rows, 0
     dropped = 0
-    for line in previous.splitlines():
-        if not line.strip():
-            continue
+    for line in _rows_of(previous, path.name == CSV_FILE):
         try:
-            row = json.loads(line)
+            row = json.loads(line) if isinstance(line, bytes) else {k: v for k, v in line.items() if k is not None}
             name = os.path.normpath(row.pop("file_name"))
         except (ValueError, TypeError, KeyError, AttributeError):
             dropped += 1
@@ -114,6 +134,16 @@ def existing_rows(root: Path) -> tuple[dict[str, dict], int]:
         else:
             dropped += 1
     return rows, dropped
+
+
+def _rows_of(data: bytes, is_csv: bool) -> list:
+    """A metadata file's rows: JSON lines (bytes each), or a CSV's rows as dicts."""
+    if not is_csv:
+        return [line for line in data.splitlines() if line.strip()]
+    try:
+        return list(csv.DictReader(io.StringIO(data.decode("utf-8-sig"))))
+    except (UnicodeDecodeError, csv.Error):
+        return []
 
 
 def caption_of(file: MediaFile, records: dict[str, dict], sidecars: SidecarPolicy) -> str | None:
