@@ -117,6 +117,29 @@ def test_hf_metadata_keeps_a_csv_a_csv_and_refuses_two_formats(tmp_path, capsys)
     assert "holds metadata.csv where this run writes metadata.jsonl" in capsys.readouterr().err
 
 
+def test_hf_metadata_of_a_split_layout_goes_to_each_split(tmp_path, capsys):
+    """train/ and test/ under the folder given: a metadata file in each split, names relative to
+    it, so `datasets` loads both splits with their text; rows an earlier version wrote at the root
+    move into the splits and the root's file is kept as .bak (issue 41, case 2)."""
+    train = images(tmp_path / "m4" / "train", 2)
+    test = images(tmp_path / "m4" / "test", 1, prefix="test")
+    (tmp_path / "m4" / "metadata.jsonl").write_text(json.dumps({"file_name": f"train/{train[0].name}", "text": "old"})
+                                                     + "\n")
+    out = tmp_path / "r.jsonl"
+    assert main(["caption", str(tmp_path / "m4"), "--out", str(out), "--hf-metadata"] + FAST) == 0
+    texts = {Path(r["path"]).name: r["text"] for r in records(out)}
+    train_rows = records(tmp_path / "m4" / "train" / "metadata.jsonl")
+    assert train_rows == [{"file_name": f.name, "text": texts[f.name]} for f in train]
+    assert records(tmp_path / "m4" / "test" / "metadata.jsonl") == [{"file_name": test[0].name,
+                                                                      "text": texts[test[0].name]}]
+    assert not (tmp_path / "m4" / "metadata.jsonl").exists() and (tmp_path / "m4" / "metadata.jsonl.bak").exists()
+    datasets = pytest.importorskip("datasets")
+    loaded = datasets.load_dataset("imagefolder", data_dir=str(tmp_path / "m4"))
+    assert sorted(loaded) == ["test", "train"]
+    assert sorted(loaded["train"]["text"]) == sorted(texts[f.name] for f in train)
+    assert loaded["test"]["text"] == [texts[test[0].name]]
+
+
 def test_bad_prompt_templates_and_arguments_are_usage_errors(tmp_path, capsys):
     images(tmp_path / "data", 1)
     base = ["caption", str(tmp_path / "data"), "--out", str(tmp_path / "r.jsonl")]

@@ -14,8 +14,11 @@ from pathlib import Path
 from encoder_graphs.app.names import is_text
 from encoder_graphs.app.outputs import METADATA_FILE, SidecarPolicy, latest_records, write_atomically
 from encoder_graphs.app.results import path_key
-from encoder_graphs.app.walk import MediaFile, media_kind
+from encoder_graphs.app.walk import MediaFile, list_folder, media_kind
 
+# Folder names the `datasets` loader reads as splits, each with its own metadata file.
+SPLIT_NAMES = frozenset({"train", "training", "test", "testing", "validation", "valid", "val", "dev", "eval",
+                         "evaluation"})
 CSV_FILE = "metadata.csv"  # the loader's other format: a root that has one (and no JSON lines) keeps it
 
 
@@ -38,8 +41,20 @@ def write_hf_metadata(
     files written, the names left out because they are not UTF-8, and per file written the rows
     it no longer has (their image is gone, or the row could not be read)."""
     homes = dataset_homes(roots)
-    found = {root: existing_rows(root) for root, _ in homes.values()}
-    rows = {root: kept for root, (kept, _) in found.items()}
+    found: dict[Path, tuple[dict[str, dict], int]] = {}
+
+    def rows_of(folder: Path) -> dict[str, dict]:
+        if folder not in found:
+            found[folder] = existing_rows(folder)
+        return found[folder][0]
+
+    emptied = set()  # dataset roots whose rows an earlier run wrote there now belong to a split's file
+    for root in {root for root, _ in homes.values()}:
+        for name in list(rows_of(root)):
+            split, inside = split_of(root, name)
+            if split != root:
+                rows_of(split).setdefault(inside, rows_of(root).pop(name))
+                emptied.add(root)
     records = latest_records(results_path)
     left_out = []
     for file in files:
@@ -50,14 +65,17 @@ def write_hf_metadata(
                 continue
             root, file_name = placed
             if is_text(file_name):
-                rows[root][file_name] = {**rows[root].get(file_name, {}), "text": text}
+                rows_of(root)[file_name] = {**rows_of(root).get(file_name, {}), "text": text}
             else:
                 left_out.append(name)
     written, dropped = [], {}
-    for root, kept in rows.items():
-        if not kept:
-            continue
+    for root, (kept, _) in found.items():
         target = metadata_path(root)
+        if not kept:
+            if root in emptied and (previous := _read(target)) is not None:  # its rows moved to the splits'
+                write_atomically(target.with_name(target.name + ".bak"), previous)
+                os.unlink(target)
+            continue
         lines = _as_csv(kept) if target.name == CSV_FILE else "".join(
             json.dumps({"file_name": name, **row}) + "\n" for name, row in sorted(kept.items()))
         previous = _read(target)
@@ -102,11 +120,36 @@ def dataset_homes(roots: Sequence[Path]) -> dict[Path, tuple[Path, str]]:
 
 
 def place(name: Path, homes: dict[Path, tuple[Path, str]]) -> tuple[Path, str] | None:
-    """The dataset root of a file's name and its file_name there; None outside every root folder."""
+    """The folder whose metadata file holds a file's name (its dataset root, or the root's split
+    folder it lies in) and its file_name there; None outside every root folder."""
     for folder, (root, inside) in homes.items():
         if name.is_relative_to(folder):
-            return root, os.path.normpath(os.path.join(inside, os.path.relpath(name, folder)))
+            return split_of(root, os.path.normpath(os.path.join(inside, os.path.relpath(name, folder))))
     return None
+
+
+def split_of(root: Path, file_name: str) -> tuple[Path, str]:
+    """(the split folder, the name inside it) for a name in a split folder of `root` (train/,
+    test/, validation/ ...: the loader reads a metadata file per split), else (root, file_name)."""
+    first, _, rest = file_name.partition(os.sep)
+    if rest and first.lower() in SPLIT_NAMES and (root / first).is_dir():
+        return root / first, rest
+    return root, file_name
+
+
+def metadata_folders(roots: Sequence[Path]) -> list[Path]:
+    """Every folder whose metadata file a run over `roots` may write: each root folder and its
+    split folders."""
+    folders = [root for root in roots if root.is_dir()]
+    return folders + [root / name for root in folders for name, is_dir, _ in _listing(root)
+                      if is_dir and name.lower() in SPLIT_NAMES]
+
+
+def _listing(folder: Path) -> list:
+    try:
+        return list_folder(folder)
+    except OSError:
+        return []
 
 
 def existing_rows(root: Path) -> tuple[dict[str, dict], int]:

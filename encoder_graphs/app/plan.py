@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from encoder_graphs.app.config import MAX_PROMPT_BYTES, CaptionConfig
 from encoder_graphs.app.distributed import Job
-from encoder_graphs.app.metadata import CSV_FILE, metadata_path
+from encoder_graphs.app.metadata import CSV_FILE, metadata_folders, metadata_path
 from encoder_graphs.app.errors import UsageError, printable
 from encoder_graphs.app.output_checks import check_targets, not_our_stats, special_file
 from encoder_graphs.app.outputs import METADATA_FILE, SidecarPolicy, unwritable
@@ -209,7 +209,7 @@ def check_outputs(settings: Settings, roots: list[Path], files: "list[MediaFile]
             f"--sidecar: {first.name} and {second.name}{more} would share {sidecars.path(first)}; "
             "rename one or caption them apart"
         )
-    metadata = [("--hf-metadata", metadata_path(root)) for root in roots if settings.hf_metadata and root.is_dir()]
+    metadata = [("--hf-metadata", metadata_path(folder)) for folder in metadata_folders(roots) if settings.hf_metadata]
     for _, path in metadata:
         others = [name for name in (METADATA_FILE, CSV_FILE, "metadata.parquet")
                   if name != path.name and os.path.lexists(path.parent / name)]
@@ -235,7 +235,7 @@ def tidy_outputs(
 
     media = [name for f in files if f.kind in ("image", "video") for name in f.names]
     targets = [sidecars.path(path) for path in media] if sidecars.enabled else []
-    targets += [metadata_path(root) for root in roots if settings.hf_metadata and root.is_dir()]
+    targets += [metadata_path(folder) for folder in metadata_folders(roots)] if settings.hf_metadata else []
     targets += [Path(os.path.realpath(settings.stats_json))] if settings.stats_json is not None else []
     if removed := remove_stale_temporaries(targets):
         print(f"encoder-graphs: removed {removed} temporary files a killed run left", file=sys.stderr)
