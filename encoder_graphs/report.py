@@ -76,9 +76,16 @@ def format_graph_stats(stats: dict) -> str:
             format_decoder_stats(stats["decoder"], stats["decoder_off"]),
             "generate calls sent to stock generate: "
             + ("all (decoder graphs off)" if stats["decoder_off"] else
-               ", ".join(f"{reason} x{n}" for reason, n in fallbacks) or "-"),
+               ", ".join(f"{reason} x{n}" for reason, n in fallbacks) or "none"),
         ]
     )
+
+
+def plural(count: int, noun: str) -> str:
+    """`count` `noun`s, in English ("1 batch", "2 batches")."""
+    if count == 1:
+        return f"1 {noun}"
+    return f"{count} {noun}{'es' if noun.endswith(('s', 'x', 'ch', 'sh')) else 's'}"
 
 
 def format_not_read(skipped: dict) -> str:
@@ -94,13 +101,14 @@ def format_run_stats(stats: dict) -> str:
         + (f"; {stats['world_size']} ranks" if stats.get("world_size", 1) > 1 else ""),
         "  kinds: " + (", ".join(f"{kind} {n}" for kind, n in sorted(stats["by_kind"].items())) or "-"),
         f"  throughput: {stats['items_per_s']:.2f} items/s, {stats['tokens_per_s']:.1f} tokens/s "
-        f"({stats['generated_tokens']} tokens in {stats['wall_s']:.2f} s, {stats['batches']} batches, "
-        f"{stats['retried_batches']} retried in parts)",
+        f"({stats['generated_tokens']} tokens in {stats['wall_s']:.2f} s, {plural(stats['batches'], 'batch')}"
+        + (f", {stats['retried_batches']} retried in parts" if stats["retried_batches"] else "") + ")",
         f"  batch size {stats.get('batch_size') or '-'}"
         + (f" (videos {stats['video_batch_size']})" if stats.get("video_batch_size") else "")
         + f", prompt padding {stats.get('prompt_padding_pct', 0.0):.0f}%; "
         f"the model waited {stats.get('input_wait_s', 0.0):.2f} s for files still loading "
-        f"({stats.get('input_wait_pct', 0.0):.1f}% of the loop); sidecars written {stats.get('sidecars', 0)}"
+        f"({stats.get('input_wait_pct', 0.0):.1f}% of the loop)"
+        + (f"; sidecars written: {stats['sidecars']}" if stats.get("sidecars") or stats.get("sidecar_errors") else "")
         + (f", {stats['sidecar_errors']} could not be" if stats.get("sidecar_errors") else ""),
     ]
     if stats.get("first_caption_after_load_s") is not None:

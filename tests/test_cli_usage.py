@@ -285,7 +285,7 @@ def test_the_readme_api_example_builds_inputs_with_the_processor_and_runs(tmp_pa
     namespace = {}
     exec(code, namespace)  # noqa: S102
     assert len(namespace["captions"]) == 2
-    assert "generate calls sent to stock generate: -" in capsys.readouterr().out
+    assert "generate calls sent to stock generate: none" in capsys.readouterr().out
 
 
 # ----- 22: messages ------------------------------------------------------------------------------
@@ -391,3 +391,17 @@ def test_messages_say_what_to_do(tmp_path, no_model, capsys):
         assert main(base + extra) == 2, extra
         assert message in capsys.readouterr().err, extra
     assert not (tmp_path / "r.jsonl").exists()
+
+
+def test_the_report_reads_as_english():
+    """No "0 retried in parts", no "1 batches", no sidecar count where none were asked for (issue
+    41, case 14; "stock generate: none", not "-": the CPU runs' tests)."""
+    from encoder_graphs.app.runstats import RunStats
+    from encoder_graphs.report import format_run_stats, plural
+
+    stats = RunStats(files=1, succeeded=1, batches=1, wall_s=1.0).as_dict()
+    text = format_run_stats(stats)
+    assert "1 batch)" in text and "retried" not in text and "sidecars" not in text
+    assert format_run_stats({**stats, "batches": 3, "retried_batches": 1}).count("3 batches, 1 retried in parts") == 1
+    assert "sidecars written: 1" in format_run_stats({**stats, "sidecars": 1})
+    assert [plural(n, "batch") for n in (0, 1, 2)] == ["0 batches", "1 batch", "2 batches"]

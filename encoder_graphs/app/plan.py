@@ -250,5 +250,6 @@ def tidy_outputs(
 
 def report_sidecar_errors(errors: list[str]) -> None:
     if errors:
-        print(f"encoder-graphs: {len(errors)} sidecars could not be written ({printable(errors[0])}); their files are "
+        print(f"encoder-graphs: {len(errors)} sidecar{'s' * (len(errors) != 1)} could not be written "
+              f"({printable(errors[0])}); their files are "
               "recorded as errors", file=sys.stderr)
