@@ -73,6 +73,35 @@ def test_default_model_is_cached_atomically_and_loads_with_from_pretrained(model
     assert tokenizer.decode(tokenizer(text).input_ids) == text
 
 
+def test_a_broken_model_cache_is_rebuilt_or_named(tmp_path, monkeypatch, capsys):
+    """The default model's cache damaged (weights cut short, config gone) is built again; a
+    checkpoint the user names with cut weights, and a cache folder that cannot be written, are
+    one-line errors naming the folder and what to do, not tracebacks (issue 41, case 9)."""
+    import shutil
+
+    from encoder_graphs.models.presets.default_model import default_model_dir
+
+    monkeypatch.setenv("ENCODER_GRAPHS_CACHE", str(tmp_path / "cache"))
+    good_images(tmp_path / "media", 1)
+    argv = ["caption", str(tmp_path / "media"), "--quiet", "--max-new-tokens", "2"]
+    built = default_model_dir()
+    os.truncate(built / "model.safetensors", 1000)
+    assert main(argv + ["--out", str(tmp_path / "a.jsonl")]) == 0 and len(lines_of(tmp_path / "a.jsonl")) == 1
+    (built / "config.json").unlink()
+    assert main(argv + ["--out", str(tmp_path / "b.jsonl")]) == 0 and len(lines_of(tmp_path / "b.jsonl")) == 1
+    mine = tmp_path / "checkpoint"
+    shutil.copytree(built, mine)
+    os.truncate(mine / "model.safetensors", 1000)
+    assert main(argv + ["--out", str(tmp_path / "c.jsonl"), "--model", str(mine)]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot load the weights of {mine}" in err and "fetch the checkpoint again" in err
+    assert "Traceback" not in err
+    monkeypatch.setenv("ENCODER_GRAPHS_CACHE", str(tmp_path / "media" / "img00.png" / "cache"))
+    for extra in ([], ["--model", "tiny-internvl"]):
+        assert main(argv + ["--out", str(tmp_path / "d.jsonl"), *extra]) == 2
+        assert "cannot build the model's files in the cache folder" in capsys.readouterr().err
+
+
 def test_batched_left_padded_generate_matches_one_by_one():
     inputs = QwenVLInputs.from_pretrained(default_model_dir())
     model = Qwen2VLForConditionalGeneration.from_pretrained(default_model_dir()).eval()

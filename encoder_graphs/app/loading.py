@@ -62,14 +62,21 @@ def open_model(
 
         config = get_config(name)
         try:
-            inputs = family_for_config(config).inputs.from_pretrained(preset_files_dir(name), **resolution)
+            files = preset_files_dir(name)
+        except OSError as error:
+            raise cache_error(error) from error
+        try:
+            inputs = family_for_config(config).inputs.from_pretrained(files, **resolution)
         except ValueError as error:  # a resolution policy the family's processor refuses (--max-tiles)
             raise resolution_error(error) or UsageError(f"--model {name}: {error}") from error
         inputs.check_model(config)
         return ModelSource(config, inputs, preset=name)
     from encoder_graphs.models.presets.default_model import default_model_dir
 
-    directory = default_model_dir() if name is None else Path(name)
+    try:
+        directory = default_model_dir() if name is None else Path(name)
+    except OSError as error:
+        raise cache_error(error) from error
     if not (directory / "config.json").is_file():
         raise UsageError(
             f"--model {name}: neither a checkpoint directory (no config.json) nor a preset ({', '.join(PRESET_NAMES)})"
@@ -81,6 +88,14 @@ def open_model(
     except (OSError, ValueError) as error:
         raise resolution_error(error) or UsageError(f"cannot load the model from {directory}: {error}") from error
     return ModelSource(config, inputs, directory=directory)
+
+
+def cache_error(error: OSError) -> UsageError:
+    """The usage error of a cache folder the default model or a preset's files cannot be built in."""
+    from encoder_graphs.models.presets.files import cache_root
+
+    return UsageError(f"cannot build the model's files in the cache folder {cache_root()}: {error.strerror or error}; "
+                      "set ENCODER_GRAPHS_CACHE to a folder you can write")
 
 
 def resolution_error(error: Exception) -> UsageError | None:
@@ -96,6 +111,7 @@ def load_model(source: ModelSource, device: "torch.device") -> "PreTrainedModel"
     """The weights of `source` on `device` (bfloat16 on CUDA, float32 on the CPU); a random-weight
     preset is built there."""
     import torch
+    from safetensors import SafetensorError
     from transformers import AutoModelForImageTextToText
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -107,6 +123,7 @@ def load_model(source: ModelSource, device: "torch.device") -> "PreTrainedModel"
         model = AutoModelForImageTextToText.from_pretrained(
             source.directory, dtype=dtype, use_safetensors=True, trust_remote_code=False
         )
-    except (OSError, ValueError) as error:
-        raise UsageError(f"cannot load the model from {source.directory}: {error}") from error
+    except (OSError, ValueError, SafetensorError) as error:
+        raise UsageError(f"cannot load the weights of {source.directory}: {error} (a damaged or partly copied file? "
+                         "fetch the checkpoint again)") from error
     return model.to(device).eval()

@@ -8,6 +8,7 @@ chat template, image and video processor configs), so it loads through the real
 `from_pretrained` paths.
 """
 
+import shutil
 from pathlib import Path
 
 import torch
@@ -31,11 +32,29 @@ SPECIAL_TOKENS = {
 
 
 def default_model_dir() -> Path:
-    """The cached default model directory, built on first use."""
+    """The cached default model directory, built on first use, and built again where it is
+    damaged (a file missing, weights whose header does not read): it is this package's cache,
+    not the user's files. Raises OSError where the cache folder cannot be written."""
     target = cache_root() / f"{PRESET}-v{VERSION}"
-    if not (target / "model.safetensors").is_file():
+    if not _complete(target):
+        if target.is_dir() and not target.is_symlink():
+            shutil.rmtree(target)
         build_atomically(target, write_default_model)
     return target
+
+
+def _complete(directory: Path) -> bool:
+    """Whether a built default model is all there: its config, and weights whose header reads."""
+    from safetensors import SafetensorError, safe_open
+
+    weights = directory / "model.safetensors"
+    if not ((directory / "config.json").is_file() and weights.is_file()):
+        return False
+    try:
+        with safe_open(str(weights), framework="pt") as handle:
+            return bool(list(handle.keys()))
+    except (OSError, SafetensorError):
+        return False
 
 
 def write_default_model(directory: Path) -> None:
