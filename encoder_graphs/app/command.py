@@ -410,7 +410,13 @@ def stop_on_interrupt() -> Iterator[Callable[[], bool]]:
 
 
 def exit_status(plan: Plan) -> int:
-    """0 when every file now has a caption (or a sidecar); failures recorded by an earlier run
-    count too."""
-    failed = any(plan.results.is_failed(f.path) and not all(map(plan.sidecars.skips, f.names)) for f in plan.files)
-    return EXIT_FAILURES if failed else EXIT_OK
+    """0 when every file now has a caption (or a sidecar), and with --sidecar every captioned
+    file its sidecars; failures recorded by an earlier run count too."""
+    sidecars = plan.sidecars
+    failed = any(plan.results.is_failed(f.path) and not all(map(sidecars.skips, f.names)) for f in plan.files)
+    missing = sidecars.enabled and any(
+        plan.results.is_done(f.path) and not plan.results.is_failed(f.path)
+        and not all(os.path.isfile(sidecars.path(name)) for name in f.names)
+        for f in plan.files if f.kind in ("image", "video")
+    )
+    return EXIT_FAILURES if failed or missing else EXIT_OK

@@ -1,7 +1,8 @@
 """Where captions go: the JSONL results (the run's record, resumable) and caption sidecars beside
 the files (`metadata.jsonl`: `metadata.py`). Files are written whole through a temporary renamed
-into place, never through a symlink; a sidecar that cannot be written is an error record of its
-file. Also the checks that every output can be written, made before any model loads."""
+into place, never through a symlink; a sidecar that cannot be written is a `sidecar_error` line
+after its file's caption, which stands. Also the checks that every output can be written, made
+before any model loads."""
 
 import contextlib
 import errno
@@ -84,12 +85,12 @@ class SidecarPolicy:
 
 
 def sidecar_error(record: dict, error: OSError) -> dict:
-    """The record saying that the sidecar of `record`'s file could not be written. Appended after
-    the caption's, it is the file's latest: the file counts as failed, and `--retry-failed`
-    captions it again."""
+    """The line saying that the sidecar of `record`'s file could not be written, appended after
+    its caption: a `sidecar_error`, not an error record, so the caption stands (the file is
+    captioned, `ResultsFile` and `latest_records` pass over this line); the sidecar is written by
+    the next run with --sidecar (`backfill`), and until it is, the run's exit status says so."""
     identity = {key: record[key] for key in ("path", "path_bytes", "relative_path", "kind", "model") if key in record}
-    message = f"cannot write the sidecar {error.filename}: {error.strerror}"
-    return {**identity, "error_kind": "sidecar", "error": message}
+    return {**identity, "sidecar_error": f"cannot write the sidecar {error.filename}: {error.strerror}"}
 
 
 def relative_path(path: Path, roots: Sequence[Path]) -> str:
@@ -133,21 +134,27 @@ class Outputs:
                         except OSError as error:
                             errors.append(sidecar_error(record, error))
             self.results.append(errors)
-            self.sidecar_errors += [error["error"] for error in errors]
+            self.sidecar_errors += [error["sidecar_error"] for error in errors]
         if self.on_written is not None:
             self.on_written(len(records))
 
 
 def latest_records(results_path: Path) -> dict[str, dict]:
     """The latest record of every path in a results file, by path identity. A sidecar that could
-    not be written leaves the caption before it standing: its error record is not counted here
-    (it marks the file failed in `ResultsFile`, so that a rerun writes the sidecar)."""
+    not be written leaves the caption before it standing: its line is not counted here (nor an
+    earlier version's error record for it)."""
     latest: dict[str, dict] = {}
     if results_path.exists():
         for record in read_records(results_path):
-            if record.get("error_kind") != "sidecar":
+            if not is_sidecar_line(record):
                 latest[path_key(record_path(record))] = record
     return latest
+
+
+def is_sidecar_line(record: dict) -> bool:
+    """A line about a sidecar that could not be written (`sidecar_error`; before, an error record
+    of kind "sidecar"), not a file's outcome."""
+    return "sidecar_error" in record or record.get("error_kind") == "sidecar"
 
 
 def write_atomically(path: Path, text: str | bytes, *, replace: bool = True) -> bool:

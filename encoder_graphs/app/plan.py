@@ -245,11 +245,11 @@ def tidy_outputs(
     results.append(errors)
     if written:
         print(f"encoder-graphs: wrote {written} sidecars from captions already in {printable(settings.out)}", file=sys.stderr)
-    report_sidecar_errors([error["error"] for error in errors])
+    report_sidecar_errors([error["sidecar_error"] for error in errors])
 
 
 def report_sidecar_errors(errors: list[str]) -> None:
     if errors:
         print(f"encoder-graphs: {len(errors)} sidecar{'s' * (len(errors) != 1)} could not be written "
-              f"({printable(errors[0])}); their files are "
-              "recorded as errors", file=sys.stderr)
+              f"({printable(errors[0])}); their captions stand in --out, and a rerun with --sidecar writes them "
+              "once the cause is fixed", file=sys.stderr)

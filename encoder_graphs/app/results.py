@@ -200,7 +200,10 @@ class ResultsFile:
             raise OutputError(self.path, error) from error
 
     def _mark(self, record: dict) -> None:
-        """Record `record` as the latest of its path: a caption clears an earlier error and vice versa."""
+        """Record `record` as the latest of its path: a caption clears an earlier error and vice
+        versa; a line about a sidecar that could not be written changes neither."""
+        if "sidecar_error" in record:
+            return
         key = path_key(record_path(record))
         self.done.add(key)
         if "error" in record:
