@@ -4,6 +4,7 @@ opened (parts a killed torchrun job left merged) and tidied (temporaries gone, s
 captions already written backfilled), the files still to do."""
 
 import codecs
+import json
 import os
 import sys
 from collections import Counter
@@ -14,8 +15,8 @@ from typing import TYPE_CHECKING
 
 from encoder_graphs.app.config import MAX_PROMPT_BYTES, CaptionConfig
 from encoder_graphs.app.distributed import Job
-from encoder_graphs.app.metadata import CSV_FILE, metadata_folders, metadata_path
 from encoder_graphs.app.errors import UsageError, printable
+from encoder_graphs.app.metadata import CSV_FILE, metadata_folders, metadata_path
 from encoder_graphs.app.output_checks import check_targets, not_our_stats, special_file
 from encoder_graphs.app.outputs import METADATA_FILE, SidecarPolicy, unwritable
 from encoder_graphs.app.settings import Settings, run_identity
@@ -85,10 +86,7 @@ def make_plan(settings: Settings, job: Job) -> Plan:
     identity = run_identity(settings, config.prompt)
     if not settings.redo and (others := results.made_otherwise([f.path for f in files], identity)):
         raise UsageError(settings_clash(settings.out, identity, others))
-    if settings.redo:
-        todo = list(files)
-    else:
-        todo = [f for f in files if not results.is_done(f.path) and not all(map(sidecars.skips, f.names))]
+    todo = [f for f in files if settings.redo or not (results.is_done(f.path) or all(map(sidecars.skips, f.names)))]
     if job.distributed:  # every rank must hold the same list before any starts writing parts
         job.barrier("planned")
     return Plan(settings, roots, files, todo, config, sidecars, results, job, skipped, identity)
@@ -96,10 +94,9 @@ def make_plan(settings: Settings, job: Job) -> Plan:
 
 def settings_clash(out: Path, identity: dict, others: dict[str, int]) -> str:
     """Why a run may not write into `out`: it holds captions of these files made otherwise."""
-    import json
-
     count = sum(others.values())
     theirs = json.loads(max(others, key=others.get))
+
     def shown(value: object) -> str:
         return "its default" if value is None else repr(value)
 

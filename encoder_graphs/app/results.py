@@ -220,6 +220,8 @@ class ResultsFile:
         """Of `paths`, how many have a latest caption made with other settings than `identity`,
         by those settings (canonical JSON)."""
         ours = json.dumps(identity, sort_keys=True)
+        if set(self._seen_settings) <= {ours}:  # the common case, a resume: no path to resolve
+            return {}
         counts: dict[str, int] = {}
         for path in paths:
             theirs = self.settings.get(path_key(path))

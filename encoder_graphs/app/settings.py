@@ -2,7 +2,7 @@
 arguments at the start (`Settings.from_arguments`) and read by every step of the command, so
 argparse stays in `cli.py`. Fields carry the flags' names (`max_new_tokens` is
 `--max-new-tokens`), so an error can name its flag; what needs the files or the model is checked
-where those are known (`plan.make_plan`, `command.check_length`)."""
+where those are known (`plan.make_plan`, `model_checks.check_length`)."""
 
 import argparse
 from dataclasses import dataclass
