@@ -252,6 +252,36 @@ def test_relative_paths_and_metadata_with_dotdot_roots(tmp_path, monkeypatch):
     assert len(records(tmp_path / "data" / "metadata.jsonl")) == 2
 
 
+def test_a_moved_dataset_resumes_and_a_namesake_does_not(tmp_path, capsys):
+    images(tmp_path / "old" / "ds", 3)
+    out = tmp_path / "caps.jsonl"
+    assert main(["caption", str(tmp_path / "old" / "ds"), "--out", str(out)] + FAST) == 0
+    before = {r["relative_path"]: r for r in records(out)}
+    assert all(len(r["fingerprint"]) == 32 for r in before.values())
+    (tmp_path / "new").mkdir()
+    os.rename(tmp_path / "old" / "ds", tmp_path / "new" / "ds")
+    images(tmp_path / "new" / "ds", 4)[3].unlink()  # the same three files again, one left as the move had it...
+    Image.new("RGB", (9, 9), "red").save(tmp_path / "new" / "ds" / "img02.png")  # ...one changed after the move
+    images(tmp_path / "new" / "ds" / "more", 1)  # and one added
+    capsys.readouterr()
+    assert main(["caption", str(tmp_path / "new" / "ds"), "--out", str(out), "--hf-metadata"] + FAST) == 0
+    assert "2 files have records in" in capsys.readouterr().err
+    after = records(out)[3:]
+    carried = [r for r in after if "moved_from" in r]
+    assert sorted(r["relative_path"] for r in carried) == ["img00.png", "img01.png"]
+    for record in carried:
+        old = before[record["relative_path"]]
+        assert record["moved_from"] == old["path"] and record["caption"] == old["caption"]
+        assert record["path"] == str(tmp_path / "new" / "ds" / record["relative_path"])
+    captioned = sorted(r["relative_path"] for r in after if "moved_from" not in r)
+    assert captioned == ["img02.png", os.path.join("more", "img00.png")]
+    rows = records(tmp_path / "new" / "ds" / "metadata.jsonl")
+    assert len(rows) == 4 and all(row["text"] for row in rows)
+    # The next run finds everything done.
+    assert main(["caption", str(tmp_path / "new" / "ds"), "--out", str(out)] + FAST) == 0
+    assert len(records(out)) == 3 + 4
+
+
 def test_sidecar_safety_backfill_permissions_and_conflicts(tmp_path):
     files = images(tmp_path / "data", 2)
     out = tmp_path / "r.jsonl"

@@ -138,7 +138,8 @@ def _output_arguments(parser: argparse.ArgumentParser) -> None:
         "--out",
         type=Path,
         default=None,
-        help="JSONL record, one line per file; a rerun skips the files already in it (default: captions.jsonl)",
+        help="JSONL record, one line per file; a rerun skips the files already in it, also where their folder "
+        "moved (default: captions.jsonl)",
     )
     group.add_argument("--sidecar", action="store_true", help="also write each caption to <file>.txt beside the file")
     group.add_argument("--sidecar-ext", default=None, help="with --sidecar: the sidecars' extension (default: .txt)")

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from encoder_graphs.app.lock import OPEN_FLAGS
-from encoder_graphs.app.results import ResultsFile, path_key, read_records, record_path
+from encoder_graphs.app.results import ResultsFile, fingerprint, path_key, read_records, record_path
 from encoder_graphs.app.walk import media_kind
 
 METADATA_FILE = "metadata.jsonl"
@@ -137,6 +137,31 @@ class Outputs:
             self.sidecar_errors += [error["sidecar_error"] for error in errors]
         if self.on_written is not None:
             self.on_written(len(records))
+
+
+def carry_moved(results: ResultsFile, files: Sequence[Path], roots: Sequence[Path]) -> int:
+    """A moved dataset resumes: each of `files` without a record whose path relative to its root
+    and `fingerprint` are those of the latest record of a path not among `files` (the same file
+    where the dataset was) gets a copy of that record under its own path (`moved_from` the old),
+    so it is not captioned again. How many; only files whose relative path matches are read."""
+    if not results.done or all(path_key(file) in results.done for file in files):
+        return 0
+    ours = {path_key(file) for file in files}
+    elsewhere: dict[str, list[dict]] = defaultdict(list)
+    for key, record in latest_records(results.path).items():
+        if key not in ours and "fingerprint" in record and isinstance(record.get("relative_path"), str):
+            elsewhere[record["relative_path"]].append(record)
+    carried = []
+    for file in files:
+        candidates = elsewhere.get(relative_path(file, roots)) if path_key(file) not in results.done else None
+        mark = fingerprint(file) if candidates else None
+        for record in candidates or ():
+            if record["fingerprint"] == mark:
+                moved = {key: value for key, value in record.items() if key not in ("path_bytes", "moved_from")}
+                carried.append({**moved, "path": str(file), "moved_from": record["path"]})
+                break
+    results.append(carried)
+    return len(carried)
 
 
 def latest_records(results_path: Path) -> dict[str, dict]:

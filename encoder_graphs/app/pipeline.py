@@ -19,6 +19,7 @@ from encoder_graphs.app.config import CaptionConfig
 from encoder_graphs.app.decoders import VideoDecoders, video_workers
 from encoder_graphs.app.media import LoadLimits, MediaError, load_image
 from encoder_graphs.app.outputs import Outputs, relative_path
+from encoder_graphs.app.results import fingerprint
 from encoder_graphs.app.runstats import RunStats
 from encoder_graphs.app.video import DecodedVideo, decode_video
 from encoder_graphs.app.walk import MediaFile, list_folder, os_reason
@@ -321,7 +322,9 @@ class Captioner:
         }
 
     def _identity(self, file: MediaFile) -> dict:
-        return {"path": str(file.path), "relative_path": relative_path(file.path, self.roots), "kind": file.kind}
+        identity = {"path": str(file.path), "relative_path": relative_path(file.path, self.roots), "kind": file.kind}
+        mark = fingerprint(file.path)  # by which the record follows its file when the dataset moves
+        return identity if mark is None else {**identity, "fingerprint": mark}
 
     def _failure_record(self, file: MediaFile, error: Exception) -> dict:
         """The error record of a file whose batch of one failed in the model."""

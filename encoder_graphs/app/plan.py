@@ -225,11 +225,16 @@ def tidy_outputs(
     settings: Settings, roots: list[Path], files: "list[MediaFile]", sidecars: SidecarPolicy,
     results: "ResultsFile", text: Callable[[str], str],
 ) -> None:
-    """Before the plan (rank 0): the temporaries killed runs left beside this run's outputs
+    """Before the plan (rank 0): the records of a moved dataset's files carried to their new
+    paths (`carry_moved`), the temporaries killed runs left beside this run's outputs
     removed, and the sidecars of files the results caption already written, each caption with
     this run's prefix and suffix (`text`; one that cannot be written is its file's error record)."""
-    from encoder_graphs.app.outputs import remove_stale_temporaries
+    from encoder_graphs.app.outputs import carry_moved, remove_stale_temporaries
 
+    if carried := carry_moved(results, [f.path for f in files], roots):
+        print(f"encoder-graphs: {carried} files have records in {printable(settings.out)} under another folder, "
+              "with the same names and contents (a moved dataset): their records were copied to their paths "
+              "here and they are not captioned again", file=sys.stderr)
     media = [name for f in files if f.kind in ("image", "video") for name in f.names]
     targets = [sidecars.path(path) for path in media] if sidecars.enabled else []
     targets += [metadata_path(folder) for folder in metadata_folders(roots)] if settings.hf_metadata else []
