@@ -102,6 +102,32 @@ def test_a_broken_model_cache_is_rebuilt_or_named(tmp_path, monkeypatch, capsys)
         assert "cannot build the model's files in the cache folder" in capsys.readouterr().err
 
 
+def test_a_hub_id_runs_from_the_hugging_face_cache_offline(tmp_path, monkeypatch, capsys):
+    """`--model owner/name` takes the checkpoint from the Hugging Face cache (the Hub's layout:
+    refs/main naming a snapshot), with no network (HF_HUB_OFFLINE); an id the cache lacks is a
+    one-line error naming the cache (issue 41)."""
+    import shutil
+
+    from huggingface_hub import constants
+
+    from encoder_graphs.models.presets.default_model import default_model_dir
+
+    hub = tmp_path / "hub"
+    repo = hub / "models--someone--tiny-vl"
+    shutil.copytree(default_model_dir(), repo / "snapshots" / ("a" * 40))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("a" * 40)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(hub))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    good_images(tmp_path / "media", 1)
+    argv = ["caption", str(tmp_path / "media"), "--quiet", "--max-new-tokens", "2", "--out", str(tmp_path / "a.jsonl")]
+    assert main(argv + ["--model", "someone/tiny-vl"]) == 0
+    assert [r["model"] for r in lines_of(tmp_path / "a.jsonl")] == ["someone/tiny-vl"]
+    assert main(argv[:-1] + [str(tmp_path / "b.jsonl"), "--model", "someone/absent"]) == 2
+    err = capsys.readouterr().err
+    assert f"--model someone/absent: not in the Hugging Face cache ({hub})" in err and "Traceback" not in err
+
+
 def test_batched_left_padded_generate_matches_one_by_one():
     inputs = QwenVLInputs.from_pretrained(default_model_dir())
     model = Qwen2VLForConditionalGeneration.from_pretrained(default_model_dir()).eval()
@@ -179,7 +205,7 @@ def test_end_to_end_over_every_bad_input(tmp_path, capsys):
     assert by_name["clip.mp4"]["kind"] == "video" and "caption" in by_name["clip.mp4"]
 
     printed = capsys.readouterr().out
-    assert "failed" in printed and "items/s" in printed and "encoder graphs" in printed
+    assert "failed" in printed and "files/s" in printed and "encoder graphs" in printed
     stats = json.loads(stats_path.read_text())
     failures = Counter(kind for kind in expected.values() if kind != "ok")
     assert stats["pipeline"]["failures"] == dict(failures)

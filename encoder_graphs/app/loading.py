@@ -1,6 +1,10 @@
-"""Loading the model and its caption inputs: a checkpoint directory, a preset (random weights,
-the embedded tokenizer where it fits), or the embedded tiny default; and the device."""
+"""Loading the model and its caption inputs: a checkpoint directory, a Hub id in the Hugging Face
+cache, a preset (random weights, the embedded tokenizer where it fits), or the embedded tiny
+default; and the device."""
 
+import os
+import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -74,12 +78,13 @@ def open_model(
     from encoder_graphs.models.presets.default_model import default_model_dir
 
     try:
-        directory = default_model_dir() if name is None else Path(name)
+        directory = default_model_dir() if name is None else hub_checkpoint(name) or Path(name)
     except OSError as error:
         raise cache_error(error) from error
     if not (directory / "config.json").is_file():
         raise UsageError(
-            f"--model {name}: neither a checkpoint directory (no config.json) nor a preset ({', '.join(PRESET_NAMES)})"
+            f"--model {name}: neither a checkpoint directory (no config.json), a Hugging Face Hub id "
+            f"(owner/name) nor a preset ({', '.join(PRESET_NAMES)})"
         )
     try:
         config = AutoConfig.from_pretrained(directory, trust_remote_code=False)
@@ -88,6 +93,36 @@ def open_model(
     except (OSError, ValueError) as error:
         raise resolution_error(error) or UsageError(f"cannot load the model from {directory}: {error}") from error
     return ModelSource(config, inputs, directory=directory)
+
+
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+# A checkpoint's files: no code (trust_remote_code stays off), no other formats' weights.
+HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken", "*.jinja"]
+
+
+def hub_checkpoint(name: str) -> Path | None:
+    """The folder of `name`, a Hub id (owner/name) that is no local path, in the Hugging Face cache
+    (`HF_HOME`, `HF_HUB_CACHE`): taken from the cache when it holds the checkpoint, so a run works
+    offline; else downloaded there (unless `HF_HUB_OFFLINE=1`). None: `name` is no Hub id."""
+    if not HUB_ID.fullmatch(name) or os.path.lexists(name):
+        return None
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(name, allow_patterns=HUB_FILES, local_files_only=True))
+    except LocalEntryNotFoundError:
+        if constants.HF_HUB_OFFLINE:
+            raise UsageError(f"--model {name}: not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and "
+                             "HF_HUB_OFFLINE is set; download it first (hf download NAME) or give its folder") from None
+    print(f"encoder-graphs: downloading {name} into the Hugging Face cache ({constants.HF_HUB_CACHE}) ...",
+          file=sys.stderr)
+    try:
+        return Path(snapshot_download(name, allow_patterns=HUB_FILES))
+    except (HfHubHTTPError, LocalEntryNotFoundError, OSError, ValueError) as error:
+        first = (str(error).splitlines() or [type(error).__name__])[0]
+        raise UsageError(f"--model {name}: cannot download it from the Hugging Face Hub ({first}); give a local "
+                         "checkpoint folder, or fetch it where the Hub can be reached (hf download NAME)") from error
 
 
 def cache_error(error: OSError) -> UsageError:
