@@ -133,3 +133,14 @@ def test_caption_command_end_to_end(checkpoint, tmp_path):
     report = json.loads(stats.read_text())
     assert report["encoder"]["items"] == sum(record["vision_tokens"] // 4 for record in records)
     assert report["pipeline"]["succeeded"] == 3
+
+
+def test_a_one_pixel_image_tiles_without_the_processors_ambiguity_warning(inputs, capfd):
+    """A 1x1 image is (1, 1, 3): without being told, transformers cannot tell its channels and
+    warns on every such file (issue 41, case 14); the inputs say channels come last."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_warning()
+    tiles = inputs.encode_image(Image.new("RGB", (1, 1), (255, 0, 0)))
+    assert tiles.tiles_u8.shape[0] >= 1 and tiles.tiles_u8[0, 0].float().mean() > 200  # red, channel 0
+    assert "ambiguous" not in capfd.readouterr().err

@@ -151,6 +151,7 @@ class InternVLInputs(CollatingInputs):
             do_rescale=False,
             do_normalize=False,
             return_tensors="np",
+            input_data_format="channels_last",  # PIL images and decoded frames: else a 1x1 image is ambiguous
         )
         return torch.from_numpy(np.ascontiguousarray(out["pixel_values"], dtype=np.uint8))
 
