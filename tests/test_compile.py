@@ -17,6 +17,8 @@ from encoder_graphs.models.text.stack import pointwise_parts
 
 GRIDS = [(1, 8, 8), (1, 12, 20), (2, 8, 12)]
 
+pytestmark = pytest.mark.slow  # inductor compiles / torchrun jobs: the quick command skips them
+
 
 def test_compiled_blocks_give_the_stock_features_and_disable_undoes_them():
     model = build_model("tiny-qwen2.5-vl", seed=3)

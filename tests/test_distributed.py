@@ -14,6 +14,8 @@ import pytest
 from PIL import Image
 from test_cli import model_cache  # noqa: F401 (autouse: a private model cache for this module)
 
+pytestmark = pytest.mark.slow  # inductor compiles / torchrun jobs: the quick command skips them
+
 
 def images(folder: Path, count: int) -> None:
     folder.mkdir(parents=True)
