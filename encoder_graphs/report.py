@@ -7,7 +7,8 @@ a saved `--stats-json`. Graphs that are off get one line saying so and why.
 
 def format_encoder_stats(stats: dict) -> str:
     """`EncoderCudaGraphManager.stats()` as a table."""
-    calls = f"calls {stats['calls']}, items {stats['items']}"
+    # An encoder item is what it packs as one (Qwen: an image or a video; InternVL: a tile; DeepSeek-OCR: a page).
+    calls = f"calls {stats['calls']}, encoder items {stats['items']}"
     if not stats["enabled"]:
         return _off("encoder", stats, calls) + _compiled(stats.get("compile"))
     latency = stats["latency_ms"]
@@ -97,10 +98,12 @@ def format_run_stats(stats: dict) -> str:
     """`RunStats.as_dict()` of a captioning run as a table."""
     lines = [
         f"files {stats['files']}: captioned {stats['succeeded']}, failed {stats['failed']}, "
-        f"skipped (already done) {stats['skipped']}" + (", interrupted" if stats.get("interrupted") else "")
+        f"skipped (already done) {stats['skipped']}"
+        + (f", left to a later run (--limit) {stats['later']}" if stats.get("later") else "")
+        + (", interrupted" if stats.get("interrupted") else "")
         + (f"; {stats['world_size']} ranks" if stats.get("world_size", 1) > 1 else ""),
         "  kinds: " + (", ".join(f"{kind} {n}" for kind, n in sorted(stats["by_kind"].items())) or "-"),
-        f"  throughput: {stats['items_per_s']:.2f} items/s, {stats['tokens_per_s']:.1f} tokens/s "
+        f"  throughput: {stats['items_per_s']:.2f} files/s, {stats['tokens_per_s']:.1f} tokens/s "
         f"({stats['generated_tokens']} tokens in {stats['wall_s']:.2f} s, {plural(stats['batches'], 'batch')}"
         + (f", {stats['retried_batches']} retried in parts" if stats["retried_batches"] else "") + ")",
         f"  batch size {stats.get('batch_size') or '-'}"
@@ -128,6 +131,6 @@ def format_run_stats(stats: dict) -> str:
         lines.append("  failures: " + ", ".join(f"{kind} {n}" for kind, n in stats["failures"].items()))
     for rank in stats.get("ranks", []):  # a torchrun job
         lines.append(
-            f"  rank {rank['rank']}: {rank['files']} files, {rank['items_per_s']:.2f} items/s, idle {rank['idle_s']:.2f} s"
+            f"  rank {rank['rank']}: {rank['files']} files, {rank['items_per_s']:.2f} files/s, idle {rank['idle_s']:.2f} s"
         )
     return "\n".join(lines)

@@ -226,24 +226,22 @@ def test_a_huge_batch_size_on_cuda_is_capped_and_every_file_captioned(tmp_path, 
 
 
 # ----- 21: --samples, --stats-json with nothing to do, presets in --help ---------------------------
-def test_samples_write_to_a_printed_temporary_folder_never_into_the_package(tmp_path, monkeypatch, capsys):
+def test_samples_alone_print_their_captions_and_leave_nothing(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     (tmp_path / "tmp").mkdir()
     package = sorted(SAMPLES_DIR.iterdir())
-    outs = []
-    for _ in range(2):  # a second run captions them again, into a folder of its own
+    for _ in range(2):  # a second run captions them again
         assert main(["caption", "--samples"] + FAST) == 0
-        printed = [line for line in capsys.readouterr().err.splitlines() if "--samples" in line]
-        (out,) = [Path(word) for line in printed for word in line.split() if word.endswith("captions.jsonl")]
-        assert out.is_relative_to(tmp_path / "tmp") and len(records(out)) == len(package)
-        outs.append(out)
-    assert outs[0] != outs[1]
-    assert list(tmp_path.iterdir()) == [tmp_path / "tmp"], "nothing in the working folder"
+        captured = capsys.readouterr()
+        shown = [line for line in captured.out.splitlines() if line.split(":")[0] in {p.name for p in package}]
+        assert len(shown) == len(package) and all(len(line.split(": ", 1)) == 2 for line in shown)
+        assert "not kept; give --out FILE" in captured.err
+    assert list(tmp_path.iterdir()) == [tmp_path / "tmp"] and not list((tmp_path / "tmp").iterdir()), "nothing left"
     for flag in ("--sidecar", "--hf-metadata"):
         assert main(["caption", "--samples", flag] + FAST) == 2
         assert flag in capsys.readouterr().err
-    assert sorted(SAMPLES_DIR.iterdir()) == package
+    assert sorted(SAMPLES_DIR.iterdir()) == package and not list((tmp_path / "tmp").iterdir())
 
 
 def test_stats_json_is_written_when_there_is_nothing_to_do(tmp_path, no_model):

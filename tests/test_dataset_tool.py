@@ -210,6 +210,7 @@ def test_symlinked_folders_are_followed(tmp_path):
     assert sorted(Path(r["relative_path"]).parts[0] for r in records(out)) == ["linked", "linked"]
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_after_the_batch_and_a_rerun_finishes(tmp_path, model_cache):  # noqa: F811
     images(tmp_path / "data", 24)
     out = tmp_path / "r.jsonl"
@@ -280,6 +281,27 @@ def test_a_moved_dataset_resumes_and_a_namesake_does_not(tmp_path, capsys):
     # The next run finds everything done.
     assert main(["caption", str(tmp_path / "new" / "ds"), "--out", str(out)] + FAST) == 0
     assert len(records(out)) == 3 + 4
+
+
+def test_dry_run_writes_nothing_limit_takes_the_next_files_and_failures_are_named(tmp_path, capsys):
+    files = images(tmp_path / "data", 5)
+    (tmp_path / "data" / "bad.png").write_bytes(b"not a png")
+    out = tmp_path / "out" / "caps.jsonl"
+    argv = ["caption", str(tmp_path / "data"), "--out", str(out)] + FAST
+    before = sorted(tmp_path.rglob("*"))
+    assert main(argv + ["--dry-run", "--sidecar", "--hf-metadata"]) == 0
+    printed = capsys.readouterr().out
+    assert "files: 6 found (image 6); 0 in --out already; to caption: 6" in printed
+    assert "max_new_tokens 3" in printed and str(tmp_path / "data" / "metadata.jsonl") in printed
+    assert sorted(tmp_path.rglob("*")) == before, "a dry run writes nothing"
+    assert main(argv + ["--limit", "4"]) == 1  # bad.png sorts first: it fails
+    printed = capsys.readouterr().out
+    assert "captioned 3, failed 1, skipped (already done) 0, left to a later run (--limit) 2" in printed
+    assert f"failed: {tmp_path / 'data' / 'bad.png'}; each record's \"error\" says why" in printed
+    assert f"captions: {out}" in printed
+    assert main(argv + ["--limit", "4"]) == 1
+    assert "captioned 2, failed 0, skipped (already done) 4" in capsys.readouterr().out
+    assert sorted(r["path"] for r in records(out))[1:] == sorted(map(str, files))
 
 
 def test_sidecar_safety_backfill_permissions_and_conflicts(tmp_path):

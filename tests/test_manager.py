@@ -61,7 +61,7 @@ def test_stats_say_why_everything_ran_eagerly(model):
     assert stats["paths"][LOCAL]["misses"] == 1  # only one item has tiles
     assert stats["latency_ms"]["calls"] == 2 and stats["latency_ms"]["p99"] > 0
     table = manager.format_stats()
-    assert table == "encoder graphs: off (--no-graphs / enabled=False); calls 2, items 4, all eager"
+    assert table == "encoder graphs: off (--no-graphs / enabled=False); calls 2, encoder items 4, all eager"
     assert "miss: --no-graphs / enabled=False x4" in format_encoder_stats({**stats, "enabled": True})
     manager.reset_stats()
     assert manager.stats()["items"] == 0

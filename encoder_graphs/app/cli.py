@@ -37,7 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     caption.add_argument(
         "--samples",
         action="store_true",
-        help="also caption the bundled sample images (without --out: into a new temporary folder, printed)",
+        help="also caption the bundled sample images (alone and without --out: a demo, its captions printed and "
+        "nothing kept)",
     )
     _model_arguments(caption)
     _text_arguments(caption)
@@ -51,7 +52,8 @@ def _model_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--model",
         default=None,
-        help="a local checkpoint directory, or a preset (random weights: speed tests, noise captions): "
+        help="a local checkpoint directory; a Hugging Face Hub id (owner/name), taken from the Hugging Face "
+        "cache (offline) or downloaded into it; or a preset (random weights: speed tests, noise captions): "
         f"{', '.join(PRESET_NAMES)}; default: the embedded tiny model (random weights too)",
     )
     group.add_argument(
@@ -153,6 +155,15 @@ def _output_arguments(parser: argparse.ArgumentParser) -> None:
         help="caption every file again, also those --out holds (the latest record of a file wins); needed to "
         "write captions of other settings (--model, --prompt, --max-new-tokens, resolution, sampling) into an --out "
         "that holds some",
+    )
+    group.add_argument(
+        "--limit", type=_positive_int, default=None, metavar="N",
+        help="caption at most N files this run (of those not yet done, in path order); a rerun takes the next N",
+    )
+    group.add_argument(
+        "--dry-run", action="store_true",
+        help="say what a run would do (the files found, done and to do, the settings, the outputs) and stop: "
+        "no model loads, nothing is written",
     )
     group.add_argument("--include-hidden", action="store_true", help="also caption hidden files and folders")
     group.add_argument(

@@ -4,6 +4,7 @@ Ctrl-C stops after the current batch (a second one at once); a rerun of the same
 
 import json
 import os
+import shutil
 import signal
 import sys
 import time
@@ -19,7 +20,7 @@ from encoder_graphs.app.distributed import job_from_env
 from encoder_graphs.app.errors import EXIT_FAILURES, EXIT_INTERRUPTED, EXIT_OK, OutputError, UsageError, printable
 from encoder_graphs.app.model_checks import check_length, check_resolution_flags, check_seeded_sampling, load_limits
 from encoder_graphs.app.outputs import METADATA_FILE
-from encoder_graphs.app.plan import Plan, make_plan, report_sidecar_errors
+from encoder_graphs.app.plan import Plan, describe, make_plan, report_sidecar_errors
 from encoder_graphs.app.settings import Settings
 
 if TYPE_CHECKING:
@@ -47,6 +48,10 @@ def caption(settings: Settings) -> int:
         default_model_dir()
     plan = make_plan(settings, job_from_env())
     settings = plan.settings  # with --out settled
+    if settings.dry_run:
+        with plan.results:
+            print(describe(plan, printable(settings.model) if settings.model else "the embedded tiny default"))
+        return EXIT_OK
     with plan.results:  # rank 0 (or the only process) holds the lock on --out until the run ends
         if plan.todo:
             status = run(plan)
@@ -62,6 +67,8 @@ def caption(settings: Settings) -> int:
                 files = len(plan.files)
                 write_stats_json(settings, {"pipeline": {"files": files, "skipped": files, "succeeded": 0, "failed": 0}})
             status = exit_status(plan)
+    if plan.temporary_out:
+        show_samples(plan)
     if plan.job.distributed and status == EXIT_FAILURES:
         # torchrun reports any status but 0 of a process as the job's crash, with a traceback: a job
         # that finished says what failed in its report, and --retry-failed tries those files again.
@@ -120,6 +127,7 @@ def run(plan: Plan) -> int:
         summary, graph_stats = job_stats
     print(format_run_stats(summary))
     print(format_graph_stats(graph_stats))
+    print(outcome(plan))
     write_metadata(plan)
     write_stats_json(settings, {"pipeline": summary, **graph_stats, "device": str(device)})
     if summary["interrupted"]:
@@ -234,7 +242,8 @@ def caption_files(
         if writer is not plan.results:
             writer.close()
     report_sidecar_errors(outputs.sidecar_errors)
-    stats.skipped = len(plan.files) - len(plan.todo)
+    stats.skipped = len(plan.files) - len(plan.todo) - plan.later
+    stats.later = plan.later
     stats.files = len(plan.files)
     summary = {
         **stats.as_dict(),
@@ -331,6 +340,33 @@ def stop_on_interrupt() -> Iterator[Callable[[], bool]]:
         yield lambda: bool(asked)
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+SHOWN_FAILURES = 5  # failed files the report names
+
+
+def outcome(plan: Plan) -> str:
+    """Where the captions went, and which files failed (their errors are in their records)."""
+    settings = plan.settings
+    places = [printable(settings.out)] + ([f"sidecars ({plan.sidecars.ext})"] if plan.sidecars.enabled else [])
+    lines = ["captions: " + ", ".join(places) + (", metadata files (below)" if settings.hf_metadata else "")]
+    failed = [f.path for f in plan.files if plan.results.is_failed(f.path)]
+    if failed:
+        more = f" and {len(failed) - SHOWN_FAILURES} more" if len(failed) > SHOWN_FAILURES else ""
+        lines.append(f"failed: {', '.join(printable(p) for p in failed[:SHOWN_FAILURES])}{more}; each record's "
+                     "\"error\" says why, and --retry-failed tries them again")
+    return "\n".join(lines)
+
+
+def show_samples(plan: Plan) -> None:
+    """`--samples` without `--out`: the demo's captions printed, its temporary folder removed."""
+    from encoder_graphs.app.outputs import latest_records
+
+    folder = plan.settings.out.parent
+    for record in sorted(latest_records(plan.settings.out).values(), key=lambda r: r["path"]):
+        print(f"{Path(record['path']).name}: {record.get('text', record.get('error'))}")
+    shutil.rmtree(folder, ignore_errors=True)
+    print("encoder-graphs: a demo's records are not kept; give --out FILE to keep them", file=sys.stderr)
 
 
 def exit_status(plan: Plan) -> int:

@@ -138,7 +138,6 @@ class Captioner:
             for next_file in islice(queue, 1):
                 loading.append((next_file, pool.submit(self.prepare, next_file)))
             outcome = self._wait(future, stats)
-            stats.by_kind[file.kind] += 1
             if isinstance(outcome, dict):
                 self._count_failure(outcome, stats)
             yield outcome
@@ -299,6 +298,7 @@ class Captioner:
             tokens = tokens[: tokens.index(self.inputs.eos_token_id)]
         caption = self.inputs.decode(tokens)
         stats.succeeded += 1
+        stats.by_kind[pending.file.kind] += 1
         stats.generated_tokens += len(tokens)
         stats.item_ms.append(pending.load_ms + batch_ms / batch_size)
         width, height = pending.size
@@ -339,6 +339,7 @@ class Captioner:
     @staticmethod
     def _count_failure(record: dict, stats: RunStats) -> None:
         stats.failed += 1
+        stats.by_kind[record["kind"]] += 1
         stats.failures[record["error_kind"]] += 1
 
 

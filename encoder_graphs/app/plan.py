@@ -41,6 +41,8 @@ class Plan:
     # Entries of the folders not taken, by reason (`walk.discover`'s `skipped`): said in the report.
     skipped: Counter = field(default_factory=Counter)
     identity: dict = field(default_factory=dict)  # the settings each caption record carries (`run_identity`)
+    temporary_out: bool = False  # `--samples` without `--out`: a demo's records, shown then removed
+    later: int = 0  # files to do beyond `--limit`, left to a later run
 
 
 def make_plan(settings: Settings, job: Job) -> Plan:
@@ -75,11 +77,12 @@ def make_plan(settings: Settings, job: Job) -> Plan:
     except ValueError as error:
         raise UsageError(str(error)) from error
     check_attention_backend(settings.attn_backend)
+    temporary_out = settings.out is None and settings.samples and not settings.paths  # a demo
     if settings.out is None:
-        settings = replace(settings, out=default_out(settings.samples, job))
+        settings = replace(settings, out=default_out(temporary_out and not settings.dry_run, job))
     check_outputs(settings, roots, files, sidecars)
     results = open_results(settings, job)
-    if job.rank == 0:
+    if job.rank == 0 and not settings.dry_run:
         tidy_outputs(settings, roots, files, sidecars, results, config.text)
     if job.distributed and job.rank == 0:  # the other ranks read --out once rank 0 is done writing it
         job.store.add("opened", 1)
@@ -87,9 +90,11 @@ def make_plan(settings: Settings, job: Job) -> Plan:
     if not settings.redo and (others := results.made_otherwise([f.path for f in files], identity)):
         raise UsageError(settings_clash(settings.out, identity, others))
     todo = [f for f in files if settings.redo or not (results.is_done(f.path) or all(map(sidecars.skips, f.names)))]
+    later = len(todo) - len(todo[: settings.limit])  # beyond --limit: left to the next run
+    todo = todo[: settings.limit]  # the same list on every rank
     if job.distributed:  # every rank must hold the same list before any starts writing parts
         job.barrier("planned")
-    return Plan(settings, roots, files, todo, config, sidecars, results, job, skipped, identity)
+    return Plan(settings, roots, files, todo, config, sidecars, results, job, skipped, identity, temporary_out, later)
 
 
 def settings_clash(out: Path, identity: dict, others: dict[str, int]) -> str:
@@ -107,18 +112,17 @@ def settings_clash(out: Path, identity: dict, others: dict[str, int]) -> str:
             "every file again (the latest record of a file wins)")
 
 
-def default_out(samples: bool, job: Job) -> Path:
-    """`--out` not given: captions.jsonl here; with `--samples`, in a new temporary folder (printed),
-    so that a demo neither drops a file into the working folder nor finds it done next time."""
-    if not samples:
+def default_out(demo: bool, job: Job) -> Path:
+    """`--out` not given: captions.jsonl here; for `--samples` alone (`demo`), in a new temporary folder (its
+    captions printed and the folder removed at the end: `command.show_samples`), so that a demo
+    neither drops a file into the working folder nor finds it done next time."""
+    if not demo:
         return Path("captions.jsonl")
     if job.distributed:  # each rank would make a folder of its own
         raise UsageError("--samples under torchrun: give --out")
     import tempfile
 
-    out = Path(tempfile.mkdtemp(prefix="encoder-graphs-samples-")) / "captions.jsonl"
-    print(f"encoder-graphs: --samples without --out: writing {printable(out)}", file=sys.stderr)
-    return out
+    return Path(tempfile.mkdtemp(prefix="encoder-graphs-samples-")) / "captions.jsonl"
 
 
 def check_attention_backend(name: str | None) -> None:
@@ -141,7 +145,8 @@ def open_results(settings: Settings, job: Job) -> "ResultsFile":
         job.wait_for("opened", 1)  # rank 0 has the lock, a cut last line repaired, parts merged, sidecars backfilled
     try:
         # The file the user named (checked), through their symlink: the lock opens no symlink.
-        results = ResultsFile(os.path.realpath(settings.out), retry_failed=settings.retry_failed, lock=job.rank == 0)
+        results = ResultsFile(os.path.realpath(settings.out), retry_failed=settings.retry_failed,
+                              lock=job.rank == 0 and not settings.dry_run)  # a dry run only reads
     except ResultsLocked as error:
         raise UsageError(str(error)) from error
     except (NotResultsFile, OSError) as error:
@@ -149,7 +154,10 @@ def open_results(settings: Settings, job: Job) -> "ResultsFile":
     if results.repaired_bytes:
         print(f"encoder-graphs: dropped a half-written last line ({results.repaired_bytes} bytes) of "
               f"{printable(settings.out)}", file=sys.stderr)
-    if job.rank == 0 and (parts := part_paths(results.path)):
+    if job.rank == 0 and (parts := part_paths(results.path)) and settings.dry_run:
+        print(f"encoder-graphs: {len(parts)} part files an earlier torchrun job left beside {printable(settings.out)} "
+              "would be merged first (their files are counted as to do here)", file=sys.stderr)
+    elif job.rank == 0 and parts:
         try:
             merged = results.merge(parts)
         except (ResultsLocked, NotResultsFile, OSError) as error:
@@ -255,3 +263,31 @@ def report_sidecar_errors(errors: list[str]) -> None:
         print(f"encoder-graphs: {len(errors)} sidecar{'s' * (len(errors) != 1)} could not be written "
               f"({printable(errors[0])}); their captions stand in --out, and a rerun with --sidecar writes them "
               "once the cause is fixed", file=sys.stderr)
+
+
+def describe(plan: Plan, model: str) -> str:
+    """What `plan` would do (`--dry-run`): the files found, done and to do, the settings its
+    captions would carry, the outputs; `model` says which model and family."""
+    settings = plan.settings
+    kinds = Counter(f.kind for f in plan.files)
+    to_do = Counter(f.kind for f in plan.todo)
+    done = sum(plan.results.is_done(f.path) for f in plan.files)
+    outputs = [f"--out {printable(settings.out)}"]
+    outputs += [f"sidecars {plan.sidecars.ext} beside each file"] if plan.sidecars.enabled else []
+    outputs += [f"{printable(metadata_path(f))}" for f in metadata_folders(plan.roots)] if settings.hf_metadata else []
+    lines = [
+        "dry run: no model loaded, nothing written",
+        f"files: {len(plan.files)} found (" + ", ".join(f"{kind} {n}" for kind, n in sorted(kinds.items())) + f"); "
+        f"{done} in --out already; to caption: {len(plan.todo)}"
+        + (" (" + ", ".join(f"{kind} {n}" for kind, n in sorted(to_do.items())) + ")" if plan.todo else "")
+        + (f"; {plan.later} more left to later runs by --limit {settings.limit}" if plan.later else ""),
+        f"model: {model}",
+        "settings: " + ", ".join(f"{name} {'(default)' if value is None else repr(value)}"
+                                 for name, value in plan.identity.items() if name != "model"),
+        "outputs: " + "; ".join(outputs),
+    ]
+    if plan.skipped:
+        from encoder_graphs.report import format_not_read
+
+        lines.append(format_not_read(plan.skipped))
+    return "\n".join(lines)

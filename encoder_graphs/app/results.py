@@ -108,9 +108,9 @@ class ResultsFile:
         self.settings: dict[str, str] = {}
         self._seen_settings: dict[str, str] = {}
         self.repaired_bytes = 0
-        # Here, not at the first append: a bad --out fails before any model loads or batch runs.
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         if lock:
+            # Here, not at the first append: a bad --out fails before any model loads or batch runs.
+            self.path.parent.mkdir(parents=True, exist_ok=True)
             try:
                 self._lock.acquire()
             except HeldElsewhere as error:

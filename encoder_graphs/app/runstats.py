@@ -13,9 +13,10 @@ from encoder_graphs.engine.stats import latency_summary
 class RunStats:
     files: int = 0
     skipped: int = 0  # already in the results file (or with a sidecar, with --sidecar)
+    later: int = 0  # to do, beyond --limit
     succeeded: int = 0
     failed: int = 0
-    by_kind: Counter = field(default_factory=Counter)
+    by_kind: Counter = field(default_factory=Counter)  # files captioned or failed, by kind (their records)
     failures: Counter = field(default_factory=Counter)  # error kind -> count
     generated_tokens: int = 0
     batches: int = 0
@@ -38,6 +39,7 @@ class RunStats:
         return {
             "files": self.files,
             "skipped": self.skipped,
+            "later": self.later,
             "succeeded": self.succeeded,
             "failed": self.failed,
             "by_kind": dict(self.by_kind),
@@ -93,7 +95,7 @@ class Progress:
         eta = (self.total - self.done) / rate if rate else 0.0
         width = 30
         filled = width * self.done // max(1, self.total)
-        line = f"[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} {rate:.2f} items/s eta {eta:.0f}s"
+        line = f"[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} {rate:.2f} files/s eta {eta:.0f}s"
         self.stream.write(("\r" + line) if self.interactive else line + "\n")
         if self.interactive and self.done == self.total:
             self.stream.write("\n")

@@ -43,6 +43,8 @@ class Settings:
     hf_metadata: bool = False
     retry_failed: bool = False
     redo: bool = False
+    limit: int | None = None  # at most this many files of the todo list
+    dry_run: bool = False
     include_hidden: bool = False
     no_follow_links: bool = False
     stats_json: Path | None = None
