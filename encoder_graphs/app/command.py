@@ -353,8 +353,9 @@ def outcome(plan: Plan) -> str:
     failed = [f.path for f in plan.files if plan.results.is_failed(f.path)]
     if failed:
         more = f" and {len(failed) - SHOWN_FAILURES} more" if len(failed) > SHOWN_FAILURES else ""
-        lines.append(f"failed: {', '.join(printable(p) for p in failed[:SHOWN_FAILURES])}{more}; each record's "
-                     "\"error\" says why, and --retry-failed tries them again")
+        names = ", ".join(printable(p) for p in failed[:SHOWN_FAILURES])
+        lines.append(f"failed, by their latest record: {len(failed)} ({names}{more}); each record's \"error\" says "
+                     "why, and --retry-failed tries them again")
     return "\n".join(lines)
 
 
