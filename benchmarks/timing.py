@@ -1,9 +1,12 @@
 """Shared timing helpers for the benchmarks: per-call CUDA-event latency, the matmul and copy ceilings."""
 
 import json
+import os
 import platform
+import sys
 from collections.abc import Callable
 from datetime import date
+from pathlib import Path
 
 import torch
 
@@ -55,15 +58,43 @@ def copy_bandwidth_gbps(nbytes: int = 2**30) -> float:
     return 2 * nbytes / (ms / 1000) / 1e9
 
 
-def environment() -> dict[str, str]:
+def source() -> dict[str, object]:
+    """The code measured: the git commit and whether the tree differed from it, from git where the
+    checkout has its history, else from ENCODER_GRAPHS_COMMIT / ENCODER_GRAPHS_DIRTY (a GPU machine
+    gets a copy of the tree without .git: the caller passes them)."""
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True)
+        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                                capture_output=True, text=True, check=True)
+        return {"commit": commit.stdout.strip(), "dirty": bool(status.stdout.strip())}
+    except (OSError, subprocess.CalledProcessError):
+        dirty = os.environ.get("ENCODER_GRAPHS_DIRTY")
+        return {"commit": os.environ.get("ENCODER_GRAPHS_COMMIT"), "dirty": None if dirty is None else dirty == "1"}
+
+
+def environment() -> dict[str, object]:
+    """What a JSON needs to describe its numbers: the device, date, versions, code and command."""
     import transformers
 
+    try:
+        import av
+
+        pyav = av.__version__
+    except ImportError:
+        pyav = None
     return {
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu {platform.machine()}",
+        "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
         "date": date.today().isoformat(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
+        "pyav": pyav,
         "python": platform.python_version(),
+        **source(),
+        "command": " ".join(["python3", *sys.argv]),
     }
 
 
