@@ -59,11 +59,13 @@ def copy_bandwidth_gbps(nbytes: int = 2**30) -> float:
 
 
 def source() -> dict[str, object]:
-    """The code measured: the git commit and whether the tree differed from it, from git where the
-    checkout has its history, else from ENCODER_GRAPHS_COMMIT / ENCODER_GRAPHS_DIRTY (a GPU machine
-    gets a copy of the tree without .git: the caller passes them)."""
+    """The code measured: the git commit and whether the tree differed from it, from
+    ENCODER_GRAPHS_COMMIT / ENCODER_GRAPHS_DIRTY where the caller sets them (a GPU machine gets a
+    copy of the working tree whose .git may be older than it), else from git."""
     import subprocess
 
+    if "ENCODER_GRAPHS_COMMIT" in os.environ:
+        return {"commit": os.environ["ENCODER_GRAPHS_COMMIT"], "dirty": os.environ.get("ENCODER_GRAPHS_DIRTY") == "1"}
     root = Path(__file__).resolve().parent.parent
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True)
@@ -71,8 +73,7 @@ def source() -> dict[str, object]:
                                 capture_output=True, text=True, check=True)
         return {"commit": commit.stdout.strip(), "dirty": bool(status.stdout.strip())}
     except (OSError, subprocess.CalledProcessError):
-        dirty = os.environ.get("ENCODER_GRAPHS_DIRTY")
-        return {"commit": os.environ.get("ENCODER_GRAPHS_COMMIT"), "dirty": None if dirty is None else dirty == "1"}
+        return {"commit": None, "dirty": None}
 
 
 def environment() -> dict[str, object]:
