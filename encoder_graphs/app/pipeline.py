@@ -134,7 +134,7 @@ class Captioner:
             if stop():
                 stats.interrupted = True
                 return
-            file, future = loading.popleft()
+            _, future = loading.popleft()
             for next_file in islice(queue, 1):
                 loading.append((next_file, pool.submit(self.prepare, next_file)))
             outcome = self._wait(future, stats)
