@@ -320,7 +320,7 @@ def test_graphs_turned_off_are_reported_plainly(tmp_path, capsys):
     images(tmp_path / "data", 1)
     assert main(["caption", str(tmp_path / "data"), "--out", str(tmp_path / "r.jsonl"), "--no-graphs"] + FAST) == 0
     out = capsys.readouterr().out
-    assert "encoder graphs: off (--no-graphs / enabled=False)" in out
+    assert "encoder graphs: off (--no-graphs); calls" in out and "enabled=False" not in out
     assert "disabled (enabled=False)" not in out
 
 

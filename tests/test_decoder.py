@@ -289,13 +289,13 @@ def test_stats_and_eager_reasons(model):
     assert stats["graph_steps"] == 0 and stats["eager_steps"] == stats["steps"]
     assert stats["eager_reasons"] == {
         "batch larger than largest bucket 2": NEW_TOKENS - 1,
-        "--no-graphs / enabled=False": NEW_TOKENS - 1,
+        "enabled=False": NEW_TOKENS - 1,
     }
     assert stats["replays_per_bucket"] == {} and stats["replays_per_tier"] == {}
     assert stats["length_tiers"] == [40] and set(stats["steps_per_tier"]) == {40}
     assert sum(stats["steps_per_tier"].values()) == stats["steps"]
     assert stats["decode_ms_per_step"]["mean"] > 0
-    assert "decoder graphs: off (--no-graphs / enabled=False)" in runner.format_stats()
+    assert "decoder graphs: off (enabled=False)" in runner.format_stats()
     runner.reset_stats()
     assert runner.stats()["steps"] == 0
 

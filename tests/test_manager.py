@@ -54,15 +54,15 @@ def test_stats_say_why_everything_ran_eagerly(model):
     manager.execute(items[:1])
     stats = manager.stats()
     assert stats["enabled"] is False
-    assert stats["disabled_reason"] == "--no-graphs / enabled=False"
+    assert stats["disabled_reason"] == "enabled=False"
     assert (stats["calls"], stats["items"], stats["graph_items"], stats["eager_items"]) == (2, 4, 0, 4)
     assert stats["paths"][GLOBAL]["misses"] == 4
-    assert stats["paths"][GLOBAL]["miss_reasons"] == {"--no-graphs / enabled=False": 4}
+    assert stats["paths"][GLOBAL]["miss_reasons"] == {"enabled=False": 4}
     assert stats["paths"][LOCAL]["misses"] == 1  # only one item has tiles
     assert stats["latency_ms"]["calls"] == 2 and stats["latency_ms"]["p99"] > 0
     table = manager.format_stats()
-    assert table == "encoder graphs: off (--no-graphs / enabled=False); calls 2, encoder items 4, all eager"
-    assert "miss: --no-graphs / enabled=False x4" in format_encoder_stats({**stats, "enabled": True})
+    assert table == "encoder graphs: off (enabled=False); calls 2, encoder items 4, all eager"
+    assert "miss: enabled=False x4" in format_encoder_stats({**stats, "enabled": True})
     manager.reset_stats()
     assert manager.stats()["items"] == 0
 

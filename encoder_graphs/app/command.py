@@ -125,6 +125,7 @@ def run(plan: Plan) -> int:
         if job_stats is None:
             return EXIT_OK  # rank 0 merges the parts and reports for the job
         summary, graph_stats = job_stats
+    graph_stats = said_by_flag(graph_stats)
     print(format_run_stats(summary))
     print(format_graph_stats(graph_stats))
     print(outcome(plan))
@@ -134,6 +135,16 @@ def run(plan: Plan) -> int:
         print(f"interrupted: {RESUME_HINT}", file=sys.stderr)
         return EXIT_INTERRUPTED
     return exit_status(plan)
+
+
+def said_by_flag(graph_stats: dict) -> dict:
+    """The graphs' statistics with their "turned off" reason (the API's `enabled=False`) said as
+    the flag that turned them off here, --no-graphs (a key of the miss reasons too)."""
+    from encoder_graphs.engine.capture import TURNED_OFF
+
+    if isinstance(graph_stats, dict):
+        return {("--no-graphs" if key == TURNED_OFF else key): said_by_flag(value) for key, value in graph_stats.items()}
+    return "--no-graphs" if graph_stats == TURNED_OFF else graph_stats
 
 
 def finish_job(plan: Plan, summary: dict, graph_stats: dict) -> tuple[dict, dict] | None:

@@ -25,10 +25,14 @@ _CAPTURE_PHRASES = ("captur", "out of memory")
 CAPTURE_ERROR_MODE = "thread_local"
 
 
+# Graphs turned off by their owner's `enabled=False` (the caption command says its --no-graphs).
+TURNED_OFF = "enabled=False"
+
+
 def unavailable_reason(enabled: bool, device: torch.device) -> str | None:
     """Why graphs cannot run here, or None when they can."""
     if not enabled:
-        return "--no-graphs / enabled=False"
+        return TURNED_OFF
     if device.type != "cuda" or not torch.cuda.is_available():
         return "no CUDA device"
     return None
