@@ -332,6 +332,17 @@ def test_results_file_keeps_foreign_lines_and_repairs_only_the_tail(tmp_path):
     assert ResultsFile(path).failed == set()
 
 
+def test_a_whole_last_record_without_its_newline_is_kept(tmp_path):
+    """A script that rewrites the JSONL may drop the final newline: that record is whole, not a
+    kill's half line, and stays (issue 42, case 8)."""
+    path = tmp_path / "r.jsonl"
+    path.write_bytes(b'{"path": "/a.png", "caption": "x"}\n{"path": "/b.png", "caption": "y"}')
+    with ResultsFile(path) as results:
+        assert results.done == {"/a.png", "/b.png"} and results.repaired_bytes == 0
+        results.append([{"path": "/c.png", "caption": "z"}])
+    assert [r["path"] for r in read_records(path)] == ["/a.png", "/b.png", "/c.png"]
+
+
 def test_a_batch_broken_by_one_item_is_retried_one_by_one(tmp_path):
     inputs = QwenVLInputs.from_pretrained(default_model_dir())
     model = Qwen2VLForConditionalGeneration.from_pretrained(default_model_dir()).eval()

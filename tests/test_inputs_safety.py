@@ -119,6 +119,23 @@ def test_a_link_to_proc_self_is_an_error_record_not_a_walk_of_the_disk(tmp_path)
     assert by_name["me"]["error_kind"] == "special" and "/proc" in by_name["me"]["error"]
 
 
+def test_links_that_pass_through_proc_to_the_disk_are_refused(tmp_path):
+    """/proc/self/root, /proc/1/root and /proc/self/cwd resolve outside /proc (to / or a folder):
+    judged by their targets alone they walked the whole disk; a link to a link there too (issue 42, case 5)."""
+    good_images(tmp_path / "data", 1)
+    (tmp_path / "hop").symlink_to("/proc/self")
+    links = {"root": "/proc/self/root", "init": "/proc/1/root", "cwd": "/proc/self/cwd",
+             "twohops": str(tmp_path / "hop" / "root"), "relative": "../hop/cwd"}
+    for name, target in links.items():
+        (tmp_path / "data" / name).symlink_to(target)
+    out = tmp_path / "r.jsonl"
+    assert main(["caption", str(tmp_path / "data"), "--out", str(out)] + FAST) == 1
+    by_name = {Path(r["path"]).name: r for r in lines_of(out)}
+    # /proc/1/root may not even be listed (a container that forbids reading it): then it is not media.
+    assert set(by_name) - {"init"} == {"img00.png", *links} - {"init"}, "nothing from outside the folder"
+    assert all(r["error_kind"] == "special" and "/proc" in r["error"] for n, r in by_name.items() if n in links)
+
+
 def test_no_follow_links_keeps_the_run_inside_the_roots(tmp_path):
     data, outside = tmp_path / "data", tmp_path / "outside"
     good_images(data, 1)

@@ -224,7 +224,7 @@ def test_long_names_and_unwritable_sidecars_are_error_records_and_reruns_go_on(t
 
 
 def test_temporary_names_fit_name_max():
-    assert temp_prefix("img.txt") == ".img.txt."
+    assert temp_prefix("img.txt") == ".img.txt.encoder-graphs-tmp-"
     for name in ("a" * 246 + ".txt", "é" * 125 + ".txt"):
         assert len(os.fsencode(temp_prefix(name))) + 8 <= NAME_MAX
     assert temp_prefix("a" * 246 + ".txt") != temp_prefix("a" * 247 + ".txt")
@@ -311,15 +311,22 @@ def test_a_folder_made_read_only_mid_run_exits_3(tmp_path):
 def test_temporaries_of_killed_runs_are_removed_and_nothing_else(tmp_path, capsys):
     files = images(tmp_path / "data", 2)
     data = tmp_path / "data"
-    stale = [data / ".img00.txt.k1ll3d_x", data / ".metadata.jsonl.abcdefgh",
+    stale = [data / f"{temp_prefix('img00.txt')}k1ll3d_x", data / f"{temp_prefix('metadata.jsonl')}abcdefgh",
              data / f"{temp_prefix('a' * 250 + '.txt')}zzzzzzzz"]
     (data / ("a" * 250 + ".png")).write_bytes(files[0].read_bytes())
     others = [data / ".img00.txt.short", data / ".img00.txt.ABCDEFGH", data / ".notes.txt.abcdefgh",
-              data / ".img00.txt.abcdefgh.bak", data / "img00.txt.abcdefgh"]
+              data / ".img00.txt.abcdefgh.bak", data / "img00.txt.abcdefgh",
+              # a user's own files that look like another program's temporaries (issue 42, case 3)
+              data / ".metadata.jsonl.original", data / ".img00.txt.20240101", data / ".img01.txt.k1ll3d_x"]
     for path in stale + others:
         path.write_text("x")
-    (data / ".img01.txt.linkedxx").symlink_to(tmp_path / "elsewhere")
-    live = data / ".img01.txt.writing1"
+    linked = data / f"{temp_prefix('img01.txt')}linkedxx"
+    linked.symlink_to(tmp_path / "elsewhere")
+    foreign = data / f"{temp_prefix('img00.txt')}foreign1"  # another user's, in a shared folder (as root)
+    if os.geteuid() == 0:
+        foreign.write_text("x")
+        os.chown(foreign, 4242, 4242)
+    live = data / f"{temp_prefix('img01.txt')}writing1"
     live.write_text("a live run's")
     with open(live) as held:
         fcntl.flock(held, fcntl.LOCK_EX)  # a run over this folder writing that sidecar right now
@@ -327,4 +334,29 @@ def test_temporaries_of_killed_runs_are_removed_and_nothing_else(tmp_path, capsy
         assert main(argv + FAST) == 0
     assert "removed 3 temporary files" in capsys.readouterr().err
     assert not any(path.exists() for path in stale)
-    assert all(path.exists() for path in others) and live.exists() and (data / ".img01.txt.linkedxx").is_symlink()
+    assert all(path.exists() for path in others) and live.exists() and linked.is_symlink()
+    assert foreign.exists() or os.geteuid() != 0
+
+
+# -- issue 42: shared folders --------------------------------------------------------------------------
+
+
+def test_planted_sidecar_links_disclose_nothing_into_the_metadata(tmp_path, capsys):
+    """Another user plants sidecars that are links to a secret and to /proc/self/environ, and one
+    of 2 MiB: none is read as a caption into the world-readable metadata.jsonl (issue 42, case 1)."""
+    images(tmp_path / "ds", 4)
+    out = tmp_path / "caps.jsonl"
+    assert main(["caption", str(tmp_path / "ds"), "--out", str(out)] + FAST) == 0
+    secret = tmp_path / "secret"
+    secret.write_text("TOKEN=hf_secret\n")
+    secret.chmod(0o600)
+    (tmp_path / "ds" / "img01.txt").symlink_to(secret)
+    (tmp_path / "ds" / "img02.txt").symlink_to("/proc/self/environ")
+    (tmp_path / "ds" / "img03.txt").write_bytes(b"x" * (2 << 20))
+    capsys.readouterr()
+    assert main(["caption", str(tmp_path / "ds"), "--out", str(out), "--sidecar", "--hf-metadata"] + FAST) == 0
+    metadata = (tmp_path / "ds" / "metadata.jsonl").read_text()
+    assert "hf_secret" not in metadata and "PATH=" not in metadata and "xxxx" not in metadata
+    captions = {r["relative_path"]: r["text"] for r in records(out)}
+    assert {row["file_name"]: row["text"] for row in map(json.loads, metadata.splitlines())} == captions
+    assert "3 sidecars were not read as captions" in capsys.readouterr().err

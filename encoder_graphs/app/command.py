@@ -172,13 +172,17 @@ def write_metadata(plan: Plan) -> None:
     from encoder_graphs.app.metadata import write_hf_metadata
 
     try:
-        written, left_out, dropped = write_hf_metadata(plan.results.path, plan.roots, plan.files, plan.sidecars)
+        written, left_out, dropped, refused = write_hf_metadata(plan.results.path, plan.roots, plan.files, plan.sidecars)
     except OSError as error:
         raise OutputError(error.filename or METADATA_FILE, error) from error
     for path in written:
         print(f"wrote {printable(path)}" + (f" (without {dropped[path]} rows of the one it replaced, kept as "
                                               f"{path.name}.bak: their images are gone or the rows unreadable)"
                                               if path in dropped else ""))
+    if refused:
+        print(f"encoder-graphs: {len(refused)} sidecars were not read as captions (a link, not a regular file, or "
+              f"over 1 MiB), e.g. {printable(refused[0])}; their metadata rows took the caption in --out",
+              file=sys.stderr)
     if left_out:
         print(f"encoder-graphs: metadata.jsonl has no row for {len(left_out)} images whose names are not UTF-8, "
               f"which a JSON file_name cannot name (rename them), e.g. {printable(left_out[0])}", file=sys.stderr)

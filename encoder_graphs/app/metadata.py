@@ -5,12 +5,15 @@ dataset root (a root folder given that no other holds), rows of existing images 
 once, by a name a JSON string can spell."""
 
 import csv
+import errno
 import io
 import json
 import os
+import stat
 from collections.abc import Sequence
 from pathlib import Path
 
+from encoder_graphs.app.lock import OPEN_FLAGS
 from encoder_graphs.app.names import is_text
 from encoder_graphs.app.outputs import METADATA_FILE, SidecarPolicy, latest_records, write_atomically
 from encoder_graphs.app.results import path_key
@@ -31,15 +34,16 @@ def metadata_path(root: Path) -> Path:
 
 def write_hf_metadata(
     results_path: Path, roots: Sequence[Path], files: Sequence[MediaFile], sidecars: SidecarPolicy
-) -> tuple[list[Path], list[Path], dict[Path, int]]:
+) -> tuple[list[Path], list[Path], dict[Path, int], list[Path]]:
     """Write `metadata.jsonl` in every dataset root: a row for every name of every image under it
     that has a caption, from its sidecar (with `--sidecar`), else from its latest record in
     `results_path`, else the row it had already (captioned through another --out). A row the
     file had keeps its other columns (the user's: scores, tags), its `text` replaced; a root with
     a metadata.csv keeps it (`metadata_path`); the file replaced is kept as `<its name>.bak`
     (which the loader does not read). Returns the
-    files written, the names left out because they are not UTF-8, and per file written the rows
-    it no longer has (their image is gone, or the row could not be read)."""
+    files written, the names left out because they are not UTF-8, per file written the rows it no
+    longer has (their image is gone, or the row could not be read), and the sidecars not read as
+    captions (`caption_of`)."""
     homes = dataset_homes(roots)
     found: dict[Path, tuple[dict[str, dict], int]] = {}
 
@@ -56,9 +60,10 @@ def write_hf_metadata(
                 rows_of(split).setdefault(inside, rows_of(root).pop(name))
                 emptied.add(root)
     records = latest_records(results_path)
-    left_out = []
+    left_out: list[Path] = []
+    refused: list[Path] = []  # sidecars not read as captions (links, other files, too large)
     for file in files:
-        text = caption_of(file, records, sidecars)
+        text = caption_of(file, records, sidecars, refused)
         for name in (file.path, *file.aliases) if text is not None else ():
             placed = place(name, homes)
             if placed is None or media_kind(name) != "image":
@@ -85,7 +90,7 @@ def write_hf_metadata(
         written.append(target)
         if found[root][1]:
             dropped[target] = found[root][1]
-    return written, left_out, dropped
+    return written, left_out, dropped, refused
 
 
 def _as_csv(rows: dict[str, dict]) -> str:
@@ -189,14 +194,39 @@ def _rows_of(data: bytes, is_csv: bool) -> list:
         return []
 
 
-def caption_of(file: MediaFile, records: dict[str, dict], sidecars: SidecarPolicy) -> str | None:
+MAX_SIDECAR_BYTES = 1 << 20  # larger than any caption: such a file is not read as one
+
+
+def caption_of(
+    file: MediaFile, records: dict[str, dict], sidecars: SidecarPolicy, refused: list | None = None
+) -> str | None:
     """The file's caption as the dataset has it: its sidecar's (with `--sidecar`), else its latest
-    record's text; None when it has none."""
+    record's text; None when it has none. A sidecar that is a link, not a regular file or larger
+    than a caption can be is not read (a link planted in a shared folder would copy what it names,
+    a secret, into the metadata file): its path goes to `refused`, and the record's text stands."""
     if sidecars.enabled:
         sidecar = sidecars.path(file.path)
-        try:
-            if sidecar.is_file():  # not a FIFO or a folder: reading those would hang or fail
-                return sidecar.read_text(encoding="utf-8").removesuffix("\n")
-        except (OSError, UnicodeDecodeError):
-            pass  # unreadable: the record's text stands
+        text = read_sidecar(sidecar)
+        if isinstance(text, str):
+            return text
+        if text is False and refused is not None:
+            refused.append(sidecar)
     return records.get(path_key(file.path), {}).get("text")
+
+
+def read_sidecar(path: Path) -> str | bool | None:
+    """The caption in the sidecar at `path`; None where there is none or it cannot be read; False
+    where it is not one: a link, not a regular file, or larger than `MAX_SIDECAR_BYTES`."""
+    try:
+        fd = os.open(path, os.O_RDONLY | OPEN_FLAGS)
+    except OSError as error:
+        return False if error.errno == errno.ELOOP else None  # ELOOP: a symlink (O_NOFOLLOW)
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_SIDECAR_BYTES:
+            return False
+        return os.read(fd, MAX_SIDECAR_BYTES + 1).decode("utf-8").removesuffix("\n")
+    except (OSError, UnicodeDecodeError):
+        return None
+    finally:
+        os.close(fd)

@@ -202,6 +202,7 @@ def write_atomically(path: Path, text: str | bytes, *, replace: bool = True) -> 
         data = memoryview(text if isinstance(text, bytes) else text.encode("utf-8"))
         while data:
             data = data[os.write(fd, data) :]
+        os.fsync(fd)  # the data reaches the disk before the name does: a crash leaves the old file or the new
         if not replace:
             return _link_new(temp, path)
         os.replace(temp, path)
@@ -233,19 +234,23 @@ def _link_new(temp: str, path: Path) -> bool:
     return False
 
 
+TEMP_MARK = "encoder-graphs-tmp-"  # in every temporary's name: what a user's own file is not named
+
+
 def temp_prefix(name: str) -> str:
-    """How the temporaries beside `name` begin: `.<name>.`, or a digest of the name where that and
-    mkstemp's 8 random characters would not fit in NAME_MAX."""
-    prefix = f".{name}."
+    """How the temporaries beside `name` begin: `.<name>.encoder-graphs-tmp-`, or a digest of the
+    name where that and mkstemp's 8 random characters would not fit in NAME_MAX."""
+    prefix = f".{name}.{TEMP_MARK}"
     if len(os.fsencode(prefix)) + 8 <= NAME_MAX:
         return prefix
-    return f".{hashlib.sha256(os.fsencode(name)).hexdigest()[:32]}."
+    return f".{hashlib.sha256(os.fsencode(name)).hexdigest()[:32]}.{TEMP_MARK}"
 
 
 def remove_stale_temporaries(targets: Iterable[Path]) -> int:
     """Remove the temporaries that killed runs left beside `targets` (the files this run may
     write): only names of exactly the form `temp_prefix(target's name)` + 8 random characters,
-    regular files that no live writer holds (a writer holds its temporary's flock). How many."""
+    regular files of this user that no live writer holds (a writer holds its temporary's flock).
+    How many."""
     prefixes: dict[Path, set[str]] = defaultdict(set)
     for target in targets:
         prefixes[target.parent].add(temp_prefix(target.name))
@@ -267,7 +272,8 @@ def _remove_unheld(path: Path) -> bool:
     except OSError:  # a symlink, or gone
         return False
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():  # another user's is not ours
             return False
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         os.unlink(path)

@@ -156,11 +156,16 @@ class ResultsFile:
         lines = data.splitlines(keepends=True)
         if not _ours(lines):
             raise NotResultsFile(self.path)
-        # Only an unterminated last line is a kill's; only the lock holder cuts it.
+        # Only an unterminated last line is a kill's; only the lock holder cuts it. One that is a
+        # whole record lost only its newline (a script rewrote the file): it gets it back.
         if lines and not lines[-1].endswith(b"\n") and not self.closed:
-            self.repaired_bytes = len(lines.pop())
-            os.ftruncate(self._lock.fd, len(data) - self.repaired_bytes)
-            os.fsync(self._lock.fd)
+            if _parse(lines[-1] + b"\n") is not None:
+                lines[-1] += b"\n"
+                self._write(b"\n")
+            else:
+                self.repaired_bytes = len(lines.pop())
+                os.ftruncate(self._lock.fd, len(data) - self.repaired_bytes)
+                os.fsync(self._lock.fd)
         # A damaged line elsewhere is not ours to delete: it is kept and marks nothing done.
         for record in filter(None, map(_parse, lines)):  # in file order: the latest record wins
             self._mark(record)

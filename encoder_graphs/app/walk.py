@@ -163,7 +163,8 @@ class _Walk:
                     self.skipped[f"not media ({path.suffix.lower() or 'no extension'})"] += 1
                     continue  # never resolved or read
                 target = os.path.realpath(path) if is_link else os.path.join(real, name)
-                pseudo = _pseudo_filesystem(target)
+                # /proc/self/root resolves to "/": a link is judged by every step it takes too.
+                pseudo = _pseudo_filesystem(target) or (_steps_through_pseudo(path) if is_link else None)
                 if pseudo is not None and pseudo != home:
                     yield path, target, (f"not followed: it is in {pseudo}, a pseudo-filesystem", "special")
                 elif is_dir:
@@ -171,6 +172,38 @@ class _Walk:
                 else:
                     yield path, target, None
             stack.extend(reversed(subfolders))
+
+
+def _steps_through_pseudo(path: Path) -> str | None:
+    """The pseudo-filesystem that resolving `path` passes through on its way (a link to
+    /proc/self/root, or to a link that goes there), or None; resolved a component at a time."""
+    from collections import deque
+
+    current, pending, hops = os.sep, deque(Path(os.path.abspath(path)).parts[1:]), 0
+    while pending:
+        part = pending.popleft()
+        if part in ("", "."):
+            continue
+        if part == "..":
+            current = os.path.dirname(current)
+            continue
+        candidate = os.path.join(current, part)
+        if (pseudo := _pseudo_filesystem(candidate)) is not None:
+            return pseudo
+        if not os.path.islink(candidate):
+            current = candidate
+            continue
+        hops += 1
+        if hops > 40:  # a loop: realpath and the walk's own checks deal with it
+            return None
+        try:
+            target = Path(os.readlink(candidate))
+        except OSError:
+            return None
+        if target.is_absolute():
+            current = os.sep
+        pending.extendleft(reversed(target.parts[1:] if target.is_absolute() else target.parts))
+    return None
 
 
 def _pseudo_filesystem(real: str) -> str | None:
