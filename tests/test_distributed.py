@@ -78,3 +78,38 @@ def test_a_killed_rank_then_a_rerun_loses_and_doubles_nothing(tmp_path):
 def _no_stray_lock(tmp_path):
     yield
     assert not list(tmp_path.glob("*.lock")), "every lock file is removed"
+
+
+def test_a_rank_whose_launcher_dies_while_it_connects_stops_at_once(tmp_path):
+    """A launcher (here a stand-in parent) dies while its rank waits for the job's store, which no
+    one will serve: the rank gets the parent-death signal and ends within seconds, not at the
+    store's timeout (issue 42, case 7)."""
+    import socket
+
+    with socket.socket() as probe:  # a port nobody listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    rank = ("import time; from encoder_graphs.app.distributed import job_from_env; "
+            "print('connecting', flush=True); job_from_env(); time.sleep(600)")
+    parent = ("import subprocess, sys, time; child = subprocess.Popen([sys.executable, '-c', sys.argv[1]]); "
+              "print(child.pid, flush=True); time.sleep(600)")
+    env = {**os.environ, "WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port)}
+    launcher = subprocess.Popen([sys.executable, "-c", parent, rank], env=env, stdout=subprocess.PIPE, text=True)
+    child = int(launcher.stdout.readline())
+    time.sleep(3)  # the rank is connecting by now
+    os.kill(child, 0)  # alive, waiting
+    launcher.kill()
+    launcher.wait()
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            return
+        with open(f"/proc/{child}/stat") as stat:  # a zombie (reaped by init later) has ended
+            if stat.read().split(")")[-1].split()[0] == "Z":
+                return
+        time.sleep(0.2)
+    os.kill(child, signal.SIGKILL)
+    raise AssertionError("the rank outlived its launcher by 15 s")

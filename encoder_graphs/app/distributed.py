@@ -11,6 +11,7 @@ done twice.
 
 import json
 import os
+import sys
 import time
 import warnings
 from collections.abc import Iterator, Sequence
@@ -21,7 +22,9 @@ from typing import Any
 
 from encoder_graphs.app.walk import MediaFile
 
-STORE_TIMEOUT = timedelta(hours=6)  # waits on the store: other ranks may caption for hours
+# Reaching the job's store at the start: a rank whose launcher died before serving it stops then,
+# not hours later. Later waits poll the store (`Job.wait_for`), so no store call blocks for long.
+STORE_TIMEOUT = timedelta(minutes=5)
 POLL_S = 0.2
 
 
@@ -61,6 +64,7 @@ def job_from_env() -> Job:
         return Job()
     import torch.distributed as dist
 
+    die_with_launcher()
     if not dist.is_initialized():
         # gloo: only the store is used (no collectives), and it runs with or without GPUs.
         dist.init_process_group(backend="gloo", timeout=STORE_TIMEOUT)
@@ -68,6 +72,20 @@ def job_from_env() -> Job:
     run = f"{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     store = dist.PrefixStore(f"encoder_graphs/{run}/", dist.distributed_c10d._get_default_store())
     return Job(int(os.environ["RANK"]), world_size, int(os.environ.get("LOCAL_RANK", "0")), store)
+
+
+def die_with_launcher() -> None:
+    """This rank gets SIGTERM when its parent, torchrun's launcher, dies (Linux's parent-death
+    signal), and stops now if it died already: a rank left alone would wait on a store nobody
+    serves."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if os.getppid() == 1:
+        raise SystemExit("encoder-graphs: torchrun's launcher is gone; this rank stops")
 
 
 def part_path(out: Path, rank: int) -> Path:
