@@ -3,6 +3,7 @@ names is checked and written under every name, a sidecar that failed is retried 
 it followed, part files that are not ours are refused, and no output or header read opens a FIFO.
 The embedded tiny model on the CPU."""
 
+import json
 import os
 from pathlib import Path
 
@@ -57,13 +58,23 @@ def test_a_failed_sidecar_leaves_the_caption_its_metadata_row(tmp_path):
     assert first.name in rows and second.name in rows
 
 
-def test_a_part_file_that_is_not_ours_is_refused_and_kept(tmp_path, capsys):
+def test_files_named_like_parts_of_another_user_or_program_are_left_alone(tmp_path, capsys):
+    """`run.jsonl.part1` (the user's own earlier --out) is no part of ours; another user's planted
+    `<out>.encoder-graphs-part7` is not merged: no injected caption, no lockout (issue 42, case 2)."""
     images(tmp_path / "ds", 1)
     out = tmp_path / "run.jsonl"
     notes = Path(f"{out}.part1")
     notes.write_text("my notes\n")
-    assert main(["caption", str(tmp_path / "ds"), "--out", str(out), *FAST]) == 2
-    assert notes.read_text() == "my notes\n" and "part" in capsys.readouterr().err
+    planted = Path(f"{out}.encoder-graphs-part7")
+    planted.write_text(json.dumps({"path": str(tmp_path / "ds" / "img00.png"), "caption": "INJECTED"}) + "\n")
+    if os.geteuid() == 0:
+        os.chown(planted, 4242, 4242)
+    else:
+        planted.unlink()
+    assert main(["caption", str(tmp_path / "ds"), "--out", str(out), *FAST]) == 0
+    assert notes.read_text() == "my notes\n" and "INJECTED" not in out.read_text()
+    if os.geteuid() == 0:
+        assert planted.exists() and "left alone 1 files named as part files" in capsys.readouterr().err
 
 
 def test_a_fifo_as_metadata_jsonl_is_refused_before_the_model_loads(tmp_path, capsys):

@@ -20,7 +20,7 @@ from test_media import write_video
 from torch.distributed import HashStore
 
 from encoder_graphs.app.cli import main
-from encoder_graphs.app.distributed import Job, gather_stats
+from encoder_graphs.app.distributed import Job, gather_stats, part_path
 from encoder_graphs.app.jobstats import combined_graph_stats
 
 
@@ -29,17 +29,17 @@ def split_into_stale_parts(out: Path) -> None:
     removed, part1 one record in, the next one cut half-way."""
     lines = out.read_bytes().splitlines(keepends=True)
     part0, part1 = lines[: len(lines) // 2], lines[len(lines) // 2 :]
-    out.with_name(out.name + ".part0").write_bytes(b"".join(part0))
-    out.with_name(out.name + ".part1").write_bytes(b"".join(part1))
+    part_path(out, 0).write_bytes(b"".join(part0))
+    part_path(out, 1).write_bytes(b"".join(part1))
     out.write_bytes(b"".join(part0 + part1[:1]) + part1[1][:25])
     # A killed rank's lock file, naming a process long gone.
-    out.with_name(out.name + ".part1.lock").write_text('{"pid": 999999999, "host": "gone"}\n')
+    out.with_name(out.name + ".encoder-graphs-part1.lock").write_text('{"pid": 999999999, "host": "gone"}\n')
 
 
 def assert_each_once(out: Path, count: int) -> None:
     paths = [record["path"] for record in records(out)]
     assert len(paths) == len(set(paths)) == count, sorted(paths)
-    assert not list(out.parent.glob(out.name + ".part*")), "the parts are merged and removed"
+    assert not list(out.parent.glob(out.name + ".encoder-graphs-part*")), "the parts are merged and removed"
 
 
 # -- 25.1: parts ----------------------------------------------------------------------------------
@@ -235,7 +235,7 @@ def test_ctrl_c_stops_a_torchrun_job_cleanly(tmp_path):
     out = tmp_path / "r.jsonl"
     job = torchrun(tmp_path / "data", out, "--max-new-tokens", "24", "--batch-size", "2")
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and not any(p.stat().st_size for p in tmp_path.glob("r.jsonl.part[0-9]")):
+    while time.monotonic() < deadline and not any(p.stat().st_size for p in tmp_path.glob("r.jsonl.encoder-graphs-part[0-9]")):
         time.sleep(0.05)
     assert job.poll() is None, "the job finished before Ctrl-C: make it slower"
     os.killpg(job.pid, signal.SIGINT)  # a terminal's Ctrl-C reaches torchrun; it passes SIGINT to the ranks
@@ -247,5 +247,5 @@ def test_ctrl_c_stops_a_torchrun_job_cleanly(tmp_path):
     # Rank 0 merged the parts of the ranks that reported; a part left (a rank stopped before it
     # reported) waits for the next run: no record is in two places.
     done = [r["path"] for r in records(out)] if out.exists() else []
-    done += [json.loads(line)["path"] for part in tmp_path.glob("r.jsonl.part[0-9]") for line in part.read_text().splitlines()]
+    done += [json.loads(line)["path"] for part in tmp_path.glob("r.jsonl.encoder-graphs-part[0-9]") for line in part.read_text().splitlines()]
     assert 0 < len(done) < 60 and len(set(done)) == len(done)

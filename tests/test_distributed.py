@@ -41,7 +41,7 @@ def test_two_ranks_caption_every_file_once(tmp_path):
     assert job.returncode == 0, log
     paths = paths_in(out)
     assert len(paths) == len(set(paths)) == 40
-    assert not list(tmp_path.glob("captions.jsonl.part*")), "the parts are merged and removed"
+    assert not list(tmp_path.glob("captions.jsonl.encoder-graphs-part*")), "the parts are merged and removed"
     assert len(list((tmp_path / "data").glob("*.txt"))) == 40
     pipeline = json.loads(stats.read_text())["pipeline"]
     assert pipeline["world_size"] == 2 and pipeline["succeeded"] == 40
@@ -57,21 +57,21 @@ def test_a_killed_rank_then_a_rerun_loses_and_doubles_nothing(tmp_path):
     parts = []
     while time.monotonic() < deadline and not any(p.stat().st_size for p in parts):
         time.sleep(0.05)
-        parts = list(tmp_path.glob("captions.jsonl.part[0-9]*"))
+        parts = list(tmp_path.glob("captions.jsonl.encoder-graphs-part[0-9]*"))
     assert job.poll() is None, "the job finished before a rank could be killed: make it slower"
     workers = subprocess.run(["pgrep", "-P", str(job.pid)], capture_output=True, text=True).stdout.split()
     assert workers, "no worker processes found"
     os.kill(int(workers[-1]), signal.SIGKILL)
     job.communicate(timeout=120)
     assert job.returncode != 0, "torchrun stops the job when a rank dies"
-    done_before = sum(len(p.read_text().splitlines()) for p in tmp_path.glob("captions.jsonl.part[0-9]*"))
+    done_before = sum(len(p.read_text().splitlines()) for p in tmp_path.glob("captions.jsonl.encoder-graphs-part[0-9]*"))
     assert 0 < done_before < 240
     rerun = torchrun(tmp_path / "data", out, "--max-new-tokens", "24")
     log, _ = rerun.communicate(timeout=240)
     assert rerun.returncode == 0, log
     paths = paths_in(out)
     assert len(paths) == len(set(paths)) == 240
-    assert not list(tmp_path.glob("captions.jsonl.part[0-9]*"))
+    assert not list(tmp_path.glob("captions.jsonl.encoder-graphs-part[0-9]*"))
 
 
 @pytest.fixture(autouse=True)

@@ -3,7 +3,8 @@
 Ranks share work dynamically: the files still to do are ordered by estimated cost (largest
 first, as `load_balance` orders them); each rank claims the next chunk (a quarter batch) from an
 atomic counter on torchrun's own store, so a slow rank simply takes fewer. Each rank
-appends its records to its own part file beside `--out` (`captions.jsonl.part1`); at the end rank
+appends its records to its own part file beside `--out` (`captions.jsonl.encoder-graphs-part1`,
+a name no user file has, of this user; another user's is never merged); at the end rank
 0 merges every part into `--out` and removes them. Rank 0 holds the lock on `--out` for the job.
 Any later run (torchrun or not) first merges the parts a killed job left, so nothing is lost or
 done twice.
@@ -88,13 +89,33 @@ def die_with_launcher() -> None:
         raise SystemExit("encoder-graphs: torchrun's launcher is gone; this rank stops")
 
 
+PART_MARK = ".encoder-graphs-part"  # a rank's part file is `<out>.encoder-graphs-part<rank>`
+
+
 def part_path(out: Path, rank: int) -> Path:
-    return out.with_name(f"{out.name}.part{rank}")
+    return out.with_name(f"{out.name}{PART_MARK}{rank}")
 
 
-def part_paths(out: Path) -> list[Path]:
-    """Every part file beside `out`, of this job or of a killed one."""
-    return sorted(p for p in out.parent.glob(f"{out.name}.part*") if p.name[len(out.name) + 5 :].isdigit())
+def part_paths(out: Path, *, others: list[Path] | None = None) -> list[Path]:
+    """The part files beside `out` that this user's jobs wrote (this job's, or a killed one's):
+    regular files of this user named as `part_path` names them. Another user's (planted in a
+    shared folder: merging it would inject its records) goes to `others`, left alone."""
+    import glob
+    import stat
+
+    mine = []
+    for path in out.parent.glob(f"{glob.escape(out.name)}{PART_MARK}*"):
+        if not path.name[len(out.name) + len(PART_MARK) :].isdigit():
+            continue
+        try:
+            info = os.lstat(path)
+        except OSError:
+            continue
+        if stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid():
+            mine.append(path)
+        elif others is not None:
+            others.append(path)
+    return sorted(mine)
 
 
 def by_cost(files: Sequence[MediaFile]) -> list[MediaFile]:

@@ -154,10 +154,16 @@ def open_results(settings: Settings, job: Job) -> "ResultsFile":
     if results.repaired_bytes:
         print(f"encoder-graphs: dropped a half-written last line ({results.repaired_bytes} bytes) of "
               f"{printable(settings.out)}", file=sys.stderr)
-    if job.rank == 0 and (parts := part_paths(results.path)) and settings.dry_run:
+    others: list[Path] = []
+    parts = part_paths(results.path, others=others) if job.rank == 0 else []
+    if others:
+        print(f"encoder-graphs: left alone {len(others)} files named as part files beside {printable(settings.out)} "
+              f"that are not this user's regular files (e.g. {printable(others[0])}): their records are not merged",
+              file=sys.stderr)
+    if parts and settings.dry_run:
         print(f"encoder-graphs: {len(parts)} part files an earlier torchrun job left beside {printable(settings.out)} "
               "would be merged first (their files are counted as to do here)", file=sys.stderr)
-    elif job.rank == 0 and parts:
+    elif parts:
         try:
             merged = results.merge(parts)
         except (ResultsLocked, NotResultsFile, OSError) as error:
