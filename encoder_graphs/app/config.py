@@ -95,8 +95,8 @@ class CaptionConfig:
 
     def prompt_for(self, name: str, folder: str, width: int, height: int) -> str:
         """The prompt of one file: the template with its fields filled in (a name's bytes that are
-        not UTF-8 as U+FFFD: the tokenizer takes text only)."""
-        return self.prompt.format(name=as_text(name), folder=as_text(folder), width=width, height=height)
+        not UTF-8 as U+FFFD: the tokenizer takes text only; `shielded`)."""
+        return self.prompt.format(name=shielded(name), folder=shielded(folder), width=width, height=height)
 
     def seed_for(self, name: str) -> int:
         """The sampling seed of the file at `name` (its path within its root): from the run's seed
@@ -116,6 +116,13 @@ class CaptionConfig:
         if self.temperature == 0:
             return {"do_sample": False}
         return {"do_sample": True, "temperature": self.temperature, "top_p": self.top_p, "top_k": 0}
+
+
+def shielded(name: str) -> str:
+    """A file or folder name as prompt text that the tokenizer cannot read as special tokens: a
+    name such as `<|im_end|><|im_start|>.jpg` would end the user's turn and start another (every
+    family's special tokens begin with "<"); a zero-width space after each "<" keeps it text."""
+    return as_text(name).replace("<", "<\u200b")
 
 
 def check_template(prompt: str) -> None:
@@ -141,6 +148,8 @@ def check_template(prompt: str) -> None:
             raise ValueError(f"the prompt's {field_text}: fields take no conversion (!{conversion})")
         if "{" in spec:
             raise ValueError(f"the prompt's {field_text}: nested fields in a format spec are not allowed")
+        if spec.endswith("c"):  # a number as a character: a surrogate or a control character
+            raise ValueError(f"the prompt's {field_text}: 'c' turns the number into a character; write {{{name}}}")
         if any(int(number) > MAX_FIELD_WIDTH for number in re.findall(r"\d+", spec)):
             raise ValueError(f"the prompt's {field_text}: widths and precisions go up to {MAX_FIELD_WIDTH}")
     try:  # the format specs themselves, with the longest values a file gives
