@@ -272,6 +272,26 @@ def test_out_too_large_mid_run_exits_3_and_a_rerun_finishes(tmp_path):
     assert records(out)[: len(kept)] == kept
 
 
+def test_a_full_disk_at_the_start_or_the_merge_exits_3_not_2(tmp_path):
+    """Lock files and a merge of part files are outputs too: a disk that cannot take them is exit 3
+    (an output could not be written), not 2 (a wrong request) (issue 42, case 8)."""
+    from encoder_graphs.app.distributed import part_path
+
+    default_model_dir()
+    images(tmp_path / "data", 2)
+    out = tmp_path / "r.jsonl"
+    done = cli([str(tmp_path / "data"), "--out", str(out)], fsize=10)  # not even the lock's few bytes
+    assert done.returncode == 3, done.stderr
+    assert "File too large" in done.stderr and "Traceback" not in done.stderr
+    assert main(["caption", str(tmp_path / "data"), "--out", str(out), *FAST]) == 0
+    lines = out.read_bytes().splitlines(keepends=True)
+    part_path(out, 1).write_bytes(b"".join(lines) * 20)  # a killed job's part: more than the limit allows
+    out.write_bytes(b"")
+    done = cli([str(tmp_path / "data"), "--out", str(out)], fsize=400)
+    assert done.returncode == 3, done.stderr
+    assert "File too large" in done.stderr and "Traceback" not in done.stderr
+
+
 def test_stats_json_too_large_exits_3_after_the_captions(tmp_path):
     default_model_dir()
     images(tmp_path / "data", 1)

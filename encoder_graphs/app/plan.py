@@ -4,6 +4,7 @@ opened (parts a killed torchrun job left merged) and tidied (temporaries gone, s
 captions already written backfilled), the files still to do."""
 
 import codecs
+import errno
 import json
 import os
 import sys
@@ -15,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from encoder_graphs.app.config import MAX_PROMPT_BYTES, CaptionConfig
 from encoder_graphs.app.distributed import Job
-from encoder_graphs.app.errors import UsageError, printable
+from encoder_graphs.app.errors import OutputError, UsageError, printable
 from encoder_graphs.app.metadata import CSV_FILE, metadata_folders, metadata_path
 from encoder_graphs.app.output_checks import check_targets, not_our_stats, special_file
 from encoder_graphs.app.outputs import METADATA_FILE, SidecarPolicy, unwritable
@@ -149,7 +150,10 @@ def open_results(settings: Settings, job: Job) -> "ResultsFile":
                               lock=job.rank == 0 and not settings.dry_run)  # a dry run only reads
     except ResultsLocked as error:
         raise UsageError(str(error)) from error
-    except (NotResultsFile, OSError) as error:
+    except OSError as error:
+        raise (OutputError(settings.out, error) if error.errno in FULL else
+               UsageError(f"cannot use --out {settings.out}: {error}")) from error
+    except NotResultsFile as error:
         raise UsageError(f"cannot use --out {settings.out}: {error}") from error
     if results.repaired_bytes:
         print(f"encoder-graphs: dropped a half-written last line ({results.repaired_bytes} bytes) of "
@@ -168,6 +172,8 @@ def open_results(settings: Settings, job: Job) -> "ResultsFile":
             merged = results.merge(parts)
         except (ResultsLocked, NotResultsFile, OSError) as error:
             results.close()
+            if isinstance(error, OSError) and error.errno in FULL:  # exit 3, as for any output that cannot be written
+                raise OutputError(error.filename or settings.out, error) from error
             raise UsageError(f"cannot merge the part files beside --out {printable(settings.out)}: {error}") from error
         print(f"encoder-graphs: merged {merged} records from the {len(parts)} part files an earlier torchrun job "
               f"left beside {printable(settings.out)}", file=sys.stderr)
@@ -188,6 +194,9 @@ def read_prompt(settings: Settings) -> str | None:
     except (OSError, UnicodeDecodeError) as error:
         raise UsageError(f"cannot read --prompt-file {settings.prompt_file}: {error}") from error
 
+
+# A disk or quota that is full, or a file at its size limit: an output that cannot be written (exit 3).
+FULL = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 
 # `--out` names that promise a format the results file is not (it is JSON lines).
 OTHER_FORMATS = frozenset({".parquet", ".pq", ".csv", ".tsv", ".arrow", ".feather", ".xlsx"})
