@@ -1,6 +1,5 @@
 """Token budgets and greedy bin-packing of encoder items. Pure Python: no torch here."""
 
-from encoder_graphs.packing.balance import load_balance
 from encoder_graphs.packing.budgets import generate_budgets, smallest_fitting_budget
 from encoder_graphs.packing.cost import BudgetCosts
 from encoder_graphs.packing.greedy import PackItem, SubBatch, greedy_pack, merge_eager
@@ -12,6 +11,5 @@ __all__ = [
     "generate_budgets",
     "greedy_pack",
     "merge_eager",
-    "load_balance",
     "smallest_fitting_budget",
 ]

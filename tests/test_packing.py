@@ -8,7 +8,6 @@ from encoder_graphs.packing import (
     BudgetCosts,
     generate_budgets,
     greedy_pack,
-    load_balance,
     smallest_fitting_budget,
 )
 
@@ -77,13 +76,6 @@ def test_frame_cap_closes_sub_batches():
     assert too_many[0].eager_reasons == {"a": "frames over max_frames"}
 
 
-def test_load_balance_lpt():
-    assert load_balance([5, 1, 4, 2, 3], 2) == [[0, 1, 3], [2, 4]]
-    assert load_balance([], 3) == [[], [], []]
-    with pytest.raises(ValueError):
-        load_balance([1], 0)
-
-
 budget_lists = st.lists(st.integers(1, 2000), min_size=0, max_size=5).map(sorted)
 items_strategy = st.lists(
     st.builds(
@@ -135,17 +127,6 @@ def test_greedy_pack_properties(items, budgets_a, budgets_b, max_items, max_fram
         limits = {path: path_budgets[-1] for path, path_budgets in budgets.items() if path_budgets}
         over = {frozenset(p for p, limit in limits.items() if items[i].path_tokens[p] > limit) for i in batch.indices}
         assert len(over) == 1 or not frames_fit
-
-
-@settings(max_examples=200, deadline=None)
-@given(st.lists(st.integers(0, 1000), max_size=50), st.integers(1, 8))
-def test_load_balance_properties(sizes, ranks):
-    assignment = load_balance(sizes, ranks)
-    assert sorted(i for rank in assignment for i in rank) == list(range(len(sizes)))
-    loads = [sum(sizes[i] for i in rank) for rank in assignment]
-    if sizes:
-        # each item goes to the least-loaded rank, so loads never spread by more than one item
-        assert max(loads) - min(loads) <= max(sizes)
 
 
 def test_budget_costs_interpolate_eager_and_prefer_the_cheaper_way():

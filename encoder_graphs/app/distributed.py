@@ -1,7 +1,7 @@
 """Data-parallel captioning under torchrun: one process per GPU (`LOCAL_RANK`), one job.
 
 Ranks share work dynamically: the files still to do are ordered by estimated cost (largest
-first, as `load_balance` orders them); each rank claims the next chunk (a quarter batch) from an
+first, `by_cost`); each rank claims the next chunk (a quarter batch) from an
 atomic counter on torchrun's own store, so a slow rank simply takes fewer. Each rank
 appends its records to its own part file beside `--out` (`captions.jsonl.encoder-graphs-part1`,
 a name no user file has, of this user; another user's is never merged); at the end rank
