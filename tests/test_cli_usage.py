@@ -244,6 +244,17 @@ def test_samples_alone_print_their_captions_and_leave_nothing(tmp_path, monkeypa
     assert sorted(SAMPLES_DIR.iterdir()) == package and not list((tmp_path / "tmp").iterdir())
 
 
+def test_a_demo_dry_run_reads_no_captions_jsonl_here_and_odd_hub_ids_are_usage_errors(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    Path("captions.jsonl").write_text("my notes\n")
+    assert main(["caption", "--samples", "--dry-run"]) == 0
+    assert "0 in --out already" in capsys.readouterr().out and Path("captions.jsonl").read_text() == "my notes\n"
+    for name in ("my--org/model", "a/b..c"):
+        assert main(["caption", "--samples", "--model", name, "--out", str(tmp_path / "r.jsonl")] + FAST) == 2
+        err = capsys.readouterr().err
+        assert f"--model {name}: neither a checkpoint directory" in err and "Traceback" not in err
+
+
 def test_stats_json_is_written_when_there_is_nothing_to_do(tmp_path, no_model):
     (path,) = images(tmp_path / "data", 1)
     out, stats = tmp_path / "r.jsonl", tmp_path / "stats.json"

@@ -100,3 +100,25 @@ def test_text_that_is_not_utf8_is_a_usage_error(tmp_path, flag, capsys):
     argv = ["caption", str(tmp_path / "ds"), "--out", str(tmp_path / "run.jsonl"), "--sidecar", flag, odd, *FAST]
     assert main(argv) == 2
     assert f"{flag} is not valid UTF-8" in capsys.readouterr().err
+
+
+def test_a_foreign_part_file_where_a_rank_would_write_refuses_the_job(tmp_path):
+    """Under torchrun a rank opens `<out>.encoder-graphs-part<rank>`: another user's file there
+    would take its records and be merged, so the job is refused before any model loads."""
+    from torch.distributed import HashStore
+
+    from encoder_graphs.app.distributed import Job, part_path
+    from encoder_graphs.app.errors import UsageError
+    from encoder_graphs.app.plan import make_plan
+    from encoder_graphs.app.settings import Settings
+
+    if os.geteuid() != 0:
+        pytest.skip("planting another user's file needs root")
+    images(tmp_path / "ds", 1)
+    out = tmp_path / "run.jsonl"
+    planted = part_path(out, 1)
+    planted.write_text("")
+    os.chown(planted, 4242, 4242)
+    with pytest.raises(UsageError, match="not this user's regular file"):
+        make_plan(Settings(paths=(str(tmp_path / "ds"),), out=out), Job(0, 2, 0, HashStore()))
+    assert planted.exists() and not out.exists()

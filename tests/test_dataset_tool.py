@@ -281,6 +281,17 @@ def test_a_moved_dataset_resumes_and_a_namesake_does_not(tmp_path, capsys):
     # The next run finds everything done.
     assert main(["caption", str(tmp_path / "new" / "ds"), "--out", str(out)] + FAST) == 0
     assert len(records(out)) == 3 + 4
+    # Moved again, and run with another setting: nothing is carried (their captions were made
+    # otherwise), every file is captioned anew, not refused; a name that is not UTF-8 is carried.
+    odd = Path(os.fsdecode(bytes(tmp_path / "new" / "ds") + b"/caf\xe9.png"))
+    Image.new("RGB", (12, 12), "blue").save(odd)
+    assert main(["caption", str(tmp_path / "new" / "ds"), "--out", str(out)] + FAST) == 0
+    os.rename(tmp_path / "new" / "ds", tmp_path / "ds2")
+    assert main(["caption", str(tmp_path / "ds2"), "--out", str(out)] + FAST) == 0
+    assert sum("moved_from" in r for r in records(out)[8:]) == 5, "all five carried, the odd name too"
+    os.rename(tmp_path / "ds2", tmp_path / "ds3")
+    assert main(["caption", str(tmp_path / "ds3"), "--out", str(out), "--max-new-tokens", "2", "--quiet"]) == 0
+    assert not any("moved_from" in r for r in records(out)[13:]) and len(records(out)) == 13 + 5
 
 
 def test_dry_run_writes_nothing_limit_takes_the_next_files_and_failures_are_named(tmp_path, capsys):

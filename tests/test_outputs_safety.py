@@ -373,10 +373,14 @@ def test_planted_sidecar_links_disclose_nothing_into_the_metadata(tmp_path, caps
     (tmp_path / "ds" / "img01.txt").symlink_to(secret)
     (tmp_path / "ds" / "img02.txt").symlink_to("/proc/self/environ")
     (tmp_path / "ds" / "img03.txt").write_bytes(b"x" * (2 << 20))
+    other = tmp_path / "other-secret"
+    other.write_text("PASSWORD=hunter2\n")
+    os.link(other, tmp_path / "ds" / "img00.txt")  # a hard link: a regular file of two names
     capsys.readouterr()
     assert main(["caption", str(tmp_path / "ds"), "--out", str(out), "--sidecar", "--hf-metadata"] + FAST) == 0
     metadata = (tmp_path / "ds" / "metadata.jsonl").read_text()
     assert "hf_secret" not in metadata and "PATH=" not in metadata and "xxxx" not in metadata
+    assert "hunter2" not in metadata
     captions = {r["relative_path"]: r["text"] for r in records(out)}
     assert {row["file_name"]: row["text"] for row in map(json.loads, metadata.splitlines())} == captions
-    assert "3 sidecars were not read as captions" in capsys.readouterr().err
+    assert "4 sidecars were not read as captions" in capsys.readouterr().err

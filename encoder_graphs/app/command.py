@@ -41,17 +41,35 @@ STARTED = time.perf_counter()  # the command's start, for the statistics' times 
 
 
 def caption(settings: Settings) -> int:
-    if settings.model is None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if settings.model is None and int(os.environ.get("WORLD_SIZE", "1")) > 1 and not settings.dry_run:
+        from encoder_graphs.app.loading import cache_error
         from encoder_graphs.models.presets.default_model import default_model_dir
 
-        # Before the job's process group exists: transformers then writes weights on rank 0 only.
-        default_model_dir()
+        try:  # before the job's process group exists: transformers then writes weights on rank 0 only
+            default_model_dir()
+        except OSError as error:
+            raise cache_error(error) from error
     plan = make_plan(settings, job_from_env())
     settings = plan.settings  # with --out settled
     if settings.dry_run:
         with plan.results:
             print(describe(plan, printable(settings.model) if settings.model else "the embedded tiny default"))
         return EXIT_OK
+    try:
+        status = caption_plan(plan)
+    finally:
+        if plan.temporary_out:  # a demo: its captions shown (when there are), its folder removed
+            show_samples(plan)
+    if plan.job.distributed and status == EXIT_FAILURES:
+        # torchrun reports any status but 0 of a process as the job's crash, with a traceback: a job
+        # that finished says what failed in its report, and --retry-failed tries those files again.
+        return EXIT_OK
+    return status
+
+
+def caption_plan(plan: Plan) -> int:
+    """The run of `plan`, or the report that it has nothing to do; the exit status."""
+    settings = plan.settings
     with plan.results:  # rank 0 (or the only process) holds the lock on --out until the run ends
         if plan.todo:
             status = run(plan)
@@ -67,12 +85,6 @@ def caption(settings: Settings) -> int:
                 files = len(plan.files)
                 write_stats_json(settings, {"pipeline": {"files": files, "skipped": files, "succeeded": 0, "failed": 0}})
             status = exit_status(plan)
-    if plan.temporary_out:
-        show_samples(plan)
-    if plan.job.distributed and status == EXIT_FAILURES:
-        # torchrun reports any status but 0 of a process as the job's crash, with a traceback: a job
-        # that finished says what failed in its report, and --retry-failed tries those files again.
-        return EXIT_OK
     return status
 
 
@@ -379,7 +391,8 @@ def show_samples(plan: Plan) -> None:
     from encoder_graphs.app.outputs import latest_records
 
     folder = plan.settings.out.parent
-    for record in sorted(latest_records(plan.settings.out).values(), key=lambda r: r["path"]):
+    records = latest_records(plan.settings.out) if plan.settings.out.exists() else {}
+    for record in sorted(records.values(), key=lambda r: r["path"]):
         print(f"{Path(record['path']).name}: {record.get('text', record.get('error'))}")
     shutil.rmtree(folder, ignore_errors=True)
     print("encoder-graphs: a demo's records are not kept; give --out FILE to keep them", file=sys.stderr)

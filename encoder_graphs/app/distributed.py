@@ -84,8 +84,9 @@ def die_with_launcher() -> None:
     import ctypes
     import signal
 
+    launcher = os.getppid()  # torchrun may itself be PID 1 (a container's entrypoint)
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    if os.getppid() == 1:
+    if os.getppid() != launcher:  # it died before the signal was asked for: reparented
         raise SystemExit("encoder-graphs: torchrun's launcher is gone; this rank stops")
 
 

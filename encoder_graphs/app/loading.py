@@ -109,6 +109,12 @@ def hub_checkpoint(name: str) -> Path | None:
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return None  # not a Hub id: the caller says what --model may be
     try:
         return Path(snapshot_download(name, allow_patterns=HUB_FILES, local_files_only=True))
     except LocalEntryNotFoundError:
@@ -121,8 +127,9 @@ def hub_checkpoint(name: str) -> Path | None:
         return Path(snapshot_download(name, allow_patterns=HUB_FILES))
     except (HfHubHTTPError, LocalEntryNotFoundError, OSError, ValueError) as error:
         first = (str(error).splitlines() or [type(error).__name__])[0]
-        raise UsageError(f"--model {name}: cannot download it from the Hugging Face Hub ({first}); give a local "
-                         "checkpoint folder, or fetch it where the Hub can be reached (hf download NAME)") from error
+        raise UsageError(f"--model {name}: no such folder here, and cannot download it from the Hugging Face Hub "
+                         f"({first}); give a local checkpoint folder, or fetch it where the Hub can be reached "
+                         "(hf download NAME)") from error
 
 
 def cache_error(error: OSError) -> UsageError:

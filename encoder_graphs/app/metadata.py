@@ -216,14 +216,16 @@ def caption_of(
 
 def read_sidecar(path: Path) -> str | bool | None:
     """The caption in the sidecar at `path`; None where there is none or it cannot be read; False
-    where it is not one: a link, not a regular file, or larger than `MAX_SIDECAR_BYTES`."""
+    where it is not one: a link (symbolic, or hard: a file of more names), not a regular file, or
+    larger than `MAX_SIDECAR_BYTES`."""
     try:
         fd = os.open(path, os.O_RDONLY | OPEN_FLAGS)
     except OSError as error:
         return False if error.errno == errno.ELOOP else None  # ELOOP: a symlink (O_NOFOLLOW)
     try:
         info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_SIDECAR_BYTES:
+        # A hard link's other name may be a file the sidecar's writer could not read themselves.
+        if not stat.S_ISREG(info.st_mode) or info.st_nlink > 1 or info.st_size > MAX_SIDECAR_BYTES:
             return False
         return os.read(fd, MAX_SIDECAR_BYTES + 1).decode("utf-8").removesuffix("\n")
     except (OSError, UnicodeDecodeError):

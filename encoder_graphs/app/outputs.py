@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from encoder_graphs.app.lock import OPEN_FLAGS
+from encoder_graphs.app.names import as_text
 from encoder_graphs.app.results import ResultsFile, fingerprint, path_key, read_records, record_path
 from encoder_graphs.app.walk import media_kind
 
@@ -139,21 +140,25 @@ class Outputs:
             self.on_written(len(records))
 
 
-def carry_moved(results: ResultsFile, files: Sequence[Path], roots: Sequence[Path]) -> int:
+def carry_moved(results: ResultsFile, files: Sequence[Path], roots: Sequence[Path], identity: dict) -> int:
     """A moved dataset resumes: each of `files` without a record whose path relative to its root
-    and `fingerprint` are those of the latest record of a path not among `files` (the same file
-    where the dataset was) gets a copy of that record under its own path (`moved_from` the old),
-    so it is not captioned again. How many; only files whose relative path matches are read."""
-    if not results.done or all(path_key(file) in results.done for file in files):
+    and `fingerprint` are those of the latest caption (or error) of a path not among `files` (the
+    same file where the dataset was), made with this run's settings (`identity`), gets a copy of
+    that record under its own path (`moved_from` the old), so it is not captioned again. How
+    many; only files whose relative path matches are read."""
+    keys = {file: path_key(file) for file in files}
+    missing = [file for file, key in keys.items() if key not in results.done]
+    if not missing or not results.done - set(keys.values()):  # nothing to do, or no record of elsewhere
         return 0
-    ours = {path_key(file) for file in files}
+    ours = set(keys.values())
     elsewhere: dict[str, list[dict]] = defaultdict(list)
     for key, record in latest_records(results.path).items():
-        if key not in ours and "fingerprint" in record and isinstance(record.get("relative_path"), str):
+        if (key not in ours and "fingerprint" in record and isinstance(record.get("relative_path"), str)
+                and record.get("settings", identity) == identity):
             elsewhere[record["relative_path"]].append(record)
     carried = []
-    for file in files:
-        candidates = elsewhere.get(relative_path(file, roots)) if path_key(file) not in results.done else None
+    for file in missing:
+        candidates = elsewhere.get(as_text(relative_path(file, roots)))
         mark = fingerprint(file) if candidates else None
         for record in candidates or ():
             if record["fingerprint"] == mark:

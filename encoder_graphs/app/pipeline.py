@@ -323,7 +323,7 @@ class Captioner:
 
     def _identity(self, file: MediaFile) -> dict:
         identity = {"path": str(file.path), "relative_path": relative_path(file.path, self.roots), "kind": file.kind}
-        mark = fingerprint(file.path)  # by which the record follows its file when the dataset moves
+        mark = None if file.reason else fingerprint(file.path)  # the record follows it when the dataset moves
         return identity if mark is None else {**identity, "fingerprint": mark}
 
     def _failure_record(self, file: MediaFile, error: Exception) -> dict:

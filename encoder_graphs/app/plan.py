@@ -8,6 +8,7 @@ import errno
 import json
 import os
 import sys
+import tempfile
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -79,15 +80,17 @@ def make_plan(settings: Settings, job: Job) -> Plan:
         raise UsageError(str(error)) from error
     check_attention_backend(settings.attn_backend)
     temporary_out = settings.out is None and settings.samples and not settings.paths  # a demo
-    if settings.out is None:
-        settings = replace(settings, out=default_out(temporary_out and not settings.dry_run, job))
+    if settings.out is None and temporary_out and settings.dry_run:  # a demo's: a new folder, not made
+        settings = replace(settings, out=Path(tempfile.gettempdir()) / "encoder-graphs-samples-(new)" / "captions.jsonl")
+    elif settings.out is None:
+        settings = replace(settings, out=default_out(temporary_out, job))
     check_outputs(settings, roots, files, sidecars)
     results = open_results(settings, job)
+    identity = run_identity(settings, config.prompt)
     if job.rank == 0 and not settings.dry_run:
-        tidy_outputs(settings, roots, files, sidecars, results, config.text)
+        tidy_outputs(settings, roots, files, sidecars, results, config.text, identity)
     if job.distributed and job.rank == 0:  # the other ranks read --out once rank 0 is done writing it
         job.store.add("opened", 1)
-    identity = run_identity(settings, config.prompt)
     if not settings.redo and (others := results.made_otherwise([f.path for f in files], identity)):
         raise UsageError(settings_clash(settings.out, identity, others))
     todo = [f for f in files if settings.redo or not (results.is_done(f.path) or all(map(sidecars.skips, f.names)))]
@@ -160,6 +163,10 @@ def open_results(settings: Settings, job: Job) -> "ResultsFile":
               f"{printable(settings.out)}", file=sys.stderr)
     others: list[Path] = []
     parts = part_paths(results.path, others=others) if job.rank == 0 else []
+    if others and job.distributed:  # a rank would write into it, and the merge take its records
+        results.close()
+        raise UsageError(f"{printable(others[0])} is named as this job's part files are, and is not this user's "
+                         "regular file: remove it, or give another --out")
     if others:
         print(f"encoder-graphs: left alone {len(others)} files named as part files beside {printable(settings.out)} "
               f"that are not this user's regular files (e.g. {printable(others[0])}): their records are not merged",
@@ -246,7 +253,7 @@ def check_outputs(settings: Settings, roots: list[Path], files: "list[MediaFile]
 
 def tidy_outputs(
     settings: Settings, roots: list[Path], files: "list[MediaFile]", sidecars: SidecarPolicy,
-    results: "ResultsFile", text: Callable[[str], str],
+    results: "ResultsFile", text: Callable[[str], str], identity: dict,
 ) -> None:
     """Before the plan (rank 0): the records of a moved dataset's files carried to their new
     paths (`carry_moved`), the temporaries killed runs left beside this run's outputs
@@ -254,7 +261,7 @@ def tidy_outputs(
     this run's prefix and suffix (`text`; one that cannot be written is its file's error record)."""
     from encoder_graphs.app.outputs import carry_moved, remove_stale_temporaries
 
-    if carried := carry_moved(results, [f.path for f in files], roots):
+    if not settings.redo and (carried := carry_moved(results, [f.path for f in files], roots, identity)):
         print(f"encoder-graphs: {carried} files have records in {printable(settings.out)} under another folder, "
               "with the same names and contents (a moved dataset): their records were copied to their paths "
               "here and they are not captioned again", file=sys.stderr)

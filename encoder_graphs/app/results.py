@@ -45,7 +45,7 @@ def fingerprint(path: str | Path) -> str | None:
     where it cannot be read as a regular file). With its path relative to its root, it is a
     file's identity when its dataset moves (`outputs.carry_moved`)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
     except OSError:
         return None
     try:
