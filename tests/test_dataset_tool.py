@@ -355,3 +355,34 @@ def test_odd_names_templates_and_rotation(tmp_path, capsys):
     again = ["caption", str(folder), "--out", str(out), "--hf-metadata", "--prompt", "{width}x{height}"]
     assert main(again + FAST) == 0, "nothing to do"
     assert len(records(folder / "metadata.jsonl")) == 1, "no JSON file_name opens caf\\xe9.png: it has no row"
+
+
+def test_shards_split_the_files_disjointly_and_completely_with_slurm_defaults(tmp_path, monkeypatch, capsys):
+    """--num-shards/--shard-index (or a Slurm job array's task) give each process a disjoint,
+    complete share, the same wherever the dataset is mounted, each into its own --out (issue 43)."""
+    from encoder_graphs.app.shards import shard_out, slurm_shard
+
+    files = images(tmp_path / "ds", 12)
+    outs = []
+    for index in range(3):
+        assert main(["caption", str(tmp_path / "ds"), "--out", str(tmp_path / "caps-{shard}.jsonl"),
+                     "--num-shards", "3", "--shard-index", str(index)] + FAST) == 0
+        outs.append(tmp_path / f"caps-{index}.jsonl")
+    shares = [{r["relative_path"] for r in records(out)} for out in outs]
+    assert sorted(name for share in shares for name in share) == sorted(f.name for f in files)
+    assert all(shares), "12 files in 3 shards: each has some"
+    # The same split under a Slurm array of 3 tasks numbered from 5, elsewhere: task 6 is shard 1.
+    monkeypatch.setenv("SLURM_ARRAY_TASK_COUNT", "3")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_MIN", "5")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "6")
+    assert slurm_shard() == (3, 1)
+    os.rename(tmp_path / "ds", tmp_path / "moved")
+    assert main(["caption", str(tmp_path / "moved"), "--out", str(tmp_path / "slurm.jsonl")] + FAST) == 0
+    assert {r["relative_path"] for r in records(tmp_path / "slurm.shard-1-of-3.jsonl")} == shares[1]
+    assert shard_out(Path("a/c.jsonl"), 16, 3) == Path("a/c.shard-03-of-16.jsonl")
+    capsys.readouterr()
+    for extra, words in ((["--hf-metadata"], "--hf-metadata with shards"), (["--shard-index", "3"], "give 0 to 2")):
+        argv = ["caption", str(tmp_path / "moved"), "--out", str(tmp_path / "x.jsonl"), "--num-shards", "3"]
+        argv += extra if "--shard-index" in extra else ["--shard-index", "0", *extra]
+        assert main(argv + FAST) == 2
+        assert words in capsys.readouterr().err

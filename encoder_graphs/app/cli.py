@@ -206,6 +206,15 @@ def _performance_arguments(parser: argparse.ArgumentParser) -> None:
         "the decode step's layers: a longer start (shorter with inductor's cache warm), faster encoding and "
         f"decoding (default: on a GPU with at least {COMPILE_FROM_FILES} files to caption per GPU)",
     )
+    group = parser.add_argument_group("across machines")
+    group.add_argument(
+        "--num-shards", type=_positive_int, default=None, metavar="N",
+        help="split the files into N disjoint shards by their paths within the folders given (the same on every "
+        "machine, wherever the dataset is mounted); this process captions one, --shard-index (default: "
+        "a Slurm job array's SLURM_ARRAY_TASK_COUNT and task, when set); --out may say {shard}, else each "
+        "shard writes <out stem>.shard-I-of-N<suffix>",
+    )
+    group.add_argument("--shard-index", type=int, default=None, metavar="I", help="with --num-shards: 0 to N-1")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -79,6 +79,7 @@ def make_plan(settings: Settings, job: Job) -> Plan:
     except ValueError as error:
         raise UsageError(str(error)) from error
     check_attention_backend(settings.attn_backend)
+    settings, files = this_shard(settings, roots, files, say=job.rank == 0)
     temporary_out = settings.out is None and settings.samples and not settings.paths  # a demo
     if settings.out is None and temporary_out and settings.dry_run:  # a demo's: a new folder, not made
         settings = replace(settings, out=Path(tempfile.gettempdir()) / "encoder-graphs-samples-(new)" / "captions.jsonl")
@@ -99,6 +100,30 @@ def make_plan(settings: Settings, job: Job) -> Plan:
     if job.distributed:  # every rank must hold the same list before any starts writing parts
         job.barrier("planned")
     return Plan(settings, roots, files, todo, config, sidecars, results, job, skipped, identity, temporary_out, later)
+
+
+def this_shard(
+    settings: Settings, roots: list[Path], files: "list[MediaFile]", say: bool = True
+) -> tuple[Settings, "list[MediaFile]"]:
+    """The settings and files of this process's shard (`app/shards.py`): of `--num-shards`, or of
+    the Slurm job array it runs in; its own --out. Unsharded: as given."""
+    from encoder_graphs.app.outputs import relative_path
+    from encoder_graphs.app.shards import shard_of, shard_out, slurm_shard
+
+    shard = (settings.num_shards, settings.shard_index) if settings.num_shards is not None else slurm_shard()
+    if shard is None or shard[0] == 1:
+        return settings, files
+    num, index = shard
+    if settings.hf_metadata:
+        raise UsageError(f"--hf-metadata with shards ({num}): each shard would rewrite the folders' metadata with its "
+                         "own rows; caption the shards with --sidecar, then run once more with --sidecar "
+                         "--hf-metadata and no shards (every file is done by its sidecar) to write it")
+    mine = [f for f in files if shard_of(relative_path(f.path, roots), num) == index]
+    out = shard_out(settings.out or Path("captions.jsonl"), num, index)
+    if say:
+        print(f"encoder-graphs: shard {index} of 0-{num - 1}: {len(mine)} of the {len(files)} files; --out "
+              f"{printable(out)}", file=sys.stderr)
+    return replace(settings, out=out, num_shards=num, shard_index=index), mine
 
 
 def settings_clash(out: Path, identity: dict, others: dict[str, int]) -> str:

@@ -56,6 +56,9 @@ class Settings:
     attn_backend: str | None = None
     no_graphs: bool = False
     compile: bool | None = None  # None: by the job's size (`command.wants_compile`)
+    # Across machines (`shards.shard_of`); None: from a Slurm job array where one runs, else one shard.
+    num_shards: int | None = None
+    shard_index: int | None = None
 
     def __post_init__(self) -> None:
         if (problem := ignored_flag(self)) is not None:
@@ -96,6 +99,10 @@ def ignored_flag(settings: Settings) -> str | None:
         for flag, given in (("--top-p", settings.top_p is not None), ("--seed", settings.seed is not None)):
             if given:
                 return f"{flag} applies to sampling: add --temperature above 0 (0 is greedy)"
+    if (settings.shard_index is None) != (settings.num_shards is None):
+        return "--num-shards and --shard-index go together (or neither, in a Slurm job array: its task's)"
+    if settings.num_shards is not None and not 0 <= settings.shard_index < settings.num_shards:
+        return f"--shard-index {settings.shard_index}: give 0 to {settings.num_shards - 1} for --num-shards {settings.num_shards}"
     if settings.samples:  # the samples live in the installed package: nothing is written beside them
         for flag, given in (("--sidecar", settings.sidecar), ("--hf-metadata", settings.hf_metadata)):
             if given:
