@@ -308,6 +308,7 @@ def test_dry_run_writes_nothing_limit_takes_the_next_files_and_failures_are_name
     assert main(argv + ["--limit", "4"]) == 1  # bad.png sorts first: it fails
     printed = capsys.readouterr().out
     assert "captioned 3, failed 1, skipped (already done) 0, left to a later run (--limit) 2" in printed
+    assert "kinds: image 4\n" in printed, "kinds count the records written: 3 captions and 1 error"
     assert f"failed, by their latest record: 1 ({tmp_path / 'data' / 'bad.png'}); each record's \"error\"" in printed
     assert f"captions: {out}" in printed
     assert main(argv + ["--limit", "4"]) == 1
