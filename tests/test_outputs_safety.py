@@ -119,20 +119,29 @@ def test_our_own_outputs_are_accepted_on_a_rerun(tmp_path):
 # -- 8, 10: the lock by the file's identity, never through a symlink --------------------------------
 
 
-def test_a_symlinked_or_hard_linked_lock_file_is_not_written(tmp_path, capsys, no_model):
+def test_an_odd_lock_file_is_left_alone_and_blocks_no_run(tmp_path, capsys):
+    """`<out>.lock` only names the holder: a symlink, a hard link, a FIFO or a folder planted
+    there is neither written nor a lockout; the flock on --out holds all the same (issue 42, case 6)."""
     images(tmp_path / "data", 1)
     victim = tmp_path / "victim.txt"
     victim.write_text("precious\n")
     out = tmp_path / "r.jsonl"
     lock = Path(f"{out}.lock")
-    lock.symlink_to(victim)
-    refused(["caption", str(tmp_path / "data"), "--out", str(out)], capsys, str(lock), "symbolic link")
-    lock.unlink()
-    lock.hardlink_to(victim)
-    with pytest.raises(OSError, match="not one this command wrote"):
-        ResultsFile(out)
-    assert victim.read_text() == "precious\n" and lock.read_text() == "precious\n"
-    assert not out.exists(), "the results file made for the lock is removed again"
+    plants = {"symlink": lambda: lock.symlink_to(victim), "hard link": lambda: lock.hardlink_to(victim),
+              "FIFO": lambda: os.mkfifo(lock), "folder": lambda: lock.mkdir()}
+    for what, plant in plants.items():
+        plant()
+        with ResultsFile(out) as results:
+            assert results.lock_note is not None and "left alone" in results.lock_note, what
+            with pytest.raises(ResultsLocked):
+                ResultsFile(out)
+        capsys.readouterr()
+        assert main(["caption", str(tmp_path / "data"), "--out", str(out)] + FAST) == 0, what
+        assert "left alone; --out is locked all the same" in capsys.readouterr().err, what
+        assert victim.read_text() == "precious\n" and len(records(out)) == 1, what
+        lock.rmdir() if what == "folder" else lock.unlink()
+    with ResultsFile(out) as results:
+        assert results.lock_note is None and json.loads(lock.read_text())["pid"] == os.getpid()
 
 
 def test_a_hard_link_or_symlink_to_out_meets_its_lock(tmp_path, capsys, no_model):

@@ -43,10 +43,6 @@ class HeldElsewhere(Exception):
         super().__init__(f"held by {holder}")
 
 
-class LockFileError(OSError):
-    """The lock file is not one this command wrote (a symlink, another file's name): not touched."""
-
-
 class FileLock:
     """`acquire()` once, `release()` when done (also when the process dies, by the kernel).
     While held, `fd` is the guarded file open for reading and writing."""
@@ -56,6 +52,9 @@ class FileLock:
         self.path = Path(os.path.realpath(self.guarded.parent)) / f"{self.guarded.name}.lock"  # the holder's name
         self.fd: int | None = None
         self._holder_fd: int | None = None
+        # Why the holder's name could not be written (its lock file is a link, a folder, a FIFO or
+        # another user's: left alone); the lock holds all the same, only a taker cannot name us.
+        self.note: str | None = None
         self._created = False
 
     @property
@@ -64,8 +63,8 @@ class FileLock:
 
     def acquire(self) -> None:
         """Take the lock; HeldElsewhere (naming the holder) when another holds it, OSError when
-        the guarded file cannot be opened for writing or is not a regular file, LockFileError when
-        the lock file is not one we wrote."""
+        the guarded file cannot be opened for writing or is not a regular file. A lock file that is
+        not one we wrote is left alone (`note` says so): it only names the holder."""
         while True:
             fd, self._created = _open_regular(self.guarded)
             try:
@@ -83,7 +82,7 @@ class FileLock:
             os.close(fd)
         self.fd = fd
         try:
-            self._holder_fd = _write_holder(self.path)
+            self._holder_fd, self.note = _write_holder(self.path)
         except BaseException:
             self.release()
             raise
@@ -128,24 +127,32 @@ def _open_regular(path: Path) -> tuple[int, bool]:
     return fd, False
 
 
-def _write_holder(path: Path) -> int:
-    """Our pid and host in the lock file `path` (a stale one is overwritten); its descriptor."""
+# Opening a lock file fails so where it is a link, a folder or another user's file.
+ODD_LOCK_FILE = frozenset({errno.ELOOP, errno.EACCES, errno.EPERM, errno.EISDIR, errno.ENXIO})
+
+
+def _write_holder(path: Path) -> tuple[int | None, str | None]:
+    """Our pid and host in the lock file `path` (a stale one of ours is overwritten): its
+    descriptor; or None and why, where `path` is not ours to write (a link, a special file,
+    another file's name, another user's): left alone. OSError where it cannot be written."""
+    odd = f"{path} is not a lock file this command wrote (a link, a special file or another user's): left alone"
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | OPEN_FLAGS, 0o644)
     except OSError as error:
-        error = _no_symlink(error, path)
-        raise LockFileError(error.errno, f"cannot write the lock file {path}: {error.strerror}") from error
+        if error.errno in ODD_LOCK_FILE:
+            return None, odd
+        raise
     try:
         info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:  # another file's name: not ours to write
-            raise LockFileError(errno.EEXIST, f"the lock file {path} is not one this command wrote (a link or a "
-                                "special file): remove it")
+        if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1 or info.st_uid != os.geteuid():
+            os.close(fd)
+            return None, odd
         os.ftruncate(fd, 0)
         os.pwrite(fd, (json.dumps({"pid": os.getpid(), "host": socket.gethostname()}) + "\n").encode(), 0)
     except BaseException:
         os.close(fd)
         raise
-    return fd
+    return fd, None
 
 
 def _no_symlink(error: OSError, path: Path) -> OSError:

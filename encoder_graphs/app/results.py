@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from encoder_graphs.app.errors import OutputError
-from encoder_graphs.app.lock import FileLock, HeldElsewhere, LockFileError, LockHolder
+from encoder_graphs.app.lock import FileLock, HeldElsewhere, LockHolder
 from encoder_graphs.app.names import as_text, escaped, is_text, unescaped
 
 RECORD_START = b'{"path": '  # how every record we write begins (the path is its first key)
@@ -115,8 +115,6 @@ class ResultsFile:
                 self._lock.acquire()
             except HeldElsewhere as error:
                 raise ResultsLocked(self.path, error.holder) from None
-            except LockFileError:
-                raise
             except OSError as error:
                 message = f"cannot append to the results file {self.path}: {error.strerror}"
                 raise OSError(error.errno, message) from error
@@ -127,6 +125,11 @@ class ResultsFile:
             raise
 
     # -- the lock ---------------------------------------------------------------------------------
+
+    @property
+    def lock_note(self) -> str | None:
+        """Why the lock file beside the results could not name this holder (`FileLock.note`)."""
+        return self._lock.note
 
     @property
     def closed(self) -> bool:
