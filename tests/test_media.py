@@ -308,3 +308,30 @@ def test_limits_validation():
         LoadLimits(max_frames=3)
     with pytest.raises(ValueError, match="min_side"):
         LoadLimits(min_side=1000, max_pixels=100)
+
+
+def test_loader_threads_leave_the_warning_filters_and_raise_no_bomb_warnings(tmp_path, monkeypatch):
+    """Pillow warns past its pixel count; the loaders judge sizes themselves. Silenced per call in
+    `catch_warnings` (not thread-safe) from 8 threads, the filters leaked (issue 42, case 8)."""
+    import threading
+    import warnings
+    from concurrent.futures import ThreadPoolExecutor
+
+    from PIL import Image
+
+    from encoder_graphs.app.media import LoadLimits, load_image
+
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 500)  # every image below warns in Pillow
+    paths = []
+    for index in range(32):
+        paths.append(tmp_path / f"{index}.png")
+        Image.new("RGB", (20 + index % 12, 30), (index, 0, 0)).save(paths[-1])  # 600-930 pixels: warned, not refused
+    before = list(warnings.filters)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning)  # as media set it
+        inside = list(warnings.filters)
+        with ThreadPoolExecutor(8) as pool:
+            assert len(list(pool.map(lambda p: load_image(p, LoadLimits()), paths * 4))) == 128
+        assert warnings.filters == inside and not caught, [str(w.message) for w in caught]
+    assert warnings.filters == before and threading.active_count() >= 1

@@ -129,6 +129,12 @@ class DecodeBudget:
 
 DECODE_BUDGET = DecodeBudget(2 << 30)
 
+# Pillow's warning for an image past its pixel count is for code that does not judge sizes: these
+# loaders refuse by the header first (`check_size`), so it is off, once, for the process. Turned off
+# per call, in `warnings.catch_warnings`, it leaked: that context is not thread-safe, and the loader
+# threads entered and left it at once.
+warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning)
+
 
 def load_image(path: Path, limits: LoadLimits) -> Image.Image:
     """Decoded as small as the limits allow: a JPEG reduced inside its decoder, other formats box
@@ -136,18 +142,16 @@ def load_image(path: Path, limits: LoadLimits) -> Image.Image:
     times its size); turned upright by its EXIF orientation."""
     with open_regular(path) as handle:
         try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-                with Image.open(handle) as image:
-                    check_size(path, *image.size, limits)
-                    # JPEG can decode at 1/2, 1/4, 1/8 scale: a huge photo never becomes a huge bitmap.
-                    scale = math.sqrt(limits.max_pixels / (image.width * image.height))
-                    if scale < 1:
-                        image.draft("RGB", (max(1, int(image.width * scale)), max(1, int(image.height * scale))))
-                    with DECODE_BUDGET.hold(image.width * image.height * DECODE_BYTES_PER_PIXEL):
-                        image.load()
-                        orientation = image.getexif().get(ORIENTATION_TAG, 1)  # a PNG's may follow its pixels
-                        rgb = _to_rgb(reduce(_narrow(image), limits.max_pixels))
+            with Image.open(handle) as image:  # no DecompressionBombWarning: the filter above
+                check_size(path, *image.size, limits)
+                # JPEG can decode at 1/2, 1/4, 1/8 scale: a huge photo never becomes a huge bitmap.
+                scale = math.sqrt(limits.max_pixels / (image.width * image.height))
+                if scale < 1:
+                    image.draft("RGB", (max(1, int(image.width * scale)), max(1, int(image.height * scale))))
+                with DECODE_BUDGET.hold(image.width * image.height * DECODE_BYTES_PER_PIXEL):
+                    image.load()
+                    orientation = image.getexif().get(ORIENTATION_TAG, 1)  # a PNG's may follow its pixels
+                    rgb = _to_rgb(reduce(_narrow(image), limits.max_pixels))
         except MediaError:
             raise
         except Image.DecompressionBombError as error:

@@ -3,7 +3,6 @@ record every outcome."""
 
 import threading
 import time
-import warnings
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -366,11 +365,9 @@ def folder_reason(path: Path) -> str:
 
 def original_size(path: Path) -> tuple[int, int]:
     """An image's width and height as seen (EXIF rotation applied), from its header only."""
-    with warnings.catch_warnings():  # `load` has already judged the size
-        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-        with Image.open(path) as image:
-            width, height = image.size
-            rotated = image.getexif().get(ORIENTATION_TAG) in (5, 6, 7, 8)
+    with Image.open(path) as image:  # sizes judged by `load` (media's warnings filter)
+        width, height = image.size
+        rotated = image.getexif().get(ORIENTATION_TAG) in (5, 6, 7, 8)
     return (height, width) if rotated else (width, height)
 
 
