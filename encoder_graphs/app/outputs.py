@@ -19,7 +19,7 @@ from pathlib import Path
 
 from encoder_graphs.app.lock import OPEN_FLAGS
 from encoder_graphs.app.names import as_text
-from encoder_graphs.app.results import ResultsFile, fingerprint, path_key, read_records, record_path
+from encoder_graphs.app.results import ResultsFile, fingerprint, iter_records, path_key, record_path
 from encoder_graphs.app.walk import media_kind
 
 METADATA_FILE = "metadata.jsonl"
@@ -70,13 +70,12 @@ class SidecarPolicy:
         `--sidecar`, or one killed between its record and its sidecars), each caption with this
         run's prefix and suffix (`text`); with `overwrite` also those whose sidecar exists. How
         many, and the error records of those that could not be written."""
-        latest = latest_records(results_path)
+        lacking = [file for file in files if self.overwrite or not os.path.isfile(self.path(file))]
+        latest = latest_records(results_path, {path_key(file) for file in lacking})
         written, errors = 0, []
-        for file in files:
+        for file in lacking:
             record = latest.get(path_key(file))
             if record is None or "caption" not in record:
-                continue
-            if not self.overwrite and os.path.isfile(self.path(file)):
                 continue
             try:
                 written += self.write(file, text(record["caption"]))
@@ -169,15 +168,19 @@ def carry_moved(results: ResultsFile, files: Sequence[Path], roots: Sequence[Pat
     return len(carried)
 
 
-def latest_records(results_path: Path) -> dict[str, dict]:
-    """The latest record of every path in a results file, by path identity. A sidecar that could
+def latest_records(results_path: Path, wanted: "set[str] | None" = None) -> dict[str, dict]:
+    """The latest record of every path in a results file, by path identity (`wanted`: of those
+    paths only, so a run over millions of records holds the few it needs). A sidecar that could
     not be written leaves the caption before it standing: its line is not counted here (nor an
     earlier version's error record for it)."""
     latest: dict[str, dict] = {}
-    if results_path.exists():
-        for record in read_records(results_path):
-            if not is_sidecar_line(record):
-                latest[path_key(record_path(record))] = record
+    if results_path.exists() and wanted != set():
+        for record in iter_records(results_path):
+            if is_sidecar_line(record):
+                continue
+            key = path_key(record_path(record))
+            if wanted is None or key in wanted:
+                latest[key] = record
     return latest
 
 

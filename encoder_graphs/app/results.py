@@ -22,7 +22,7 @@ import hashlib
 import json
 import os
 import stat
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from encoder_graphs.app.errors import OutputError
@@ -153,25 +153,37 @@ class ResultsFile:
     # -- the records ------------------------------------------------------------------------------
 
     def _read_existing(self) -> None:
+        """Read line by line (a results file of millions of records is never held whole): every
+        record marked, the file refused if it is not ours, its last line repaired."""
         if not self.path.exists():
             return
-        data = self.path.read_bytes()
-        lines = data.splitlines(keepends=True)
-        if not _ours(lines):
-            raise NotResultsFile(self.path)
-        # Only an unterminated last line is a kill's; only the lock holder cuts it. One that is a
-        # whole record lost only its newline (a script rewrote the file): it gets it back.
-        if lines and not lines[-1].endswith(b"\n") and not self.closed:
-            if _parse(lines[-1] + b"\n") is not None:
-                lines[-1] += b"\n"
-                self._write(b"\n")
-            else:
-                self.repaired_bytes = len(lines.pop())
-                os.ftruncate(self._lock.fd, len(data) - self.repaired_bytes)
-                os.fsync(self._lock.fd)
-        # A damaged line elsewhere is not ours to delete: it is kept and marks nothing done.
-        for record in filter(None, map(_parse, lines)):  # in file order: the latest record wins
+        with open(self.path, "rb") as handle:
+            first = handle.readline()
+            if first and not _ours([first] + [b""] * bool(handle.peek(1))):  # `_ours` asks if there is more
+                raise NotResultsFile(self.path)
+            offset, line = 0, first
+            while line:
+                following = handle.readline()
+                if not following and not line.endswith(b"\n"):
+                    self._repair(line, offset)
+                    break
+                # A damaged line elsewhere is not ours to delete: it is kept and marks nothing done.
+                if (record := _parse(line)) is not None:  # in file order: the latest record wins
+                    self._mark(record)
+                offset, line = offset + len(line), following
+
+    def _repair(self, last: bytes, offset: int) -> None:
+        """The unterminated last line: a kill's half line is cut, a whole record that lost only its
+        newline (a script rewrote the file) gets it back; only by the lock holder."""
+        if self.closed:
+            return
+        if (record := _parse(last + b"\n")) is not None:
+            self._write(b"\n")
             self._mark(record)
+            return
+        self.repaired_bytes = len(last)
+        os.ftruncate(self._lock.fd, offset)
+        os.fsync(self._lock.fd)
 
     def is_done(self, path: str | Path) -> bool:
         """Recorded already, so not to be captioned again (with `retry_failed`: and not an error)."""
@@ -268,8 +280,15 @@ class ResultsFile:
 
 def read_records(path: str | Path) -> list[dict]:
     """Every complete, well-formed record in a results file."""
+    return list(iter_records(path))
+
+
+def iter_records(path: str | Path) -> Iterator[dict]:
+    """The complete, well-formed records of a results file, one at a time."""
     with open(path, "rb") as handle:
-        return [record for line in handle if (record := _parse(line)) is not None]
+        for line in handle:
+            if (record := _parse(line)) is not None:
+                yield record
 
 
 def _record_lines(path: Path) -> list[bytes]:
