@@ -387,3 +387,29 @@ def test_shards_split_the_files_disjointly_and_completely_with_slurm_defaults(tm
         argv += extra if "--shard-index" in extra else ["--shard-index", "0", *extra]
         assert main(argv + FAST) == 2
         assert words in capsys.readouterr().err
+
+
+def test_a_manifest_lists_the_files_and_a_missing_one_is_an_error_record(tmp_path, capsys):
+    """`--manifest` of CSV, JSON lines or plain text: the files it names and only those, relative
+    to its folder; a listed file that is missing, or is not media, is its error record (issue 43)."""
+    files = images(tmp_path / "ds" / "sub", 4)
+    listed = [os.path.join("sub", files[0].name), str(files[1]), "sub/gone.png", "notes.md"]
+    (tmp_path / "ds" / "notes.md").write_text("x")
+    manifests = {
+        "list.csv": "path,score\n" + "".join(f"{name},1\n" for name in listed),
+        "list.jsonl": "".join(json.dumps({"file_name": name}) + "\n" for name in listed),
+        "list.txt": "# the selection\n" + "".join(f"{name}\n" for name in listed),
+    }
+    for name, text in manifests.items():
+        (tmp_path / "ds" / name).write_text(text)
+        out = tmp_path / f"{name}.out.jsonl"
+        assert main(["caption", "--manifest", str(tmp_path / "ds" / name), "--out", str(out)] + FAST) == 1, name
+        by_name = {r["relative_path"]: r for r in records(out)}
+        assert sorted(by_name) == sorted(["sub/img00.png", "sub/img01.png", "sub/gone.png", "notes.md"]), name
+        assert "caption" in by_name["sub/img00.png"] and "caption" in by_name["sub/img01.png"]
+        assert by_name["sub/gone.png"]["error_kind"] == "not_found" and name in by_name["sub/gone.png"]["error"]
+        assert by_name["notes.md"]["error_kind"] == "unsupported"
+    (tmp_path / "bad.csv").write_text("name,score\na.png,1\n")
+    capsys.readouterr()
+    assert main(["caption", "--manifest", str(tmp_path / "bad.csv"), "--out", str(tmp_path / "b.jsonl")] + FAST) == 2
+    assert "names no path column" in capsys.readouterr().err

@@ -40,6 +40,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="also caption the bundled sample images (alone and without --out: a demo, its captions printed and "
         "nothing kept)",
     )
+    caption.add_argument(
+        "--manifest", type=Path, default=None, metavar="FILE",
+        help="also caption the files this list names: CSV with a path column (path, file_name, filename or file), "
+        "JSON lines, or a path a line; relative paths from its folder; a listed file that is missing is an error "
+        "record",
+    )
     _model_arguments(caption)
     _text_arguments(caption)
     _output_arguments(caption)

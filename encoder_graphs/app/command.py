@@ -4,7 +4,6 @@ Ctrl-C stops after the current batch (a second one at once); a rerun of the same
 
 import json
 import os
-import shutil
 import signal
 import sys
 import time
@@ -22,6 +21,7 @@ from encoder_graphs.app.model_checks import check_length, check_resolution_flags
 from encoder_graphs.app.outputs import METADATA_FILE
 from encoder_graphs.app.plan import Plan, describe, make_plan, report_sidecar_errors
 from encoder_graphs.app.settings import Settings
+from encoder_graphs.app.summary import outcome, said_by_flag, show_samples
 
 if TYPE_CHECKING:
     import torch
@@ -147,16 +147,6 @@ def run(plan: Plan) -> int:
         print(f"interrupted: {RESUME_HINT}", file=sys.stderr)
         return EXIT_INTERRUPTED
     return exit_status(plan)
-
-
-def said_by_flag(graph_stats: dict) -> dict:
-    """The graphs' statistics with their "turned off" reason (the API's `enabled=False`) said as
-    the flag that turned them off here, --no-graphs (a key of the miss reasons too)."""
-    from encoder_graphs.engine.capture import TURNED_OFF
-
-    if isinstance(graph_stats, dict):
-        return {("--no-graphs" if key == TURNED_OFF else key): said_by_flag(value) for key, value in graph_stats.items()}
-    return "--no-graphs" if graph_stats == TURNED_OFF else graph_stats
 
 
 def finish_job(plan: Plan, summary: dict, graph_stats: dict) -> tuple[dict, dict] | None:
@@ -367,35 +357,6 @@ def stop_on_interrupt() -> Iterator[Callable[[], bool]]:
         yield lambda: bool(asked)
     finally:
         signal.signal(signal.SIGINT, previous)
-
-
-SHOWN_FAILURES = 5  # failed files the report names
-
-
-def outcome(plan: Plan) -> str:
-    """Where the captions went, and which files failed (their errors are in their records)."""
-    settings = plan.settings
-    places = [printable(settings.out)] + ([f"sidecars ({plan.sidecars.ext})"] if plan.sidecars.enabled else [])
-    lines = ["captions: " + ", ".join(places) + (", metadata files (below)" if settings.hf_metadata else "")]
-    failed = [f.path for f in plan.files if plan.results.is_failed(f.path)]
-    if failed:
-        more = f" and {len(failed) - SHOWN_FAILURES} more" if len(failed) > SHOWN_FAILURES else ""
-        names = ", ".join(printable(p) for p in failed[:SHOWN_FAILURES])
-        lines.append(f"failed, by their latest record: {len(failed)} ({names}{more}); each record's \"error\" says "
-                     "why, and --retry-failed tries them again")
-    return "\n".join(lines)
-
-
-def show_samples(plan: Plan) -> None:
-    """`--samples` without `--out`: the demo's captions printed, its temporary folder removed."""
-    from encoder_graphs.app.outputs import latest_records
-
-    folder = plan.settings.out.parent
-    records = latest_records(plan.settings.out) if plan.settings.out.exists() else {}
-    for record in sorted(records.values(), key=lambda r: r["path"]):
-        print(f"{Path(record['path']).name}: {record.get('text', record.get('error'))}")
-    shutil.rmtree(folder, ignore_errors=True)
-    print("encoder-graphs: a demo's records are not kept; give --out FILE to keep them", file=sys.stderr)
 
 
 def exit_status(plan: Plan) -> int:

@@ -108,7 +108,6 @@ def hub_checkpoint(name: str) -> Path | None:
         return None
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
-
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
     try:

@@ -54,14 +54,18 @@ def make_plan(settings: Settings, job: Job) -> Plan:
 
     # abspath, as discover's file paths: `..` resolved, symlinks kept, so the two compare as text.
     roots = [Path(os.path.abspath(p)) for p in settings.paths] + ([SAMPLES_DIR] if settings.samples else [])
-    if not roots:
-        raise UsageError("give at least one PATH (or --samples)")
+    listed, missing = listed_files(settings.manifest)
+    if not roots and settings.manifest is None:
+        raise UsageError("give at least one PATH (or --samples, or --manifest)")
     try:
         skipped: Counter = Counter()
-        files = discover(roots, include_hidden=settings.include_hidden, follow_links=not settings.no_follow_links,
-                         skipped=skipped)
+        files = discover(roots + listed, include_hidden=settings.include_hidden,
+                         follow_links=not settings.no_follow_links, skipped=skipped)
     except FileNotFoundError as error:
         raise UsageError(str(error)) from error
+    files = sorted(files + missing, key=lambda f: str(f.path))
+    if settings.manifest is not None:  # its folder names the listed files (relative_path, metadata)
+        roots.append(settings.manifest.resolve().parent)
     if not files:
         raise UsageError(f"no images or videos found under {' '.join(map(str, roots))}")
     try:
@@ -124,6 +128,24 @@ def this_shard(
         print(f"encoder-graphs: shard {index} of 0-{num - 1}: {len(mine)} of the {len(files)} files; --out "
               f"{printable(out)}", file=sys.stderr)
     return replace(settings, out=out, num_shards=num, shard_index=index), mine
+
+
+def listed_files(manifest: Path | None) -> "tuple[list[Path], list[MediaFile]]":
+    """The files `manifest` lists that exist (to discover), and an entry for each that does not
+    (its error record says so)."""
+    if manifest is None:
+        return [], []
+    from encoder_graphs.app.manifest import read_manifest
+    from encoder_graphs.app.walk import MediaFile, media_kind
+
+    listed, missing = [], []
+    for path in read_manifest(manifest):
+        if os.path.lexists(path):
+            listed.append(path)
+        else:
+            reason = f"listed in --manifest {printable(manifest)}, and not found"
+            missing.append(MediaFile(Path(os.path.abspath(path)), media_kind(path) or "other", reason, "not_found"))
+    return listed, missing
 
 
 def settings_clash(out: Path, identity: dict, others: dict[str, int]) -> str:

@@ -16,6 +16,7 @@ from encoder_graphs.app.errors import UsageError
 class Settings:
     paths: tuple[str, ...] = ()
     samples: bool = False
+    manifest: Path | None = None  # a list of the files to caption (`app/manifest.py`)
     # The model and what it sees.
     model: str | None = None  # a checkpoint directory or a preset; None: the embedded tiny default
     device: str = "auto"
