@@ -393,3 +393,20 @@ def test_planted_sidecar_links_disclose_nothing_into_the_metadata(tmp_path, caps
     captions = {r["relative_path"]: r["text"] for r in records(out)}
     assert {row["file_name"]: row["text"] for row in map(json.loads, metadata.splitlines())} == captions
     assert "4 sidecars were not read as captions" in capsys.readouterr().err
+
+
+def test_an_output_link_another_user_planted_is_refused(tmp_path, capsys, no_model):
+    """In a shared folder, `--out` or `--stats-json` that is another user's symlink would send the
+    results where they chose: refused, naming it; the user's own links are followed (issue 42, case 6)."""
+    if os.geteuid() != 0:
+        pytest.skip("planting another user's link needs root")
+    images(tmp_path / "data", 1)
+    target = tmp_path / "theirs.jsonl"
+    for flag in ("--out", "--stats-json"):
+        link = tmp_path / f"planted{flag}"
+        link.symlink_to(target)
+        os.lchown(link, 4242, 4242)
+        argv = ["caption", str(tmp_path / "data"), "--out", str(tmp_path / "r.jsonl"), flag, str(link)]
+        assert main(argv + FAST) == 2
+        assert "a symbolic link owned by another user (uid 4242)" in capsys.readouterr().err
+        assert not target.exists()

@@ -17,6 +17,19 @@ from encoder_graphs.app.walk import media_kind
 STATS_READ_MAX = 64 << 20  # bytes: statistics we wrote are far smaller; a larger file is not ours
 
 
+def foreign_link(path: Path) -> str | None:
+    """Why `path`, a symbolic link another user owns, is not followed as an output (in a shared
+    folder it would send the results wherever that user chose), or None. Root's links, and the
+    user's own, are followed as before."""
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return None
+    if not stat.S_ISLNK(info.st_mode) or info.st_uid in (os.geteuid(), 0):
+        return None
+    return f"{path} is a symbolic link owned by another user (uid {info.st_uid}); give the file it names, or another name"
+
+
 def special_file(path: Path) -> str | None:
     """Why `path` is neither a regular file nor a folder (`unwritable` speaks of folders), or None."""
     try:

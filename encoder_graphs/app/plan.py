@@ -19,7 +19,7 @@ from encoder_graphs.app.config import MAX_PROMPT_BYTES, CaptionConfig
 from encoder_graphs.app.distributed import Job
 from encoder_graphs.app.errors import OutputError, UsageError, printable
 from encoder_graphs.app.metadata import CSV_FILE, metadata_folders, metadata_path
-from encoder_graphs.app.output_checks import check_targets, not_our_stats, special_file
+from encoder_graphs.app.output_checks import check_targets, foreign_link, not_our_stats, special_file
 from encoder_graphs.app.outputs import METADATA_FILE, SidecarPolicy, unwritable
 from encoder_graphs.app.settings import Settings, run_identity
 
@@ -265,7 +265,7 @@ def check_outputs(settings: Settings, roots: list[Path], files: "list[MediaFile]
         raise UsageError(f"--out {settings.out}: the captions are written as JSON lines, not "
                          f"{settings.out.suffix[1:]}; name it .jsonl")
     named = [("--out", settings.out)] + ([("--stats-json", settings.stats_json)] if settings.stats_json is not None else [])
-    problems = [(flag, path, special_file(path) or unwritable(path)) for flag, path in named]
+    problems = [(flag, path, foreign_link(path) or special_file(path) or unwritable(path)) for flag, path in named]
     if sidecars.enabled:
         folders = {name.parent for f in files for name in f.names}
         problems += [("--sidecar", folder, unwritable(folder, folder=True)) for folder in sorted(folders)]
