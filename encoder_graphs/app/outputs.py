@@ -19,7 +19,7 @@ from pathlib import Path
 
 from encoder_graphs.app.lock import OPEN_FLAGS
 from encoder_graphs.app.names import as_text
-from encoder_graphs.app.results import ResultsFile, fingerprint, iter_records, path_key, record_path
+from encoder_graphs.app.results import ResultsFile, iter_records, path_key, record_path
 from encoder_graphs.app.walk import media_kind
 
 METADATA_FILE = "metadata.jsonl"
@@ -149,6 +149,7 @@ def carry_moved(results: ResultsFile, files: Sequence[Path], roots: Sequence[Pat
     missing = [file for file, key in keys.items() if key not in results.done]
     if not missing or not results.done - set(keys.values()):  # nothing to do, or no record of elsewhere
         return 0
+    from encoder_graphs.app.media import fingerprint  # PIL: only where a dataset may have moved
     ours = set(keys.values())
     elsewhere: dict[str, list[dict]] = defaultdict(list)
     for key, record in latest_records(results.path).items():

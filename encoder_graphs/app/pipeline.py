@@ -16,9 +16,8 @@ from transformers import PreTrainedModel
 
 from encoder_graphs.app.config import CaptionConfig
 from encoder_graphs.app.decoders import VideoDecoders, video_workers
-from encoder_graphs.app.media import LoadLimits, MediaError, load_image
+from encoder_graphs.app.media import LoadLimits, MediaError, fingerprint, load_image
 from encoder_graphs.app.outputs import Outputs, relative_path
-from encoder_graphs.app.results import fingerprint
 from encoder_graphs.app.runstats import RunStats
 from encoder_graphs.app.video import DecodedVideo, decode_video
 from encoder_graphs.app.walk import MediaFile, list_folder, os_reason

@@ -83,12 +83,10 @@ def make_plan(settings: Settings, job: Job) -> Plan:
     except ValueError as error:
         raise UsageError(str(error)) from error
     check_attention_backend(settings.attn_backend)
-    settings, files = this_shard(settings, roots, files, say=job.rank == 0)
     temporary_out = settings.out is None and settings.samples and not settings.paths  # a demo
-    if settings.out is None and temporary_out and settings.dry_run:  # a demo's: a new folder, not made
-        settings = replace(settings, out=Path(tempfile.gettempdir()) / "encoder-graphs-samples-(new)" / "captions.jsonl")
-    elif settings.out is None:
-        settings = replace(settings, out=default_out(temporary_out, job))
+    if settings.out is None:
+        settings = replace(settings, out=default_out(temporary_out, job, make=not settings.dry_run))
+    settings, files = this_shard(settings, roots, files, say=job.rank == 0)
     check_outputs(settings, roots, files, sidecars)
     results = open_results(settings, job)
     identity = run_identity(settings, config.prompt)
@@ -123,7 +121,7 @@ def this_shard(
                          "own rows; caption the shards with --sidecar, then run once more with --sidecar "
                          "--hf-metadata and no shards (every file is done by its sidecar) to write it")
     mine = [f for f in files if shard_of(relative_path(f.path, roots), num) == index]
-    out = shard_out(settings.out or Path("captions.jsonl"), num, index)
+    out = shard_out(settings.out, num, index)
     if say:
         print(f"encoder-graphs: shard {index} of 0-{num - 1}: {len(mine)} of the {len(files)} files; --out "
               f"{printable(out)}", file=sys.stderr)
@@ -163,16 +161,17 @@ def settings_clash(out: Path, identity: dict, others: dict[str, int]) -> str:
             "every file again (the latest record of a file wins)")
 
 
-def default_out(demo: bool, job: Job) -> Path:
-    """`--out` not given: captions.jsonl here; for `--samples` alone (`demo`), in a new temporary folder (its
-    captions printed and the folder removed at the end: `command.show_samples`), so that a demo
-    neither drops a file into the working folder nor finds it done next time."""
+def default_out(demo: bool, job: Job, make: bool = True) -> Path:
+    """`--out` not given: captions.jsonl here; for `--samples` alone (`demo`), in a new temporary
+    folder (its captions printed and the folder removed at the end: `summary.show_samples`), so
+    that a demo neither drops a file into the working folder nor finds it done next time; not
+    `make`: a dry run's, named but not made."""
     if not demo:
         return Path("captions.jsonl")
     if job.distributed:  # each rank would make a folder of its own
         raise UsageError("--samples under torchrun: give --out")
-    import tempfile
-
+    if not make:
+        return Path(tempfile.gettempdir()) / "encoder-graphs-samples-(new)" / "captions.jsonl"
     return Path(tempfile.mkdtemp(prefix="encoder-graphs-samples-")) / "captions.jsonl"
 
 

@@ -18,10 +18,8 @@ and `path_bytes` holds it exactly (`names.escaped`); `record_path` gives it back
 """
 
 import contextlib
-import hashlib
 import json
 import os
-import stat
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -35,32 +33,6 @@ RECORD_START = b'{"path": '  # how every record we write begins (the path is its
 def path_key(path: str | Path) -> str:
     """The identity of an input file across runs, whatever the working directory."""
     return os.path.realpath(path)
-
-
-FINGERPRINT_BYTES = 64 << 10  # read from each end of a file for its fingerprint
-
-
-def fingerprint(path: str | Path) -> str | None:
-    """What a file holds, told cheaply: BLAKE2b of its size and its first and last 64 KiB (None
-    where it cannot be read as a regular file). With its path relative to its root, it is a
-    file's identity when its dataset moves (`outputs.carry_moved`)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            return None
-        digest = hashlib.blake2b(info.st_size.to_bytes(8, "little"), digest_size=16)
-        digest.update(os.pread(fd, FINGERPRINT_BYTES, 0))
-        if info.st_size > FINGERPRINT_BYTES:
-            digest.update(os.pread(fd, FINGERPRINT_BYTES, max(FINGERPRINT_BYTES, info.st_size - FINGERPRINT_BYTES)))
-        return digest.hexdigest()
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
 
 
 def record_path(record: dict) -> str:
@@ -159,7 +131,7 @@ class ResultsFile:
             return
         with open(self.path, "rb") as handle:
             first = handle.readline()
-            if first and not _ours([first] + [b""] * bool(handle.peek(1))):  # `_ours` asks if there is more
+            if first and not _ours(first, more=bool(handle.peek(1))):
                 raise NotResultsFile(self.path)
             offset, line = 0, first
             while line:
@@ -296,15 +268,15 @@ def _record_lines(path: Path) -> list[bytes]:
     `NotResultsFile` for a file that is not one (a part is removed once merged: never another's)."""
     with open(path, "rb") as handle:
         lines = handle.readlines()
-    if not _ours(lines):
+    if lines and not _ours(lines[0], more=len(lines) > 1):
         raise NotResultsFile(path)
     return [line for line in lines if _parse(line) is not None]
 
 
-def _ours(lines: list[bytes]) -> bool:
-    """A results file of ours begins with a record, or (killed in its first append) with the
-    start of one."""
-    return not lines or _parse(lines[0]) is not None or (len(lines) == 1 and RECORD_START.startswith(lines[0][:9]))
+def _ours(first: bytes, more: bool) -> bool:
+    """A results file of ours begins with a record (its `first` line), or (killed in its first
+    append: no line `more`) with the start of one."""
+    return _parse(first) is not None or (not more and RECORD_START.startswith(first[:9]))
 
 
 def _json_ready(record: dict) -> dict:
