@@ -5,10 +5,10 @@
 # Usage (from the repo root, on the device): bash benchmarks/run_gpu.sh [pytest -k expression]
 # BENCHMARKS picks benchmarks (default: all six; "" for none); BENCH_FLAGS="" runs them in full;
 # a -k expression that matches nothing runs the benchmarks alone.
-# WHEELS names folders of carried wheels installed first (default: .whl: PyAV and pebble, which the
+# WHEELS names folders of carried wheels installed first (default: .whl: PyAV, pebble and pytest-xdist, which the
 # video tests and the package need there and the machine lacks, e.g. `pip download --no-deps
 # --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 -d .whl av==18.1.0
-# pebble==5.2.3`; flashinfer and its needs); e.g. WHEELS=".whl .whl523" with a transformers wheel
+# pebble==5.2.3 pytest-xdist==3.8.0 execnet==2.1.2`; flashinfer and its needs); e.g. WHEELS=".whl .whl523" with a transformers wheel
 # in .whl523 runs the suite on that transformers. Logs are named by the transformers version, so several runs can share $OUT.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -29,8 +29,12 @@ import torch, transformers
 print(f"device {torch.cuda.get_device_name()} | torch {torch.__version__} | transformers {transformers.__version__}")
 PY
 log="$OUT/gpu_tests-transformers-$version.log"
+# With pytest-xdist carried (in .whl), the tests run in TEST_WORKERS processes sharing the GPU:
+# they are small models, mostly bound by the host, and the whole suite fits one call.
+workers=()
+python3 -c "import xdist" 2>/dev/null && workers=(-n "${TEST_WORKERS:-6}")
 run_tests() {
-  python3 -m pytest -q -m "gpu or torchvision" -s -rs ${1:+-k "$1"} tests/ 2>&1 | tee "$log"
+  python3 -m pytest -q -m "gpu or torchvision" -s -rs --durations=15 "${workers[@]}" ${1:+-k "$1"} tests/ 2>&1 | tee "$log"
   return "${PIPESTATUS[0]}"
 }
 run_benchmarks() {
