@@ -32,7 +32,8 @@ log="$OUT/gpu_tests-transformers-$version.log"
 # With pytest-xdist carried (in .whl), the tests run in TEST_WORKERS processes sharing the GPU:
 # they are small models, mostly bound by the host, and the whole suite fits one call.
 workers=()
-python3 -c "import xdist" 2>/dev/null && workers=(-n "${TEST_WORKERS:-6}")
+# The fidelity tests (two copies of a real-size model each) run one after another in one of them.
+python3 -c "import xdist" 2>/dev/null && workers=(-n "${TEST_WORKERS:-4}" --dist loadgroup)
 run_tests() {
   python3 -m pytest -q -m "gpu or torchvision" -s -rs --durations=15 "${workers[@]}" ${1:+-k "$1"} tests/ 2>&1 | tee "$log"
   return "${PIPESTATUS[0]}"

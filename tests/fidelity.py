@@ -20,9 +20,9 @@ and for ours.
 Targets (`missed_targets`): against the fp32 forward, ours agrees at no fewer steps than the stock
 `generate` less 2% of the steps, with a worst margin at most 1.5x stock's (or one bf16 step of the
 top logit, the finest margin bf16 logits show), compiled or not; each item's encoder error against
-fp32 at most 1.5x stock bf16's. On a GPU the stock generate runs twice, and its second run
-(`STOCK_AGAIN`) is judged as ours is: stock's own bf16 tokens differ run to run, and targets it
-could miss would be tighter than bf16 itself. Against the stock bf16 forward the same two are reported
+fp32 at most 1.5x stock bf16's. On a GPU the stock generate runs twice (`STOCK_AGAIN`): stock's own bf16 tokens differ run to
+run, so the bar is the looser of its two runs (a bar one stock run misses against the other would
+be tighter than bf16 itself). Against the stock bf16 forward the same two are reported
 (`stock_forward_gaps`), not asserted: that forward runs the stock encoder, so it shares the stock
 generate's encoder rounding exactly, and any encoder rounded otherwise (ours: packed items, other
 attention and GEMM kernels, as accurate against fp32) parts from it at the first steps of a
@@ -364,11 +364,15 @@ def _agreement_gaps(result: dict, reference: str | None) -> list[str]:
     `variants[way][reference]`) at fewer steps than the stock generate less the slack, or lies
     further below its top logit than the margin allowed."""
     stock = result["variants"][STOCK]
-    of_stock = stock if reference is None else stock[reference]
+    runs = [v if reference is None else v[reference] for n, v in result["variants"].items() if n in (STOCK, STOCK_AGAIN)]
+    # Each stock run is stock bf16 alike, and on a GPU they differ (worst margins 0.071 and 0.094
+    # of the same inputs): the bar is the loosest of them, not whichever ran first.
+    of_stock = {"agree": min(r["agree"] for r in runs), "steps": runs[0]["steps"],
+                "worst_margin": max(r["worst_margin"] for r in runs)}
     against = "the stock bf16 forward" if reference is None else f"the {reference} forward"
     gaps = []
     for name, variant in result["variants"].items():
-        if name == STOCK:
+        if name in (STOCK, STOCK_AGAIN):
             continue
         ours = variant if reference is None else variant[reference]
         least = of_stock["agree"] - AGREEMENT_SLACK * of_stock["steps"]

@@ -22,6 +22,7 @@ from encoder_graphs.app.loading import load_model, open_model
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.xdist_group("fidelity"),  # two copies of a real-size model: one such test at a time
 ]
 
 
