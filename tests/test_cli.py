@@ -587,11 +587,12 @@ def test_warm_up_runs_beside_the_first_files_and_its_error_loses_nothing(tmp_pat
         assert sorted(r["path"] for r in read_records(out)) == sorted(str(f.path) for f in files)
 
 
-def test_hostile_clips_cost_their_time_limit_and_lose_nothing_else(tmp_path):
+def test_hostile_clips_cost_their_time_limit_and_lose_nothing_else(tmp_path, capsys):
     """A folder of an image, an ordinary clip, a clip with no duration or index, and 10**6 tiny
     frames with neither: the ordinary clip is sampled by seeking, the unindexed one in one pass,
     the million frames stop at --video-timeout as a timeout record; the rest is captioned, and
-    each record says how its frames were taken."""
+    each record says how its frames were taken. All three clips start decoding while the model
+    loads, the hostile one's time limit included."""
     from test_video import write_h264, write_tiny_avi, write_unindexed_mkv
 
     folder = tmp_path / "media"
@@ -612,6 +613,7 @@ def test_hostile_clips_cost_their_time_limit_and_lose_nothing_else(tmp_path):
     assert by_name["live.mkv"]["video"]["sampling"].startswith("full pass: the container gives no duration")
     assert by_name["many.avi"]["error_kind"] == "timeout" and "many.avi" in by_name["many.avi"]["error"]
     assert json.loads(stats.read_text())["pipeline"]["failures"] == {"timeout": 1}
+    assert "(decoding the first 3 videos meanwhile)" in capsys.readouterr().err
 
 
 def test_images_and_videos_batch_apart_by_their_own_limits(tmp_path):

@@ -295,3 +295,32 @@ def test_a_million_frames_with_a_duration_are_sampled_by_time(tmp_path):
     assert [int(frame.mean()) for frame in video.frames] == pytest.approx(
         [i % 256 for i in video.metadata["frames_indices"]], abs=1
     )
+
+
+def test_prefetched_decodes_serve_their_files_within_the_memory_bound(tmp_path, monkeypatch):
+    """The caption command decodes the first clips while the model loads: `decode` of a prefetched
+    file returns that decode's frames (the same as a fresh one); the count stops at what
+    PREFETCH_BYTES of frames hold; a bad file prefetched is still its own error."""
+    import encoder_graphs.app.decoders as decoders_module
+
+    limits = LoadLimits(max_frames=4, frame_max_pixels=64 * 48, min_side=2)
+    clip_bytes = 4 * 64 * 48 * 3
+    monkeypatch.setattr(decoders_module, "PREFETCH_BYTES", 2 * clip_bytes)
+    for index in range(3):
+        write_h264(tmp_path / f"{index}.mp4", frames=12 + index)
+    (tmp_path / "bad.mp4").write_bytes(b"\0\0\0\x18ftypmp42" + b"\xff" * 100)
+    decoders = VideoDecoders(2, limits).start()
+    try:
+        paths = [tmp_path / "bad.mp4", tmp_path / "0.mp4", tmp_path / "1.mp4", tmp_path / "2.mp4"]
+        assert decoders.prefetch(paths) == 2 and decoders.prefetched == 2
+        assert set(decoders._ahead) == set(paths[:2])
+        with pytest.raises(MediaError, match="bad.mp4") as error:
+            decoders.decode(paths[0])
+        assert error.value.kind == "corrupt"
+        video = decoders.decode(paths[1])
+        assert not decoders._ahead  # taken once, not kept
+        fresh = decode_video(paths[1], limits)
+        assert video.metadata == fresh.metadata and np.array_equal(video.frames, fresh.frames)
+        assert decoders.decode(paths[3]).metadata["total_num_frames"] == 14  # not prefetched: decoded now
+    finally:
+        decoders.close()

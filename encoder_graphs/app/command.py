@@ -119,9 +119,10 @@ def run(plan: Plan) -> int:
     longest = check_length(plan, source, limits)  # before the weights: GBs for a real model
     check_seeded_sampling(settings, source)
     name = printable(settings.model) if settings.model else "(embedded tiny default)"
-    videos = start_video_decoders(plan, source, limits)  # their start overlaps the model's load
+    videos = start_video_decoders(plan, source, limits)  # they decode the first clips while the model loads
     try:
-        print(f"encoder-graphs: loading model {name} on {device} ...", file=sys.stderr)
+        meanwhile = f" (decoding the first {videos.prefetched} videos meanwhile)" if videos and videos.prefetched else ""
+        print(f"encoder-graphs: loading model {name} on {device} ...{meanwhile}", file=sys.stderr)
         model = load_model(source, device)
         loaded = time.perf_counter()  # the weights are on the device
         summary, graph_stats = caption_files(plan, model, source.inputs, device, limits, longest, videos)
@@ -282,12 +283,16 @@ def caption_files(
 
 def start_video_decoders(plan: Plan, source: "ModelSource", limits: "LoadLimits") -> "VideoDecoders | None":
     """The video decoder processes, started now where the job has videos the model reads (the
-    run stops them)."""
+    run stops them), decoding the first videos the run will ask for (in its order: a torchrun
+    rank's files are claimed later, so it starts none)."""
     from encoder_graphs.app.decoders import VideoDecoders, video_workers
 
     if not source.inputs.reads_videos or not any(f.kind == "video" for f in plan.todo):
         return None
-    return VideoDecoders(video_workers(plan.config.load_workers), limits).start()
+    videos = VideoDecoders(video_workers(plan.config.load_workers), limits).start()
+    if not plan.job.distributed:
+        videos.prefetch(f.path for f in plan.todo if f.kind == "video")
+    return videos
 
 
 def batched_config(

@@ -13,6 +13,7 @@ import multiprocessing
 import os
 import resource
 import signal
+from collections.abc import Iterable
 from pathlib import Path
 
 from encoder_graphs.app.media import LoadLimits, MediaError
@@ -22,6 +23,9 @@ from encoder_graphs.app.video import DecodedVideo, decode_video
 # decoder holds a few of its stream's frames (up to 8192 x 8192 by `LoadLimits.max_video_pixels`,
 # 100 MB each) and its reference frames; a worker past it fails its file, not the machine.
 WORKER_DATA_BYTES = 6 << 30
+# Frames decoded ahead while the model loads (`VideoDecoders.prefetch`), at most this many bytes:
+# the load takes tens of seconds that the decoders would otherwise spend idle.
+PREFETCH_BYTES = 2 << 30
 
 
 def _decode_in_worker(path: Path, limits: LoadLimits) -> DecodedVideo:
@@ -81,6 +85,8 @@ class VideoDecoders:
         if context.get_start_method() == "forkserver":
             context.set_forkserver_preload([__name__, "encoder_graphs.app.video", "torch", "av"])
         self.limits, self.workers = limits, workers
+        self._ahead: dict[Path, object] = {}  # path -> the future of its decode, started by `prefetch`
+        self.prefetched = 0
         self._pool = pebble.ProcessPool(
             max_workers=workers, initializer=_worker_setup, initargs=(data_bytes, limits.video_threads), context=context
         )
@@ -92,19 +98,38 @@ class VideoDecoders:
             self._pool.schedule(os.getpid)
         return self
 
+    def prefetch(self, paths: Iterable[Path]) -> int:
+        """Start decoding the first of `paths` now, in their order, as many as `PREFETCH_BYTES` of
+        frames at the model's size hold: the caption command passes the videos its run will ask
+        for first, while the model loads. `decode` of one of them takes its result. How many."""
+        limits = self.limits
+        clip_bytes = limits.max_frames * max(limits.frame_max_pixels, limits.min_side**2) * 3
+        count = 0
+        for path in paths:
+            if count * clip_bytes >= PREFETCH_BYTES:
+                break
+            if path not in self._ahead:
+                self._ahead[path] = self._schedule(path)
+                count += 1
+        self.prefetched += count
+        return count
+
+    def _schedule(self, path: Path) -> object:
+        try:
+            return self._pool.schedule(_decode_in_worker, (path, self.limits), timeout=self.limits.video_timeout_s)
+        except RuntimeError as error:  # the pool was stopped: the run is ending
+            raise MediaError(path, "cancelled", "the run ended before its frames were decoded") from error
+
     def decode(self, path: Path) -> DecodedVideo:
-        """The file's frames, waiting for a worker; `MediaError` for a bad file, a timeout, a crash
-        or a run that ended first."""
+        """The file's frames (the decode `prefetch` started, else a new one), waiting for a worker;
+        `MediaError` for a bad file, a timeout, a crash or a run that ended first."""
         from concurrent.futures import CancelledError
         from concurrent.futures import TimeoutError as FutureTimeout  # the builtin only from Python 3.11
         from concurrent.futures.process import BrokenProcessPool
 
         from pebble import ProcessExpired
 
-        try:
-            future = self._pool.schedule(_decode_in_worker, (path, self.limits), timeout=self.limits.video_timeout_s)
-        except RuntimeError as error:  # the pool was stopped: the run is ending
-            raise MediaError(path, "cancelled", "the run ended before its frames were decoded") from error
+        future = self._ahead.pop(path, None) or self._schedule(path)
         try:
             return future.result()
         except FutureTimeout as error:
