@@ -57,7 +57,9 @@ time.sleep(3600)
 """
 # The caption command's arguments of each run of ours that `--runs` may name.
 OUR_RUNS = {"defaults": [], "no_graphs": ["--no-graphs"], "frames_model": ["--max-frame-tokens", "model"],
-            "keyframes": ["--video-sampling", "keyframes"]}
+            "keyframes": ["--video-sampling", "keyframes"], "no_prefetch": []}
+# Runs that differ by the environment: no clips decoded while the model loads (`app/decoders.py`).
+OUR_RUN_ENV = {"no_prefetch": {"ENCODER_GRAPHS_VIDEO_PREFETCH_BYTES": "0"}}
 SAMPLE_S = 0.2  # how often the process tree's memory is read
 
 
@@ -98,11 +100,13 @@ def watch_memory(pid: int, done: threading.Event, peak: list[int]) -> None:
             return
 
 
-def run_measured(command: list[str]) -> tuple[subprocess.CompletedProcess, float, int]:
-    """Run `command` to its end: its result, wall time and peak memory of its process tree. The
-    tree's, not the process's: the caption command decodes videos in worker processes."""
+def run_measured(command: list[str], env: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess, float, int]:
+    """Run `command` to its end (`env` added to the environment): its result, wall time and peak
+    memory of its process tree. The tree's, not the process's: the caption command decodes
+    videos in worker processes."""
     started = time.perf_counter()
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, **(env or {})})
     done, peak = threading.Event(), [0]
     watcher = threading.Thread(target=watch_memory, args=(process.pid, done, peak), daemon=True)
     watcher.start()
@@ -128,11 +132,13 @@ def caption_command(folder: Path, out: Path, stats: Path, args: argparse.Namespa
 def run_ours(folder: Path, work: Path, name: str, args: argparse.Namespace, extra: list[str], gpus: int = 1) -> dict:
     out, stats_path = work / f"{name}.jsonl", work / f"{name}.stats.json"
     command = caption_command(folder, out, stats_path, args, extra, gpus)
-    _, wall_s, peak_host = run_measured(command)
+    env = OUR_RUN_ENV.get(name)
+    _, wall_s, peak_host = run_measured(command, env)
     stats = json.loads(stats_path.read_text())
     pipeline, encoder, decoder = stats["pipeline"], stats["encoder"], stats["decoder"] or {}
     return {
         "command": " ".join(command[command.index("caption"):]),
+        "env": env,
         "wall_s": wall_s,
         "images": pipeline["succeeded"],  # items captioned, whatever their kind (the key older reports read)
         "images_per_s_end_to_end": pipeline["succeeded"] / wall_s,
