@@ -144,6 +144,73 @@ def test_an_odd_lock_file_is_left_alone_and_blocks_no_run(tmp_path, capsys):
         assert results.lock_note is None and json.loads(lock.read_text())["pid"] == os.getpid()
 
 
+def _flock_held_by(path: Path, uid: int) -> int:
+    """A child process of `uid` that holds a flock on `path` (opened for reading, as any user who
+    can read it can) until killed: its pid."""
+    ready_read, ready_write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: no pytest, no return
+        try:
+            fd = os.open(path, os.O_RDONLY)
+            if uid != os.geteuid():
+                os.setgid(uid)
+                os.setuid(uid)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            os.write(ready_write, b"x")
+            time.sleep(600)
+        finally:
+            os._exit(0)
+    os.close(ready_write)
+    assert os.read(ready_read, 1) == b"x"
+    os.close(ready_read)
+    return pid
+
+
+def _stop(pid: int) -> None:
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+
+
+def test_another_users_flock_on_out_is_passed_over_and_ours_still_meet(tmp_path, capsys):
+    """Any user who can read --out can hold a flock on it: one held by another user's process
+    alone keeps no run out, and is named; two runs of ours still meet on the holder's file, which
+    is ours alone (0600). With that file planted too, the run goes on and says it is unlocked.
+    A process of our own holding the flock still refuses the run (issue 42, case 6)."""
+    if os.geteuid() != 0:
+        pytest.skip("a lock held by another user's process needs root to start one")
+    images(tmp_path / "data", 1)
+    out = tmp_path / "r.jsonl"
+    out.write_text("")
+    out.chmod(0o644)
+    holder = _flock_held_by(out, 4242)
+    try:
+        with ResultsFile(out) as results:
+            assert f"is locked by process {holder} (uid 4242), another user's: passed over" in results.lock_note
+            assert not results.lock_unguarded
+            lock = Path(f"{out}.lock")
+            assert lock.stat().st_mode & 0o777 == 0o600 and json.loads(lock.read_text())["pid"] == os.getpid()
+            with pytest.raises(ResultsLocked):
+                ResultsFile(out)  # a second run of ours is kept out all the same
+        capsys.readouterr()
+        assert main(["caption", str(tmp_path / "data"), "--out", str(out)] + FAST) == 0
+        assert "another user's: passed over; --out is locked all the same" in capsys.readouterr().err
+        Path(f"{out}.lock").mkdir()  # and the holder's file planted: nothing is ours to lock
+        with ResultsFile(out) as results:
+            assert results.lock_unguarded and "left alone" in results.lock_note
+        assert main(["caption", str(tmp_path / "data"), "--out", str(out), "--redo"] + FAST) == 0
+        assert "--out is not locked: start no other run on it" in capsys.readouterr().err
+        Path(f"{out}.lock").rmdir()
+    finally:
+        _stop(holder)
+    ours = _flock_held_by(out, os.geteuid())
+    try:
+        with pytest.raises(ResultsLocked):
+            ResultsFile(out)
+    finally:
+        _stop(ours)
+    assert len(records(out)) == 2
+
+
 def test_a_hard_link_or_symlink_to_out_meets_its_lock(tmp_path, capsys, no_model):
     images(tmp_path / "data", 1)
     out = tmp_path / "r.jsonl"

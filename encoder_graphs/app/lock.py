@@ -6,6 +6,11 @@ is taken over, not obeyed. `<file>.lock` beside it names the holder (pid and hos
 message of a run that finds the file taken: only the holder writes it, never through a symlink
 or into a file with other names. A guarded file the holder created and left empty is removed
 before it lets go, so a taker checks that the file it locked is still the one at the path.
+
+Any user who can read a file can hold a `flock` on it: a lock that `/proc/locks` shows held only by
+other users' processes keeps no run out (it cannot be ours, and that user cannot write our
+output); it is reported and passed over. Our own runs then meet on the holder's file, which only
+its owner can open (mode 0600), and which each holder also locks.
 """
 
 import errno
@@ -56,22 +61,22 @@ class FileLock:
         # another user's: left alone); the lock holds all the same, only a taker cannot name us.
         self.note: str | None = None
         self._created = False
+        self.unguarded = False
 
     @property
     def held(self) -> bool:
         return self.fd is not None
 
     def acquire(self) -> None:
-        """Take the lock; HeldElsewhere (naming the holder) when another holds it, OSError when
+        """Take the lock; HeldElsewhere (naming the holder) when another run holds it, OSError when
         the guarded file cannot be opened for writing or is not a regular file. A lock file that is
-        not one we wrote is left alone (`note` says so): it only names the holder."""
+        not one we wrote is left alone (`note` says so), and so is another user's lock on the
+        guarded file (`note` names the process)."""
+        notes = []
         while True:
             fd, self._created = _open_regular(self.guarded)
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
-                raise HeldElsewhere(_read_holder(self.path)) from None
+                foreign = _lock_unless_foreign(fd, self.path)
             except BaseException:
                 os.close(fd)
                 raise
@@ -81,11 +86,16 @@ class FileLock:
                 break
             os.close(fd)
         self.fd = fd
+        if foreign:
+            notes.append(f"{self.guarded} is locked by {foreign}, another user's: passed over")
         try:
-            self._holder_fd, self.note = _write_holder(self.path)
+            self._holder_fd, odd = _write_holder(self.path)
         except BaseException:
             self.release()
             raise
+        notes += [odd] if odd else []
+        self.note = "; ".join(notes) or None
+        self.unguarded = bool(foreign and odd)  # neither lock is ours: another run of ours is not kept out
 
     def release(self) -> None:
         """Let go of the lock (removing the lock file, and the guarded file if we created it and
@@ -131,22 +141,70 @@ def _open_regular(path: Path) -> tuple[int, bool]:
 ODD_LOCK_FILE = frozenset({errno.ELOOP, errno.EACCES, errno.EPERM, errno.EISDIR, errno.ENXIO})
 
 
+def _lock_unless_foreign(fd: int, holder_path: Path) -> str | None:
+    """`flock` `fd`'s file: None once locked; where other users' processes alone hold it (they
+    can read it), which of them (unlocked: passed over); else HeldElsewhere, naming the holder
+    as `holder_path` says."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return None
+    except BlockingIOError:
+        pass
+    holders = flock_holders(fd)
+    me = os.geteuid()
+    if holders and all(uid is not None and uid != me for uid in holders.values()):
+        return ", ".join(f"process {pid} (uid {uid})" for pid, uid in sorted(holders.items()))
+    raise HeldElsewhere(_read_holder(holder_path))
+
+
+def flock_holders(fd: int) -> dict[int, int | None]:
+    """The processes `/proc/locks` shows holding a flock on `fd`'s file, with their users (None
+    where unknown). Empty where none is seen (another machine's, another pid namespace's)."""
+    info = os.fstat(fd)
+    device = f"{os.major(info.st_dev):02x}:{os.minor(info.st_dev):02x}:{info.st_ino}"
+    holders: dict[int, int | None] = {}
+    try:
+        with open("/proc/locks") as locks:
+            for line in locks:
+                fields = line.split()
+                if len(fields) >= 6 and fields[1] == "FLOCK" and fields[5] == device:  # waiters: "->" first
+                    pid = int(fields[4])
+                    try:
+                        holders[pid] = os.stat(f"/proc/{pid}").st_uid
+                    except OSError:
+                        holders[pid] = None
+    except (OSError, ValueError):
+        return {}
+    return holders
+
+
 def _write_holder(path: Path) -> tuple[int | None, str | None]:
-    """Our pid and host in the lock file `path` (a stale one of ours is overwritten): its
+    """Our pid and host in the lock file `path` (a stale one of ours is overwritten), locked
+    (HeldElsewhere where another run of ours holds it) and closed to other users: its
     descriptor; or None and why, where `path` is not ours to write (a link, a special file,
     another file's name, another user's): left alone. OSError where it cannot be written."""
     odd = f"{path} is not a lock file this command wrote (a link, a special file or another user's): left alone"
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | OPEN_FLAGS, 0o644)
-    except OSError as error:
-        if error.errno in ODD_LOCK_FILE:
-            return None, odd
-        raise
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1 or info.st_uid != os.geteuid():
+    while True:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | OPEN_FLAGS, 0o600)
+        except OSError as error:
+            if error.errno in ODD_LOCK_FILE:
+                return None, odd
+            raise
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1 or info.st_uid != os.geteuid():
+                os.close(fd)
+                return None, odd
+            os.fchmod(fd, 0o600)  # one an earlier version left readable: no other user opens it to lock it
+            _lock_unless_foreign(fd, path)
+        except BaseException:
             os.close(fd)
-            return None, odd
+            raise
+        if _same_file(fd, path):  # not one a holder removed as we opened it
+            break
+        os.close(fd)
+    try:
         os.ftruncate(fd, 0)
         os.pwrite(fd, (json.dumps({"pid": os.getpid(), "host": socket.gethostname()}) + "\n").encode(), 0)
     except BaseException:

@@ -205,7 +205,8 @@ def open_results(settings: Settings, job: Job) -> "ResultsFile":
     except NotResultsFile as error:
         raise UsageError(f"cannot use --out {settings.out}: {error}") from error
     if results.lock_note is not None:
-        print(f"encoder-graphs: {printable(results.lock_note)}; --out is locked all the same", file=sys.stderr)
+        then = "--out is not locked: start no other run on it" if results.lock_unguarded else "--out is locked all the same"
+        print(f"encoder-graphs: {printable(results.lock_note)}; {then}", file=sys.stderr)
     if results.repaired_bytes:
         print(f"encoder-graphs: dropped a half-written last line ({results.repaired_bytes} bytes) of "
               f"{printable(settings.out)}", file=sys.stderr)

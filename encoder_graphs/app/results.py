@@ -100,8 +100,14 @@ class ResultsFile:
 
     @property
     def lock_note(self) -> str | None:
-        """Why the lock file beside the results could not name this holder (`FileLock.note`)."""
+        """What the lock passed over: another user's lock on the results, a lock file not ours
+        (`FileLock.note`)."""
         return self._lock.note
+
+    @property
+    def lock_unguarded(self) -> bool:
+        """Whether both were passed over: no lock keeps another run of ours out."""
+        return self._lock.unguarded
 
     @property
     def closed(self) -> bool:
