@@ -255,6 +255,54 @@ def test_a_fifo_in_the_folder_neither_hangs_the_run_nor_ctrl_c(tmp_path, model_c
     assert 3 <= len(by_name) < 31
 
 
+@pytest.mark.slow
+def test_a_second_ctrl_c_during_a_long_video_decode_stops_within_2_s(tmp_path, model_cache):  # noqa: F811
+    """A clip of 10**6 tiny frames with no index decodes for its whole time limit (60 s here): the
+    first Ctrl-C asks the run to stop after its batch, the second stops it at once, the decoder
+    processes with it; the photo captioned before stays (issue 42, case 8)."""
+    from test_video import write_tiny_avi
+
+    good_images(tmp_path / "data", 1)
+    write_tiny_avi(tmp_path / "data" / "many.avi", 10**6)
+    out = tmp_path / "r.jsonl"
+    command = [sys.executable, "-m", "encoder_graphs", "caption", str(tmp_path / "data"), "--out", str(out),
+               "--video-timeout", "60", "--max-frames", "4", *FAST]
+    env = {**os.environ, "ENCODER_GRAPHS_CACHE": str(model_cache)}
+    process = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (out.exists() and out.read_text().count("\n") >= 1) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert out.read_text().count("\n") == 1, "the photo first"
+        time.sleep(1.0)  # the clip still decoding
+        process.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        second = time.monotonic()
+        process.send_signal(signal.SIGINT)
+        _, err = process.communicate(timeout=30)
+        stopped_s = time.monotonic() - second
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    assert process.returncode == 130, err
+    assert stopped_s < 2.0, (stopped_s, err)
+    assert "Traceback" not in err
+    assert [Path(r["path"]).name for r in lines_of(out)] == ["img00.png"]
+    deadline = time.monotonic() + 5  # the decoder processes end with it (a moment to be reaped)
+    while (left := [p for p in os.listdir("/proc") if p.isdigit() and _in_session(int(p), process.pid)]):
+        assert time.monotonic() < deadline, left
+        time.sleep(0.1)
+
+
+def _in_session(pid: int, session: int) -> bool:
+    """Whether process `pid` (alive) is of the session `session` leads (the run's decoders)."""
+    try:
+        return os.getsid(pid) == session
+    except OSError:
+        return False
+
+
 # -- 13: memory ----------------------------------------------------------------------------------
 
 
