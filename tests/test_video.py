@@ -4,11 +4,15 @@ record; hostile clips bounded by their worker's time limit, the other files unha
 
 import io
 import struct
+import subprocess
+import sys
+import textwrap
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+from privileges import code_env
 
 from encoder_graphs.app.media import LoadLimits, MediaError
 from encoder_graphs.app.decoders import VideoDecoders
@@ -324,3 +328,45 @@ def test_prefetched_decodes_serve_their_files_within_the_memory_bound(tmp_path, 
         assert decoders.decode(paths[3]).metadata["total_num_frames"] == 14  # not prefetched: decoded now
     finally:
         decoders.close()
+
+
+def _write_many_refs(path: Path, size: tuple[int, int], frames: int) -> None:
+    """H.264 that keeps 16 reference frames (the most a stream may), each frame a cheap gradient."""
+    with av.open(str(path), "w") as output:
+        stream = output.add_stream("libx264", rate=30)
+        stream.width, stream.height = size
+        stream.pix_fmt = "yuv420p"
+        stream.options = {"preset": "ultrafast", "x264-params": "ref=16:bframes=0:keyint=1000"}
+        ramp = np.linspace(0, 255, size[0], dtype=np.uint8)
+        for index in range(frames):
+            image = np.broadcast_to((ramp + np.uint8(8 * index % 256))[None, :, None], (size[1], size[0], 3))
+            for packet in stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(image), format="rgb24")):
+                output.mux(packet)
+        for packet in stream.encode():
+            output.mux(packet)
+
+
+@pytest.mark.slow
+def test_the_largest_clip_decodes_under_2_gb_and_a_larger_is_refused_by_its_header(tmp_path):
+    """The frame limit bounds a decode's memory: 8K UHD keeping 16 reference frames decodes in a
+    fresh process that peaks under 2 GB (its imports included); 8192 x 8192, which peaked at
+    2.8 GB so, is refused by its header before any frame decodes (issue 42, case 4)."""
+    _write_many_refs(tmp_path / "uhd.mp4", (7680, 4320), 20)
+    _write_many_refs(tmp_path / "square.mp4", (8192, 8192), 2)
+    code = textwrap.dedent(f"""
+        import resource, sys
+        from encoder_graphs.app.media import LoadLimits, MediaError
+        from encoder_graphs.app.video import decode_video
+        video = decode_video({str(tmp_path / "uhd.mp4")!r}, LoadLimits())
+        assert video.frames.shape[0] == 16 and video.sampling == "seek", video.sampling
+        try:
+            decode_video({str(tmp_path / "square.mp4")!r}, LoadLimits())
+        except MediaError as error:
+            print(error.kind, error)
+        print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+        """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=code_env())
+    assert done.returncode == 0, done.stderr
+    refusal, peak = done.stdout.splitlines()
+    assert refusal.startswith("too_large") and "8192x8192" in refusal and "square.mp4" in refusal
+    assert int(peak) < 2 << 30, f"{int(peak) / 2**30:.2f} GiB"
