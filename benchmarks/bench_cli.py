@@ -43,7 +43,7 @@ from pathlib import Path
 from clips import write_clip_folder, write_mixed_folder
 from pages import write_page_folder
 from photos import write_photo_folder
-from timing import environment, markdown_table, write_json
+from timing import environment, markdown_table, speedup, write_json
 
 from encoder_graphs.app.walk import media_kind
 
@@ -388,12 +388,14 @@ def report(args: argparse.Namespace, runs: dict[str, dict], written: dict) -> No
     stock = [name for name in runs if name == "stock" or name.startswith("stock_batch_")]
     if stock and "defaults" in runs:  # against the stock script's best batch, end to end
         best = max(stock, key=lambda name: runs[name]["items_per_s_end_to_end"])
-        keys = ("items_per_s_end_to_end", "items_per_s_in_loop", "images_per_s_end_to_end", "images_per_s_in_loop")
         result["stock_baseline"] = best
-        result["speedup_over_stock"] = {key: runs["defaults"][key] / runs[best][key] for key in keys}
-        speedup = result["speedup_over_stock"]
-        print(f"defaults over stock: end to end {speedup['items_per_s_end_to_end']:.2f}x, "
-              f"in loop {speedup['items_per_s_in_loop']:.2f}x")
+        try:
+            result["speedup_over_stock"] = speedup(runs["defaults"], runs[best])
+            print(f"defaults over stock: end to end {result['speedup_over_stock']['end_to_end']:.2f}x, "
+                  f"in loop {result['speedup_over_stock']['in_loop']:.2f}x")
+        except ValueError as error:  # --stock-images: compare the defaults on as many files (--sizes)
+            result["speedup_over_stock"] = None
+            print(f"defaults over stock: {error}")
     write_json(args.json, result)
     failures = {name: r["capture_failures"] for name, r in runs.items() if r.get("capture_failures")}
     if failures:

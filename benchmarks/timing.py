@@ -109,3 +109,14 @@ def markdown_table(header: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def speedup(ours: dict, stock: dict) -> dict[str, float]:
+    """Ours over the stock script, end to end and in the loop: the one way README and RESULTS
+    state a ratio. Both runs must have captioned the same number of files, so each start (and
+    the stock script's slow first batch) counts once; runs of different counts have no ratio."""
+    if ours["images"] != stock["images"]:
+        raise ValueError(f"no ratio between runs of {ours['images']} and {stock['images']} files")
+    # "images_per_s_*": the key every run of bench_cli.py has written, whatever the files' kind.
+    return {"end_to_end": ours["images_per_s_end_to_end"] / stock["images_per_s_end_to_end"],
+            "in_loop": ours["images_per_s_in_loop"] / stock["images_per_s_in_loop"]}

@@ -26,7 +26,7 @@ WORKER_DATA_BYTES = 6 << 30
 # Frames decoded ahead while the model loads (`VideoDecoders.prefetch`), at most this many bytes:
 # the load takes tens of seconds that the decoders would otherwise spend idle. The environment's
 # ENCODER_GRAPHS_VIDEO_PREFETCH_BYTES overrides it (0: none; benchmarks compare the two).
-PREFETCH_BYTES = int(os.environ.get("ENCODER_GRAPHS_VIDEO_PREFETCH_BYTES", 2 << 30))
+PREFETCH_BYTES = int(os.environ.get("ENCODER_GRAPHS_VIDEO_PREFETCH_BYTES", str(2 << 30)))
 
 
 def _decode_in_worker(path: Path, limits: LoadLimits) -> DecodedVideo:

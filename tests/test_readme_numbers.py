@@ -1,0 +1,65 @@
+"""The README's headline numbers are the JSON's: every number in the first table ("What a user
+sees") is found in the run of the JSON its heading names, and each ratio stated under it is
+`benchmarks/timing.py: speedup` of two runs of that JSON (issue 44)."""
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+from timing import speedup
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+# Each row's label and file count -> its run in the JSON (bench_cli.py's names).
+RUNS = {
+    ("`encoder-graphs caption` (defaults)", "1,024"): "defaults",
+    ("the same, `--no-graphs`", "1,024"): "no_graphs",
+    ("`encoder-graphs caption` (defaults)", "256"): "defaults_256",
+    ("the same, `--no-graphs`", "256"): "no_graphs_256",
+    ("a stock script: processor + `generate`, batches of 8", "256"): "stock",
+}
+
+
+def headline() -> tuple[dict, list[list[str]], str]:
+    """The JSON the heading names, the first table's rows (cells), and the text after it."""
+    start = README.index("**What a user sees**")
+    heading = README[start:README.index("\n", start)]
+    (name,) = re.findall(r"`(benchmarks/[\w.]+\.json)`", heading)
+    table_at = README.index("\n|", start) + 1
+    lines = README[table_at:].split("\n")
+    rows = []
+    for line in lines[2:]:
+        if not line.startswith("|"):
+            break
+        rows.append([cell.strip() for cell in line.strip("|").split("|")])
+    after = README[table_at + sum(len(line) + 1 for line in lines[: 2 + len(rows)]):]
+    return json.loads((ROOT / name).read_text()), rows, after[: after.index("\n\n", 1)]
+
+
+def test_every_number_of_the_first_table_is_the_jsons():
+    data, rows, _ = headline()
+    assert len(rows) == len(RUNS)
+    for label, files, end_to_end, in_loop, first in rows:
+        run = data["runs"][RUNS[label, files]]
+        assert run["images"] == int(files.replace(",", "")), label
+        assert end_to_end == f"{run['images_per_s_end_to_end']:.1f}", (label, files)
+        assert in_loop == f"{run['images_per_s_in_loop']:.1f}", (label, files)
+        assert first == f"{run['first_caption_after_load_s']:.1f} s", (label, files)
+
+
+def test_the_ratio_under_it_is_speedup_of_runs_of_the_same_files():
+    data, _, text = headline()
+    stated = re.search(r"the same (\d+) files the defaults ran \*\*([\d.]+)x\*\* the stock script end to end and "
+                       r"\*\*([\d.]+)x\*\* in the\s+loop", text)
+    assert stated, text
+    runs = data["runs"]
+    ratio = speedup(runs[f"defaults_{stated[1]}"], runs["stock"])
+    assert (stated[2], stated[3]) == (f"{ratio['end_to_end']:.1f}", f"{ratio['in_loop']:.1f}")
+
+
+def test_speedup_refuses_runs_of_different_counts():
+    data, _, _ = headline()
+    runs = data["runs"]
+    with pytest.raises(ValueError, match="1024 and 256 files"):
+        speedup(runs["defaults"], runs["stock"])  # 1,024 files against 256
