@@ -249,7 +249,10 @@ def test_every_entry_is_captioned_failed_or_counted_as_not_read(tmp_path, capsys
     assert by_name["phone.heic"]["error_kind"] == "unsupported" and "(.heic)" in by_name["phone.heic"]["error"]
     not_read = {"hidden": 1, "not media (.txt)": 1, "not media (no extension)": 1}
     assert json.loads(stats_path.read_text())["pipeline"]["not_read"] == not_read
-    assert "not read under the folders: hidden 1, not media (.txt) 1, not media (no extension) 1" in capsys.readouterr().out
+    said = capsys.readouterr()
+    assert "not read under the folders: hidden 1, not media (.txt) 1, not media (no extension) 1" in said.out
+    files = len(formats) + 1
+    assert f"| {files}/{files} [" in said.err and "file/s]" in said.err  # the progress bar (tqdm), on stderr
     assert main(argv + ["--max-new-tokens", "2"]) == 1  # nothing to do: the same said
     assert "not read under the folders: hidden 1" in capsys.readouterr().out
 

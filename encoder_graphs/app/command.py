@@ -216,7 +216,7 @@ def caption_files(
     from encoder_graphs.app.outputs import Outputs
     from encoder_graphs.app.pipeline import Captioner
     from encoder_graphs.app.results import ResultsFile
-    from encoder_graphs.app.runstats import Progress
+    from encoder_graphs.app.runstats import progress_bar
     from encoder_graphs.models.text.stack import warm_up_language_model
 
     setup_started = time.perf_counter()
@@ -241,9 +241,9 @@ def caption_files(
     # Under torchrun each rank writes its own part file and claims chunks of the costliest first.
     writer = ResultsFile(part_path(plan.results.path, job.rank)) if job.distributed else plan.results
     files = claimed(job, by_cost(plan.todo), claim_chunk(config.largest_batch)) if job.distributed else plan.todo
-    progress = None if settings.quiet or job.distributed else Progress(len(plan.todo))
+    progress = None if settings.quiet or job.distributed else progress_bar(len(plan.todo))
     aliases = {str(f.path): f.aliases for f in plan.todo if f.aliases}
-    outputs = Outputs(writer, plan.sidecars, progress.advance if progress else None, aliases)
+    outputs = Outputs(writer, plan.sidecars, progress.update if progress else None, aliases)
     warm_up = partial(warm_up_language_model, model) if device.type == "cuda" else None
     captioner = Captioner(
         model, inputs, config, limits, roots=plan.roots, model_name=settings.model or "default",
@@ -255,6 +255,8 @@ def caption_files(
         with stop_on_interrupt() as stop:
             stats = captioner.run(files, outputs, stop)
     finally:
+        if progress is not None:
+            progress.close()
         graph_stats = handle.stats()
         handle.disable()
         if writer is not plan.results:

@@ -1,12 +1,14 @@
 """A captioning run's counters, and its progress line."""
 
 import sys
-import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TextIO
+from typing import TYPE_CHECKING
 
 from encoder_graphs.engine.stats import latency_summary
+
+if TYPE_CHECKING:
+    from tqdm import tqdm
 
 
 @dataclass
@@ -70,33 +72,10 @@ def padding_pct(tokens: int, padded: int) -> float:
     return 100.0 * (padded - tokens) / padded if padded else 0.0
 
 
-class Progress:
-    """A one-line progress bar on stderr: redrawn in place on a terminal, a line every few
-    seconds otherwise (logs)."""
+def progress_bar(total: int) -> "tqdm":
+    """The run's progress on stderr (tqdm): redrawn in place on a terminal, every few seconds
+    otherwise (logs)."""
+    from tqdm import tqdm
 
-    def __init__(self, total: int, stream: TextIO = sys.stderr) -> None:
-        self.total = total
-        self.stream = stream
-        self.done = 0
-        self.started = time.perf_counter()
-        self.last_draw = 0.0
-        self.interactive = stream.isatty()
-
-    def advance(self, count: int) -> None:
-        self.done += count
-        now = time.perf_counter()
-        if now - self.last_draw >= (0.2 if self.interactive else 5.0) or self.done == self.total:
-            self.last_draw = now
-            self._draw(now)
-
-    def _draw(self, now: float) -> None:
-        elapsed = now - self.started
-        rate = self.done / elapsed if elapsed else 0.0
-        eta = (self.total - self.done) / rate if rate else 0.0
-        width = 30
-        filled = width * self.done // max(1, self.total)
-        line = f"[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} {rate:.2f} files/s eta {eta:.0f}s"
-        self.stream.write(("\r" + line) if self.interactive else line + "\n")
-        if self.interactive and self.done == self.total:
-            self.stream.write("\n")
-        self.stream.flush()
+    return tqdm(total=total, unit="file", file=sys.stderr, dynamic_ncols=True,
+                mininterval=0.2 if sys.stderr.isatty() else 5.0)
