@@ -172,3 +172,23 @@ def test_a_read_only_results_file_fails_at_construction(tmp_path):
             raise SystemExit(str(error))
         """))
     assert done.returncode == 1 and "cannot append to the results file" in done.stderr, done.stderr
+
+
+def test_path_keys_resolve_as_realpath_does(tmp_path, monkeypatch):
+    """`PathKeys` (each folder resolved once: a million records cost a lstat each) gives what
+    `path_key` (realpath) gives: through a linked folder, a linked file, `..`, relative paths,
+    a trailing slash, a file that does not exist."""
+    from encoder_graphs.app.results import PathKeys, path_key
+
+    (tmp_path / "real" / "sub").mkdir(parents=True)
+    (tmp_path / "real" / "sub" / "a.jpg").write_text("")
+    (tmp_path / "real" / "b.jpg").write_text("")
+    (tmp_path / "linked").symlink_to(tmp_path / "real", target_is_directory=True)
+    (tmp_path / "real" / "sub" / "c.jpg").symlink_to(tmp_path / "real" / "b.jpg")
+    monkeypatch.chdir(tmp_path / "real")
+    keys = PathKeys()
+    paths = [tmp_path / "linked" / "sub" / "a.jpg", tmp_path / "linked" / "sub" / "c.jpg", "sub/a.jpg", "sub/c.jpg",
+             "b.jpg", "sub/../b.jpg", f"{tmp_path}/linked/sub/", f"{tmp_path}//linked/./sub/gone.jpg", "..", "."]
+    for path in paths * 2:  # the second time from the cache
+        assert keys(path) == path_key(path), path
+    assert keys(tmp_path / "linked" / "sub" / "c.jpg") == str(tmp_path / "real" / "b.jpg")

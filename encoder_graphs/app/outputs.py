@@ -19,7 +19,7 @@ from pathlib import Path
 
 from encoder_graphs.app.lock import OPEN_FLAGS
 from encoder_graphs.app.names import as_text
-from encoder_graphs.app.results import ResultsFile, iter_records, path_key, record_path
+from encoder_graphs.app.results import PathKeys, ResultsFile, iter_records, record_path
 from encoder_graphs.app.walk import media_kind
 
 METADATA_FILE = "metadata.jsonl"
@@ -71,10 +71,12 @@ class SidecarPolicy:
         run's prefix and suffix (`text`); with `overwrite` also those whose sidecar exists. How
         many, and the error records of those that could not be written."""
         lacking = [file for file in files if self.overwrite or not os.path.isfile(self.path(file))]
-        latest = latest_records(results_path, {path_key(file) for file in lacking})
+        key_of = PathKeys()
+        keys = {file: key_of(file) for file in lacking}
+        latest = latest_records(results_path, set(keys.values()))
         written, errors = 0, []
         for file in lacking:
-            record = latest.get(path_key(file))
+            record = latest.get(keys[file])
             if record is None or "caption" not in record:
                 continue
             try:
@@ -145,7 +147,8 @@ def carry_moved(results: ResultsFile, files: Sequence[Path], roots: Sequence[Pat
     same file where the dataset was), made with this run's settings (`identity`), gets a copy of
     that record under its own path (`moved_from` the old), so it is not captioned again. How
     many; only files whose relative path matches are read."""
-    keys = {file: path_key(file) for file in files}
+    key_of = PathKeys()
+    keys = {file: key_of(file) for file in files}
     missing = [file for file, key in keys.items() if key not in results.done]
     if not missing or not results.done - set(keys.values()):  # nothing to do, or no record of elsewhere
         return 0
@@ -175,11 +178,12 @@ def latest_records(results_path: Path, wanted: "set[str] | None" = None) -> dict
     not be written leaves the caption before it standing: its line is not counted here (nor an
     earlier version's error record for it)."""
     latest: dict[str, dict] = {}
+    keys = PathKeys()
     if results_path.exists() and wanted != set():
         for record in iter_records(results_path):
             if is_sidecar_line(record):
                 continue
-            key = path_key(record_path(record))
+            key = keys(record_path(record))
             if wanted is None or key in wanted:
                 latest[key] = record
     return latest

@@ -35,6 +35,25 @@ def path_key(path: str | Path) -> str:
     return os.path.realpath(path)
 
 
+class PathKeys:
+    """`path_key` of many paths, each folder resolved once: a results file of a million records
+    costs a `lstat` a record (is the name a link?), not one for every step of every path. For
+    one pass or one run: a folder link retargeted meanwhile keeps its first target here."""
+
+    def __init__(self) -> None:
+        self._folders: dict[str, str] = {}
+
+    def __call__(self, path: str | Path) -> str:
+        text = os.fspath(path)
+        folder, name = os.path.split(text)
+        if name in ("", ".", "..") or os.path.islink(text):
+            return os.path.realpath(text)
+        real = self._folders.get(folder)
+        if real is None:
+            real = self._folders[folder] = os.path.realpath(folder)
+        return os.path.join(real, name)
+
+
 def record_path(record: dict) -> str:
     """The exact path of the file a record describes."""
     return unescaped(record["path_bytes"]) if "path_bytes" in record else record["path"]
@@ -73,6 +92,7 @@ class ResultsFile:
         self.retry_failed = retry_failed
         self._lock = FileLock(self.path)
         self.lock_path = self._lock.path
+        self._keys = PathKeys()  # path identities, each folder resolved once
         self.done: set[str] = set()  # every path with a record
         self.failed: set[str] = set()  # the subset of `done` whose latest record is an error
         # The "settings" of each path's latest caption (`settings.IDENTITY`), as canonical JSON
@@ -165,12 +185,12 @@ class ResultsFile:
 
     def is_done(self, path: str | Path) -> bool:
         """Recorded already, so not to be captioned again (with `retry_failed`: and not an error)."""
-        key = path_key(path)
+        key = self._keys(path)
         return key in self.done and not (self.retry_failed and key in self.failed)
 
     def is_failed(self, path: str | Path) -> bool:
         """The latest record of `path` is an error."""
-        return path_key(path) in self.failed
+        return self._keys(path) in self.failed
 
     def append(self, records: list[dict]) -> None:
         """Write `records` and make them durable before returning; `OutputError` when they cannot
@@ -230,7 +250,7 @@ class ResultsFile:
         versa; a line about a sidecar that could not be written changes neither."""
         if "sidecar_error" in record:
             return
-        key = path_key(record_path(record))
+        key = self._keys(record_path(record))
         self.done.add(key)
         if "error" in record:
             self.failed.add(key)
@@ -250,7 +270,7 @@ class ResultsFile:
             return {}
         counts: dict[str, int] = {}
         for path in paths:
-            theirs = self.settings.get(path_key(path))
+            theirs = self.settings.get(self._keys(path))
             if theirs is not None and theirs != ours:
                 counts[theirs] = counts.get(theirs, 0) + 1
         return counts
