@@ -370,3 +370,40 @@ def test_the_largest_clip_decodes_under_2_gb_and_a_larger_is_refused_by_its_head
     refusal, peak = done.stdout.splitlines()
     assert refusal.startswith("too_large") and "8192x8192" in refusal and "square.mp4" in refusal
     assert int(peak) < 2 << 30, f"{int(peak) / 2**30:.2f} GiB"
+
+
+def test_frames_larger_than_the_first_are_refused(tmp_path):
+    """An MJPEG AVI whose header and first frames are 64x48 and whose later frames are 256x192
+    (each JPEG carries its own size): every decoded frame is checked by its own size, before its
+    RGB copy is made."""
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    with av.open(buffer, "w", format="avi") as output:
+        stream = output.add_stream("mjpeg", rate=10)
+        stream.width, stream.height, stream.pix_fmt = 64, 48, "yuvj420p"
+        frame = av.VideoFrame.from_ndarray(scene(0, 64, 48), format="rgb24").reformat(format="yuvj420p")
+        for packet in [*stream.encode(frame), *stream.encode()]:
+            output.mux(packet)
+    data = buffer.getvalue()
+    head = bytearray(data[: data.index(b"movi") - 8])
+    avih, strh = head.index(b"avih") + 8, head.index(b"strh") + 8
+    struct.pack_into("<I", head, avih + 12, struct.unpack_from("<I", head, avih + 12)[0] & ~0x10)  # no index
+    struct.pack_into("<I", head, avih + 16, 6)  # dwTotalFrames
+    struct.pack_into("<I", head, strh + 32, 6)  # dwLength
+
+    def jpeg(index: int, width: int, height: int) -> bytes:
+        encoded = io.BytesIO()
+        Image.fromarray(scene(index, width, height)).save(encoded, format="JPEG")
+        return encoded.getvalue() + b"\0" * (len(encoded.getvalue()) % 2)
+
+    body = b"".join(b"00dc" + struct.pack("<I", len(j)) + j
+                    for j in [jpeg(i, *((64, 48) if i < 2 else (256, 192))) for i in range(6)])
+    riff = bytes(head[8:]) + b"LIST" + struct.pack("<I", 4 + len(body)) + b"movi" + body
+    (tmp_path / "grows.avi").write_bytes(b"RIFF" + struct.pack("<I", len(riff)) + riff)
+    with av.open(str(tmp_path / "grows.avi")) as container:
+        assert (container.streams.video[0].codec_context.width, container.streams.video[0].height) == (64, 48)
+    with pytest.raises(MediaError, match="256x192") as error:
+        decode_video(tmp_path / "grows.avi", LoadLimits(max_frames=4, max_video_pixels=128 * 96, min_side=2,
+                                                        frame_max_pixels=64 * 48))
+    assert error.value.kind == "too_large" and "grows.avi" in str(error.value)

@@ -355,6 +355,8 @@ class _Sampler:
         """`frame` as RGB, turned upright by its display rotation, shrunk to the model's frame size
         for a clip of `count` frames (`_target`) by the processors' resize."""
         turns = round((frame.rotation or 0) / 90) % 4
+        # A frame larger than its header said (or than the frames before) is refused before its RGB copy.
+        check_size(self.path, frame.width, frame.height, self.limits, self.limits.max_video_pixels)
         rgb = frame.to_ndarray(format="rgb24")
         if turns:
             rgb = np.rot90(rgb, turns)
