@@ -256,10 +256,11 @@ def test_a_fifo_in_the_folder_neither_hangs_the_run_nor_ctrl_c(tmp_path, model_c
 
 
 @pytest.mark.slow
-def test_a_second_ctrl_c_during_a_long_video_decode_stops_within_2_s(tmp_path, model_cache):  # noqa: F811
+def test_a_second_ctrl_c_during_a_long_video_decode_stops_at_once(tmp_path, model_cache):  # noqa: F811
     """A clip of 10**6 tiny frames with no index decodes for its whole time limit (60 s here): the
     first Ctrl-C asks the run to stop after its batch, the second stops it at once, the decoder
-    processes with it; the photo captioned before stays (issue 42, case 8)."""
+    processes with it; the photo captioned before stays (issue 42, case 8). It hung half the time
+    before `VideoDecoders.close` ended the decodes pebble's stop left pending."""
     from test_video import write_tiny_avi
 
     good_images(tmp_path / "data", 1)
@@ -286,7 +287,7 @@ def test_a_second_ctrl_c_during_a_long_video_decode_stops_within_2_s(tmp_path, m
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
     assert process.returncode == 130, err
-    assert stopped_s < 2.0, (stopped_s, err)
+    assert stopped_s < 3.0, (stopped_s, err)  # 1.5-1.6 s on 2 idle cores; a busy CI machine is slower
     assert "Traceback" not in err
     assert [Path(r["path"]).name for r in lines_of(out)] == ["img00.png"]
     deadline = time.monotonic() + 5  # the decoder processes end with it (a moment to be reaped)

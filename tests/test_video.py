@@ -321,11 +321,15 @@ def test_prefetched_decodes_serve_their_files_within_the_memory_bound(tmp_path, 
         with pytest.raises(MediaError, match="bad.mp4") as error:
             decoders.decode(paths[0])
         assert error.value.kind == "corrupt"
+        scheduled = []
+        schedule = decoders._schedule
+        decoders._schedule = lambda path: scheduled.append(path) or schedule(path)
         video = decoders.decode(paths[1])
-        assert not decoders._ahead  # taken once, not kept
+        assert scheduled == [] and not decoders._ahead  # the prefetched decode's result, taken once
         fresh = decode_video(paths[1], limits)
         assert video.metadata == fresh.metadata and np.array_equal(video.frames, fresh.frames)
         assert decoders.decode(paths[3]).metadata["total_num_frames"] == 14  # not prefetched: decoded now
+        assert scheduled == [paths[3]]
     finally:
         decoders.close()
 
@@ -409,3 +413,31 @@ def test_frames_larger_than_the_first_are_refused(tmp_path):
         decode_video(tmp_path / "grows.avi", LoadLimits(max_frames=4, max_video_pixels=128 * 96, min_side=2,
                                                         frame_max_pixels=64 * 48))
     assert error.value.kind == "too_large" and "grows.avi" in str(error.value)
+
+
+def test_closing_ends_a_decode_under_way(tmp_path):
+    """A loader thread waiting on a decode when the run stops must not wait forever (pebble's
+    stop can leave the decode under way without an end; the thread would hold the process at
+    exit): `close` ends it as cancelled, within moments."""
+    import threading
+
+    write_tiny_avi(tmp_path / "many.avi", 10**6)
+    for attempt in range(4):  # it hung about half the time before
+        decoders = VideoDecoders(1, LoadLimits(max_frames=4, frame_max_pixels=64, min_side=2, video_timeout_s=60))
+        decoders.start()
+        outcome = []
+        waiting = threading.Thread(target=lambda: outcome.append(_error_of(decoders, tmp_path / "many.avi")))
+        waiting.start()
+        time.sleep(1.0)  # the decode under way
+        decoders.close()
+        waiting.join(timeout=15)
+        assert not waiting.is_alive(), f"attempt {attempt}: the waiting thread never returned"
+        assert outcome and outcome[0] == "cancelled", outcome
+
+
+def _error_of(decoders: VideoDecoders, path: Path) -> str | None:
+    try:
+        decoders.decode(path)
+    except MediaError as error:
+        return error.kind
+    return None

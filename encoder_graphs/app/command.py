@@ -293,7 +293,7 @@ def start_video_decoders(plan: Plan, source: "ModelSource", limits: "LoadLimits"
         return None
     videos = VideoDecoders(video_workers(plan.config.load_workers), limits).start()
     if not plan.job.distributed:
-        videos.prefetch(f.path for f in plan.todo if f.kind == "video")
+        videos.prefetch(f.path for f in plan.todo if f.kind == "video" and not f.reason)  # not what the walk refused
     return videos
 
 

@@ -87,6 +87,8 @@ class VideoDecoders:
             context.set_forkserver_preload([__name__, "encoder_graphs.app.video", "torch", "av"])
         self.limits, self.workers = limits, workers
         self._ahead: dict[Path, object] = {}  # path -> the future of its decode, started by `prefetch`
+        self._pending: set = set()  # every decode not ended: `close` ends them (pebble's stop may not)
+        self._closed = False
         self.prefetched = 0
         self._pool = pebble.ProcessPool(
             max_workers=workers, initializer=_worker_setup, initargs=(data_bytes, limits.video_threads), context=context
@@ -117,9 +119,12 @@ class VideoDecoders:
 
     def _schedule(self, path: Path) -> object:
         try:
-            return self._pool.schedule(_decode_in_worker, (path, self.limits), timeout=self.limits.video_timeout_s)
+            future = self._pool.schedule(_decode_in_worker, (path, self.limits), timeout=self.limits.video_timeout_s)
         except RuntimeError as error:  # the pool was stopped: the run is ending
             raise MediaError(path, "cancelled", "the run ended before its frames were decoded") from error
+        self._pending.add(future)
+        future.add_done_callback(self._pending.discard)
+        return future
 
     def decode(self, path: Path) -> DecodedVideo:
         """The file's frames (the decode `prefetch` started, else a new one), waiting for a worker;
@@ -137,6 +142,8 @@ class VideoDecoders:
             raise MediaError(path, "timeout", f"decoding took longer than {self.limits.video_timeout_s:g} s "
                              "(--video-timeout); its worker was stopped") from error
         except (ProcessExpired, BrokenProcessPool) as error:
+            if self._closed:  # its worker was stopped with the run
+                raise MediaError(path, "cancelled", "the run ended before its frames were decoded") from error
             death = _death(error.exitcode) if isinstance(error, ProcessExpired) else str(error)
             raise MediaError(path, "crashed", f"the video decoder's process died ({death})") from error
         except MemoryError as error:
@@ -145,9 +152,22 @@ class VideoDecoders:
             raise MediaError(path, "cancelled", "the run ended before its frames were decoded") from error
 
     def close(self) -> None:
-        """Stop the workers now (files still queued are dropped: their run is ending)."""
+        """Stop the workers now (files still queued are dropped: their run is ending). A decode
+        under way when pebble's loops stop would never end, and a loader thread waiting on it
+        would hold the process at exit (a second Ctrl-C hung): each one still pending is ended
+        here, cancelled."""
+        from concurrent.futures import CancelledError, InvalidStateError
+
+        self._closed = True
         self._pool.stop()
         self._pool.join(timeout=10)
+        self._ahead.clear()
+        for future in list(self._pending):
+            if not future.done():
+                try:
+                    future.set_exception(CancelledError())
+                except InvalidStateError:  # it ended meanwhile
+                    pass
 
 
 def _death(exitcode: int | None) -> str:
