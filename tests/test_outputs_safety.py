@@ -211,6 +211,48 @@ def test_another_users_flock_on_out_is_passed_over_and_ours_still_meet(tmp_path,
     assert len(records(out)) == 2
 
 
+def test_a_lock_held_by_a_user_who_may_write_out_keeps_the_run_out(tmp_path):
+    """Passed over only where the holder cannot write --out: with a group write bit (a shared
+    0664 file), the other user's lock is another writer's and is obeyed."""
+    if os.geteuid() != 0:
+        pytest.skip("a lock held by another user's process needs root to start one")
+    out = tmp_path / "r.jsonl"
+    out.write_text("")
+    out.chmod(0o664)
+    holder = _flock_held_by(out, 4242)
+    try:
+        with pytest.raises(ResultsLocked):
+            ResultsFile(out)
+        out.chmod(0o644)
+        with ResultsFile(out) as results:
+            assert "passed over" in results.lock_note
+    finally:
+        _stop(holder)
+
+
+def test_another_users_hold_on_an_old_lock_file_does_not_let_two_runs_in(tmp_path):
+    """Another user who kept a descriptor of an old `<out>.lock` (left readable by an earlier
+    version) and locks it and --out: the run makes a new lock file, and a second run of ours is
+    still kept out."""
+    if os.geteuid() != 0:
+        pytest.skip("a lock held by another user's process needs root to start one")
+    out, lock = tmp_path / "r.jsonl", tmp_path / "r.jsonl.lock"
+    out.write_text("")
+    out.chmod(0o644)
+    lock.write_text(json.dumps({"pid": 1, "host": "old"}) + "\n")
+    lock.chmod(0o644)
+    holders = [_flock_held_by(out, 4242), _flock_held_by(lock, 4242)]
+    try:
+        with ResultsFile(out) as results:
+            assert "passed over" in results.lock_note and not results.lock_unguarded
+            assert json.loads(lock.read_text())["pid"] == os.getpid() and lock.stat().st_mode & 0o777 == 0o600
+            with pytest.raises(ResultsLocked):
+                ResultsFile(out)
+    finally:
+        for pid in holders:
+            _stop(pid)
+
+
 def test_a_hard_link_or_symlink_to_out_meets_its_lock(tmp_path, capsys, no_model):
     images(tmp_path / "data", 1)
     out = tmp_path / "r.jsonl"

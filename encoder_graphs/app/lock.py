@@ -8,9 +8,10 @@ or into a file with other names. A guarded file the holder created and left empt
 before it lets go, so a taker checks that the file it locked is still the one at the path.
 
 Any user who can read a file can hold a `flock` on it: a lock that `/proc/locks` shows held only by
-other users' processes keeps no run out (it cannot be ours, and that user cannot write our
-output); it is reported and passed over. Our own runs then meet on the holder's file, which only
-its owner can open (mode 0600), and which each holder also locks.
+other users' processes, none of whom can write the file (not its owner, not root; no group or
+other write bit, no ACL), keeps no run out: it is reported and passed over. Our own runs then meet
+on the holder's file, which only its owner can open (mode 0600), and which each holder also locks.
+Where the holders cannot be told (another machine's, a /proc mounted with hidepid), the lock holds.
 """
 
 import errno
@@ -151,10 +152,21 @@ def _lock_unless_foreign(fd: int, holder_path: Path) -> str | None:
     except BlockingIOError:
         pass
     holders = flock_holders(fd)
-    me = os.geteuid()
-    if holders and all(uid is not None and uid != me for uid in holders.values()):
+    info = os.fstat(fd)
+    writers = {os.geteuid(), 0, info.st_uid}  # who may write it whatever its mode: none of them is passed over
+    if holders and _only_owner_writes(fd, info) and all(uid is not None and uid not in writers for uid in holders.values()):
         return ", ".join(f"process {pid} (uid {uid})" for pid, uid in sorted(holders.items()))
     raise HeldElsewhere(_read_holder(holder_path))
+
+
+def _only_owner_writes(fd: int, info: os.stat_result) -> bool:
+    """No group or other write bit and no ACL: only the owner (and root) may write the file."""
+    if info.st_mode & 0o022:
+        return False
+    try:
+        return "system.posix_acl_access" not in os.listxattr(fd)
+    except OSError:  # no extended attributes here: no ACL either
+        return True
 
 
 def flock_holders(fd: int) -> dict[int, int | None]:
@@ -197,11 +209,13 @@ def _write_holder(path: Path) -> tuple[int | None, str | None]:
                 os.close(fd)
                 return None, odd
             os.fchmod(fd, 0o600)  # one an earlier version left readable: no other user opens it to lock it
-            _lock_unless_foreign(fd, path)
+            foreign = _lock_unless_foreign(fd, path)
         except BaseException:
             os.close(fd)
             raise
-        if _same_file(fd, path):  # not one a holder removed as we opened it
+        if foreign and _same_file(fd, path):  # another user kept a descriptor of an old one: a new file
+            os.unlink(path)
+        elif _same_file(fd, path):  # not one a holder removed as we opened it
             break
         os.close(fd)
     try:
