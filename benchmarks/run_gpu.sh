@@ -34,7 +34,8 @@ log="$OUT/gpu_tests-transformers-$version.log"
 # each, 35 GB) run one after another in one of them. Measured on an H100, 2026-11-28: six workers
 # ran the suite in 7 minutes but ran 11 tests out of memory; four with the fidelity tests in one
 # worker did not end within 555 s (that worker's 6 tests take most of it). So run it in two calls:
-# `bash benchmarks/run_gpu.sh "not fidelity_targets"`, then `... "fidelity_targets"`.
+# `bash benchmarks/run_gpu.sh "not fidelity_targets"`, then `BENCHMARKS="" bash benchmarks/run_gpu.sh
+# "fidelity_targets"`.
 # TEST_LIMIT_S stops the tests with a Ctrl-C in time for pytest to print what failed.
 workers=()
 python3 -c "import xdist" 2>/dev/null && workers=(-n "${TEST_WORKERS:-4}" --dist loadgroup)

@@ -21,8 +21,8 @@ Targets (`missed_targets`): against the fp32 forward, ours agrees at no fewer st
 `generate` less 2% of the steps, with a worst margin at most 1.5x stock's (or one bf16 step of the
 top logit, the finest margin bf16 logits show), compiled or not; each item's encoder error against
 fp32 at most 1.5x stock bf16's. On a GPU the stock generate runs twice (`STOCK_AGAIN`): stock's own bf16 tokens differ run to
-run, so the bar is the looser of its two runs (a bar one stock run misses against the other would
-be tighter than bf16 itself). Against the stock bf16 forward the same two are reported
+run, so each measure's bar is the looser value of its two runs (a bar one stock run misses
+against the other would be tighter than bf16 itself). Against the stock bf16 forward the same two are reported
 (`stock_forward_gaps`), not asserted: that forward runs the stock encoder, so it shares the stock
 generate's encoder rounding exactly, and any encoder rounded otherwise (ours: packed items, other
 attention and GEMM kernels, as accurate against fp32) parts from it at the first steps of a
@@ -366,7 +366,8 @@ def _agreement_gaps(result: dict, reference: str | None) -> list[str]:
     stock = result["variants"][STOCK]
     runs = [v if reference is None else v[reference] for n, v in result["variants"].items() if n in (STOCK, STOCK_AGAIN)]
     # Each stock run is stock bf16 alike, and on a GPU they differ (worst margins 0.071 and 0.094
-    # of the same inputs): the bar is the loosest of them, not whichever ran first.
+    # of the same inputs): each measure's bar is the loosest value of the two runs (the fewest
+    # agreeing steps, the worst margin), not whichever run came first.
     of_stock = {"agree": min(r["agree"] for r in runs), "steps": runs[0]["steps"],
                 "worst_margin": max(r["worst_margin"] for r in runs)}
     against = "the stock bf16 forward" if reference is None else f"the {reference} forward"

@@ -352,10 +352,11 @@ def _write_many_refs(path: Path, size: tuple[int, int], frames: int) -> None:
 
 @pytest.mark.slow
 def test_the_largest_clip_decodes_under_2_gb_and_a_larger_is_refused_by_its_header(tmp_path):
-    """The frame limit bounds a decode's memory: 8K UHD keeping 16 reference frames decodes in a
-    fresh process that peaks under 2 GB (its imports included; 1.45 GiB here); 8192 x 8192, which
-    peaked at 2.8 GB so, is refused by its header before any frame decodes (issue 42, case 4)."""
-    _write_many_refs(tmp_path / "uhd.mp4", (7680, 4320), 20)
+    """The frame limit bounds a decode's memory: DCI 8K, the largest frame allowed, keeping 16
+    reference frames decodes in a fresh process that peaks under 2 GB (its imports included);
+    8192 x 8192, which peaked at 2.8 GB so, is refused by its header before any frame decodes
+    (issue 42, case 4)."""
+    _write_many_refs(tmp_path / "uhd.mp4", (8192, 4320), 20)
     _write_many_refs(tmp_path / "square.mp4", (8192, 8192), 2)
     code = textwrap.dedent(f"""
         import sys

@@ -20,8 +20,8 @@ from encoder_graphs.app.media import LoadLimits, MediaError
 from encoder_graphs.app.video import DecodedVideo, decode_video
 
 # Memory a worker may allocate (a backstop: frames are refused by their header's size first). A
-# decoder holds up to 17 of its stream's frames (up to 8K UHD by `LoadLimits.max_video_pixels`,
-# 50 MB each) and its working copies; a worker past it fails its file, not the machine.
+# decoder holds up to 17 of its stream's frames (up to DCI 8K by `LoadLimits.max_video_pixels`,
+# 53 MB each) and its working copies; a worker past it fails its file, not the machine.
 WORKER_DATA_BYTES = 6 << 30
 # Frames decoded ahead while the model loads (`VideoDecoders.prefetch`), at most this many bytes:
 # the load takes tens of seconds that the decoders would otherwise spend idle. The environment's

@@ -80,10 +80,10 @@ class LoadLimits:
     video_sampling: str = "exact"
     frame_size: Any = None
     frame_max_pixels: int = 256 * 28 * 28
-    # A stream whose frames are larger (than 8K UHD) is refused by its header: a decoder holds up to
-    # 16 reference frames, which at 8192 x 8192 took its process to 2.8 GB, at 8K UHD to 1.45 GB
-    # (a hostile file's bound is 2 GB).
-    max_video_pixels: int = 7680 * 4320
+    # A stream whose frames are larger (than DCI 8K: 8K UHD and 8192 x 4096 pass) is refused by its
+    # header: a decoder holds up to 16 reference frames, which at 8192 x 8192 took its process to
+    # 2.8 GB, at 8K UHD to 1.45 GB (a hostile file's bound is 2 GB).
+    max_video_pixels: int = 8192 * 4320
     video_timeout_s: float = 120.0  # a video's decode, in its worker process (`VideoDecoders`)
     video_threads: int = 1  # FFmpeg threads of one video's decoder
     video_hwaccel: str | None = None  # e.g. "cuda": FFmpeg's hardware decoder (NVDEC), falling back to software
