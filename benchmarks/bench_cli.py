@@ -43,7 +43,7 @@ from pathlib import Path
 from clips import write_clip_folder, write_mixed_folder
 from pages import write_page_folder
 from photos import write_photo_folder
-from timing import environment, markdown_table, speedup, write_json
+from timing import environment, markdown_table, over_stock, write_json
 
 from encoder_graphs.app.walk import media_kind
 
@@ -385,22 +385,9 @@ def report(args: argparse.Namespace, runs: dict[str, dict], written: dict) -> No
               "environment": env, "runs": runs}
     if args.repeats > 1:
         result["median_wall_s"] = medians(args, runs)
-    stock = [name for name in runs if name == "stock" or name.startswith("stock_batch_")]
-    if stock and "defaults" in runs:  # against the stock script's best batch, end to end
-        best = max(stock, key=lambda name: runs[name]["items_per_s_end_to_end"])
-        result["stock_baseline"] = best
-        # Ours on as many files as the stock script ran: the defaults, or `--sizes`' run of that count.
-        count = runs[best]["images"]
-        ours = next((name for name in ("defaults", f"defaults_{count}") if runs.get(name, {}).get("images") == count),
-                    "defaults")
-        result["speedup_of"] = ours
-        try:
-            result["speedup_over_stock"] = speedup(runs[ours], runs[best])
-            print(f"{ours} over stock: end to end {result['speedup_over_stock']['end_to_end']:.2f}x, "
-                  f"in loop {result['speedup_over_stock']['in_loop']:.2f}x")
-        except ValueError as error:  # --stock-images without --sizes of that count
-            result["speedup_over_stock"] = None
-            print(f"defaults over stock: {error}")
+    if any(name == "stock" or name.startswith("stock_batch_") for name in runs) and "defaults" in runs:
+        result.update(over_stock(runs))
+        print(f"{result['speedup_of']} over {result['stock_baseline']}: {result['speedup_over_stock'] or result['no_speedup']}")
     write_json(args.json, result)
     failures = {name: r["capture_failures"] for name, r in runs.items() if r.get("capture_failures")}
     if failures:

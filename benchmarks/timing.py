@@ -120,3 +120,18 @@ def speedup(ours: dict, stock: dict) -> dict[str, float]:
     # "images_per_s_*": the key every run of bench_cli.py has written, whatever the files' kind.
     return {"end_to_end": ours["images_per_s_end_to_end"] / stock["images_per_s_end_to_end"],
             "in_loop": ours["images_per_s_in_loop"] / stock["images_per_s_in_loop"]}
+
+
+def over_stock(runs: dict[str, dict]) -> dict:
+    """bench_cli.py's ratio: the stock script at its best batch (end to end) against our defaults
+    on as many files (the defaults, or `--sizes`' run of that count); None, and why, where ours
+    ran no such count."""
+    best = max((name for name in runs if name == "stock" or name.startswith("stock_batch_")),
+               key=lambda name: runs[name]["images_per_s_end_to_end"])
+    count = runs[best]["images"]
+    ours = next((name for name in ("defaults", f"defaults_{count}") if runs.get(name, {}).get("images") == count),
+                "defaults")
+    try:
+        return {"stock_baseline": best, "speedup_of": ours, "speedup_over_stock": speedup(runs[ours], runs[best])}
+    except ValueError as error:
+        return {"stock_baseline": best, "speedup_of": ours, "speedup_over_stock": None, "no_speedup": str(error)}

@@ -63,3 +63,16 @@ def test_speedup_refuses_runs_of_different_counts():
     runs = data["runs"]
     with pytest.raises(ValueError, match="1024 and 256 files"):
         speedup(runs["defaults"], runs["stock"])  # 1,024 files against 256
+
+
+def test_bench_cli_pairs_the_stock_script_with_ours_on_as_many_files():
+    """`timing.over_stock`, what bench_cli.py records: the stock script's best batch against the
+    run of ours of its file count, or no ratio where ours ran none."""
+    from timing import over_stock
+
+    data, _, _ = headline()
+    paired = over_stock(data["runs"])
+    assert paired["speedup_of"] == "defaults_256" and paired["speedup_over_stock"] == speedup(
+        data["runs"]["defaults_256"], data["runs"]["stock"])
+    alone = {name: run for name, run in data["runs"].items() if name in ("defaults", "stock")}
+    assert over_stock(alone)["speedup_over_stock"] is None and "1024 and 256" in over_stock(alone)["no_speedup"]
