@@ -213,10 +213,11 @@ def _write_holder(path: Path) -> tuple[int | None, str | None]:
         except BaseException:
             os.close(fd)
             raise
-        if foreign and _same_file(fd, path):  # another user kept a descriptor of an old one: a new file
-            os.unlink(path)
-        elif _same_file(fd, path):  # not one a holder removed as we opened it
+        current = _same_file(fd, path)  # not one a holder removed as we opened it
+        if current and not foreign:
             break
+        if current:  # another user kept a descriptor of an old one: a new file
+            os.unlink(path)
         os.close(fd)
     try:
         os.ftruncate(fd, 0)
