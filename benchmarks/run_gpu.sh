@@ -36,9 +36,11 @@ log="$OUT/gpu_tests-transformers-$version.log"
 # worker did not end within 555 s (that worker's 6 tests take most of it). So run it in two calls:
 # `bash benchmarks/run_gpu.sh "not fidelity_targets"`, then `BENCHMARKS="" bash benchmarks/run_gpu.sh
 # "fidelity_targets"`.
+# TEST_DIST=load lets the fidelity tests run side by side where the card holds several (an H200's
+# 139 GB holds three): `TEST_WORKERS=3 TEST_DIST=load`.
 # TEST_LIMIT_S stops the tests with a Ctrl-C in time for pytest to print what failed.
 workers=()
-python3 -c "import xdist" 2>/dev/null && workers=(-n "${TEST_WORKERS:-4}" --dist loadgroup)
+python3 -c "import xdist" 2>/dev/null && workers=(-n "${TEST_WORKERS:-4}" --dist "${TEST_DIST:-loadgroup}")
 run_tests() {
   timeout -s INT "${TEST_LIMIT_S:-3600}" python3 -m pytest -q -m "gpu or torchvision" -s -rfEs --durations=15 \
     "${workers[@]}" ${1:+-k "$1"} tests/ 2>&1 | tee "$log"
