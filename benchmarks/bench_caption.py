@@ -38,7 +38,7 @@ from transformers import GotOcr2ImageProcessorPil, PretrainedConfig, PreTrainedM
 
 from encoder_graphs import enable_cuda_graphs
 from encoder_graphs.engine.stats import latency_summary
-from encoder_graphs.models.presets import build_model
+from encoder_graphs.presets import build_model
 
 Batch = dict[str, torch.Tensor]
 DECODE_BATCHES = (1, 8)

@@ -4,7 +4,7 @@ For each preset (real-size config, random weights, bf16), a `DecoderGraphRunner`
 decode step at batch buckets 1, 8 and 64 over one length tier, and each graph is replayed on its
 own (CUDA events, p50):
 - `model forward`: the step through the model's own forward (transformers' layers);
-- `fused layers`: the step through `DecodeLayer`s (models/text/decode.py), uncompiled;
+- `fused layers`: the step through `DecodeLayer`s (encoder_graphs/decoder/layers/decode.py), uncompiled;
 - `fused layers, compiled`: the same layers after `torch.compile` (what `compile=True` runs).
 Beside each: the kernels one step launches, their summed time and the costliest by name
 (torch.profiler over one eager step: the graph holds the same kernels), and the floors: the text
@@ -25,12 +25,12 @@ from timing import copy_bandwidth_gbps, environment, markdown_table, time_calls,
 from torch.profiler import ProfilerActivity, profile
 
 from encoder_graphs import DecoderGraphRunner
+from encoder_graphs.decoder.layers.decode import DecodeStack
 from encoder_graphs.decoder.step import decode_step
 from encoder_graphs.engine.compile import compile_blocks
-from encoder_graphs.models.presets import build_model
-from encoder_graphs.models.rewrites import Rewrites
-from encoder_graphs.models.seam.text import linear_attention_layers, linear_state_shapes
-from encoder_graphs.models.text.decode import DecodeStack
+from encoder_graphs.presets import build_model
+from encoder_graphs.rewrites import Rewrites
+from encoder_graphs.seam.text import linear_attention_layers, linear_state_shapes
 
 BUCKETS = (1, 8, 64)
 TOP_KERNELS = 12

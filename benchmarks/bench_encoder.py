@@ -24,9 +24,9 @@ from timing import environment, markdown_table, matmul_tflops, time_calls, time_
 from encoder_graphs import EncoderCudaGraphManager
 from encoder_graphs.engine.compile import compile_blocks
 from encoder_graphs.models import VisionBatch, adapter_for
-from encoder_graphs.models.presets import build_model, build_vision_tower
-from encoder_graphs.models.rewrites import Rewrites
-from encoder_graphs.models.seam.attention import (
+from encoder_graphs.presets import build_model, build_vision_tower
+from encoder_graphs.rewrites import Rewrites
+from encoder_graphs.seam.attention import (
     attention_implementation,
     register_dense_attention,
     register_varlen_attention,

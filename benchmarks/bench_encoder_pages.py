@@ -4,7 +4,7 @@ config with random weights, bf16.
 
 Columns: stock transformers (SAM's relative positions as a materialised [tokens, tokens] bias
 handed to sdpa); ours with graphs off (the relative positions folded into q and k:
-`models/attention/rel_pos.py`); ours with graphs, each sub-batch replayed or run eagerly by the
+`encoder_graphs/attention/rel_pos.py`); ours with graphs, each sub-batch replayed or run eagerly by the
 costs measured at capture (the manager's default); ours replaying wherever a budget fits; the
 FLOP floor at the measured matmul rate. The three "ours" columns are timed interleaved
 (`timing.time_interleaved`). Run on a CUDA machine:
@@ -22,8 +22,8 @@ from timing import environment, markdown_table, matmul_tflops, time_calls, write
 from encoder_graphs import EncoderCudaGraphManager
 from encoder_graphs.models import adapter_for
 from encoder_graphs.models.deepseek_ocr.adapter import TILE_SIDE, VIEW_SIDE, Pages
-from encoder_graphs.models.presets import build_model
-from encoder_graphs.models.rewrites import Rewrites
+from encoder_graphs.presets import build_model
+from encoder_graphs.rewrites import Rewrites
 
 COLUMNS = ("stock", "graphs_off", "graphs", "graphs_always")
 

@@ -17,11 +17,11 @@ import torch
 import torch.nn.functional as F
 from timing import copy_bandwidth_gbps, environment, markdown_table, matmul_tflops, time_interleaved, write_json
 
-from encoder_graphs.models.attention import decode_attention
-from encoder_graphs.models.kernels.add_norm import add_rms_norm
-from encoder_graphs.models.kernels.decode import write_and_attend
-from encoder_graphs.models.kernels.swiglu import swiglu_linear
-from encoder_graphs.models.kernels.window import rotary_window_attention
+from encoder_graphs.attention import decode_attention
+from encoder_graphs.kernels.add_norm import add_rms_norm
+from encoder_graphs.kernels.decode import write_and_attend
+from encoder_graphs.kernels.swiglu import swiglu_linear
+from encoder_graphs.kernels.window import rotary_window_attention
 from encoder_graphs.models.qwen.qwen2_5_vl import interleave_pairs
 
 BF16 = {"dtype": torch.bfloat16, "device": "cuda"}

@@ -31,9 +31,9 @@ from transformers import AutoProcessor, AutoVideoProcessor  # noqa: E402
 from transformers.video_utils import VideoMetadata, default_sample_indices_fn, load_video  # noqa: E402
 
 from encoder_graphs.app.config import DEFAULT_PROMPT  # noqa: E402
-from encoder_graphs.models.presets import build_model  # noqa: E402
-from encoder_graphs.models.presets.files import preset_files_dir  # noqa: E402
 from encoder_graphs.models.registry import family_for_config  # noqa: E402
+from encoder_graphs.presets import build_model  # noqa: E402
+from encoder_graphs.presets.files import preset_files_dir  # noqa: E402
 
 EXTENSIONS = {".jpg", ".jpeg", ".png", ".webp"}
 VIDEO_EXTENSIONS = {".mp4", ".webm", ".mkv", ".avi", ".mov", ".m4v"}

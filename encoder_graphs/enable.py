@@ -6,7 +6,7 @@ call `EncoderCudaGraphManager.execute` and rebuild exactly the output transforme
 `forward` and `generate` use the graphs unchanged. The instance's `generate` is replaced by one that
 hands the calls the decoder runner supports to `DecoderGraphRunner.generate` and every other call to
 the original. Weights are padded, permuted or stacked where a faster kernel takes them so, on
-the same parameter objects. Every change is recorded on one undo stack (`models/rewrites/`):
+the same parameter objects. Every change is recorded on one undo stack (`encoder_graphs/rewrites/`):
 `disable()`, or a failed enable, unwinds it, and meanwhile `state_dict()` (so `save_pretrained`)
 gives the stock weights.
 
@@ -27,15 +27,15 @@ from torch import nn
 from transformers import GenerationConfig
 
 from encoder_graphs.decoder.generation import StockOnly, runner_arguments
+from encoder_graphs.decoder.layers.stack import pointwise_parts, warm_up_parts
 from encoder_graphs.decoder.runner import DecoderGraphRunner
 from encoder_graphs.engine.compile import CompiledBlocks, compile_blocks
 from encoder_graphs.engine.manager import EncoderCudaGraphManager
 from encoder_graphs.models.registry import adapter_for
-from encoder_graphs.models.rewrites import Rewrites
-from encoder_graphs.models.seam import check_version
-from encoder_graphs.models.text.stack import pointwise_parts, warm_up_parts
 from encoder_graphs.protocols import ModelFamily
 from encoder_graphs.report import format_graph_stats
+from encoder_graphs.rewrites import Rewrites
+from encoder_graphs.seam import check_version
 
 
 class EncoderGraphsHandle:
@@ -75,7 +75,7 @@ class EncoderGraphsHandle:
 
     def disable(self) -> None:
         """Undo every change to the model, last first, and free the graphs: each parameter is
-        the object it was, with its values, `requires_grad` and kind (`models/rewrites/`)."""
+        the object it was, with its values, `requires_grad` and kind (`encoder_graphs/rewrites/`)."""
         self._rewrites.undo()
 
 

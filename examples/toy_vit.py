@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from encoder_graphs.models.attention import default_attention_backend, get_attention_backend
+from encoder_graphs.attention import default_attention_backend, get_attention_backend
 from encoder_graphs.protocols import (
     CaptureInputs,
     EncoderCudaGraphConfig,

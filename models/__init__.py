@@ -1,11 +1,11 @@
 """Model families, one folder each (`qwen/`, `internvl/`, `deepseek_ocr/`: adapter over the stock
-transformers modules, caption inputs, presets, rewrites only that family takes), beside what they
-share: the registry that finds a model's family, the one seam to transformers' internals
-(`seam/`), attention backends (`attention/`), Triton kernels and their guards (`kernels/`), the
-decode layers (`text/`), the rewrite recorder and shared weight re-layouts (`rewrites/`), and the preset
-catalog (`presets/`).
+transformers modules, caption inputs, presets, rewrites only that family takes), the registry that
+finds a model's family, and what several families share (`common/`: input batching, the PIL
+processors' normalisation). What serves every family but is no family's knowledge lives in
+`encoder_graphs/`: the transformers seam (`seam/`), attention backends, Triton kernels, the rewrite
+stack, the preset machinery and catalog, and the decode layers (`decoder/layers/`).
 
-Names are exported lazily: importing one module here (the seam, a kernel) loads no adapter.
+Names are exported lazily: importing one module here loads no adapter.
 """
 
 from encoder_graphs.lazy import lazy_exports

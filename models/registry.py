@@ -62,7 +62,7 @@ def families() -> tuple[Family, ...]:
     from encoder_graphs.models.qwen.qwen2_vl import Qwen2VLAdapter
     from encoder_graphs.models.qwen.qwen3_5 import Qwen3_5Adapter
     from encoder_graphs.models.qwen.qwen3_vl import Qwen3VLAdapter
-    from encoder_graphs.models.seam.vision import qwen_vision_towers
+    from encoder_graphs.seam.vision import qwen_vision_towers
 
     Qwen2VisionTransformerPretrainedModel, Qwen2_5_VisionTransformerPretrainedModel = qwen_vision_towers()
 

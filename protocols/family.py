@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import torch
 
 if TYPE_CHECKING:
-    from encoder_graphs.models.rewrites import Rewrites
+    from encoder_graphs.rewrites import Rewrites
 
 
 @runtime_checkable
@@ -42,7 +42,7 @@ class ModelFamily(Protocol):
     def align_weights(self, rewrites: "Rewrites") -> None:
         """Faster kernels over the same weights, exactly: weights reshaped (padded to aligned
         widths) or modules run as the cheaper op they equal (no-op where nothing applies); every
-        change recorded on `rewrites` (`models/rewrites/`), whose undo gives the stock model back."""
+        change recorded on `rewrites` (`encoder_graphs/rewrites/`), whose undo gives the stock model back."""
         ...
 
     def repeated_blocks(self) -> list[torch.nn.Module]:

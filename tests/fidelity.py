@@ -43,8 +43,8 @@ import torch
 from PIL import Image
 
 from encoder_graphs import enable_cuda_graphs
-from encoder_graphs.models.presets.catalog import buffers_kept
-from encoder_graphs.models.seam.generation import generation_position_ids
+from encoder_graphs.presets.catalog import buffers_kept
+from encoder_graphs.seam.generation import generation_position_ids
 
 # The families and the presets measured on a GPU: real-size language models, random weights.
 FAMILIES = {

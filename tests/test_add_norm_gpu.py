@@ -1,4 +1,4 @@
-"""The residual add and RMSNorm kernel (`models/kernels/add_norm.py`) against plain torch, in
+"""The residual add and RMSNorm kernel (`encoder_graphs/kernels/add_norm.py`) against plain torch, in
 compiled code and graphs, and the chained blocks of a real Qwen2.5-VL tower module on a GPU."""
 
 import pytest
@@ -7,8 +7,8 @@ from test_attention_gpu import relative_error
 from test_chained_blocks import add_norm_reference
 from test_swiglu_gpu import poisoned_empty_cache
 
-from encoder_graphs.models.presets import build_vision_tower
 from encoder_graphs.models.qwen.chained_blocks import chained, chained_forwards, chains_blocks
+from encoder_graphs.presets import build_vision_tower
 
 pytestmark = [
     pytest.mark.gpu,
@@ -22,7 +22,7 @@ def test_add_rms_norm_matches_the_stock_ops(rows, dim, pair_input):
     """The sum bit for bit; its norm within two bf16 roundings (the kernel's fp32 sum of squares
     adds in another order: a few elements in millions round the other way); every output written (the allocator poisoned with NaN). `pair_input`:
     x is the left half of a previous pair, a strided view, as the chained blocks hand it on."""
-    from encoder_graphs.models.kernels.add_norm import add_rms_norm
+    from encoder_graphs.kernels.add_norm import add_rms_norm
 
     generator = torch.Generator(device="cuda").manual_seed(rows + dim)
     x = torch.randn(rows, 2 * dim if pair_input else dim, generator=generator, device="cuda").to(torch.bfloat16)[:, :dim]
@@ -43,7 +43,7 @@ def test_rms_norm_equals_the_stock_norm_but_for_rare_roundings(rows, dim):
     kernel rounds where the module rounds; only its fp32 sum of squares adds in another order),
     all within two bf16 roundings; every output written (the allocator poisoned with NaN); rows
     given as a strided view are read in place."""
-    from encoder_graphs.models.kernels.add_norm import rms_norm
+    from encoder_graphs.kernels.add_norm import rms_norm
 
     generator = torch.Generator(device="cuda").manual_seed(rows * dim)
     x = torch.randn(rows, 3 * dim, generator=generator, device="cuda").to(torch.bfloat16)[:, dim : 2 * dim]
@@ -61,7 +61,7 @@ def test_rms_norm_equals_the_stock_norm_but_for_rare_roundings(rows, dim):
 
 
 def test_add_rms_norm_in_compiled_code_and_graphs_without_a_break():
-    from encoder_graphs.models.kernels.add_norm import add_rms_norm
+    from encoder_graphs.kernels.add_norm import add_rms_norm
 
     weight = torch.randn(1280, device="cuda", dtype=torch.bfloat16)
 
@@ -87,7 +87,7 @@ def test_chained_stock_blocks_match_and_refuse_gradients():
     """Three real-size Qwen2.5-VL-7B blocks (window attention through sdpa; each norm weight its
     own), chained through the kernel, against the same blocks stock: nearer fp32 than the stock
     bf16 blocks are, or about as near; and refusing gradients."""
-    from encoder_graphs.models.kernels.add_norm import add_rms_norm
+    from encoder_graphs.kernels.add_norm import add_rms_norm
 
     tower = build_vision_tower("qwen2.5-vl-7b", device="cuda")
     blocks = list(tower.blocks[:3])

@@ -2,10 +2,10 @@ import torch
 
 from encoder_graphs import enable_cuda_graphs
 from encoder_graphs.models import Qwen2_5_VLAdapter, VisionBatch
-from encoder_graphs.models.presets import build_model, build_vision_tower, get_config
-from encoder_graphs.models.rewrites import Rewrites
-from encoder_graphs.models.rewrites.fused_mlp import fuse_gated_mlp, fuses_gated_mlp
-from encoder_graphs.models.seam.modules import is_gated_silu_mlp
+from encoder_graphs.presets import build_model, build_vision_tower, get_config
+from encoder_graphs.rewrites import Rewrites
+from encoder_graphs.rewrites.fused_mlp import fuse_gated_mlp, fuses_gated_mlp
+from encoder_graphs.seam.modules import is_gated_silu_mlp
 
 
 def test_aligned_mlp_is_exact_and_restorable():

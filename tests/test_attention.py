@@ -4,7 +4,7 @@ import random
 import pytest
 import torch
 
-from encoder_graphs.models.attention import get_attention_backend, sdpa_varlen_attention
+from encoder_graphs.attention import get_attention_backend, sdpa_varlen_attention
 
 
 def reference_attention(q, k, v, cu_seqlens, scale=None) -> torch.Tensor:
@@ -109,7 +109,7 @@ def test_builtin_backends_need_no_extra_package():
 
 
 def test_flashinfer_metadata_pads_with_the_last_offset():
-    from encoder_graphs.models.attention.flashinfer import ragged_metadata
+    from encoder_graphs.attention.flashinfer import ragged_metadata
 
     cu_seqlens = torch.tensor([0, 3, 3, 4, 10], dtype=torch.int32)  # 4 segments -> 8 slots
     seq_lens, offsets, bound = ragged_metadata(cu_seqlens, 6, row_elements=5)
@@ -124,7 +124,7 @@ def test_flashinfer_metadata_pads_with_the_last_offset():
 
 
 def test_refuse_gradients_only_where_autograd_wants_a_backward():
-    from encoder_graphs.models.kernels import refuse_gradients
+    from encoder_graphs.kernels import refuse_gradients
 
     weight = torch.nn.Parameter(torch.ones(3))
     with pytest.raises(RuntimeError, match="the kernel has no backward"):

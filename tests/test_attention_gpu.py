@@ -5,7 +5,7 @@ import pytest
 import torch
 from test_attention import random_layout
 
-from encoder_graphs.models.attention import fits_decode_kernel, get_attention_backend, sdpa_varlen_attention
+from encoder_graphs.attention import fits_decode_kernel, get_attention_backend, sdpa_varlen_attention
 from encoder_graphs.models.qwen.qwen2_5_vl import interleave_pairs
 
 pytestmark = [
@@ -134,7 +134,7 @@ def test_decode_kernel_writes_and_attends_like_sdpa(batch, heads, kv_heads, dim,
     """Each head sizes of the served models (Qwen2.5-VL-3B, -7B, Qwen3-VL, Qwen3.5), odd slot counts, NaN in
     every slot the mask hides and in the write slot: the kernel matches float64 attention and
     writes exactly the new key and value."""
-    from encoder_graphs.models.kernels import decode as decode_kernel
+    from encoder_graphs.kernels import decode as decode_kernel
 
     case = decode_case(batch, heads, kv_heads, dim, slots, dtype, seed=batch + slots)
     query, keys, values = case[0], case[3], case[4]
@@ -151,7 +151,7 @@ def test_decode_kernel_writes_and_attends_like_sdpa(batch, heads, kv_heads, dim,
 def test_decode_kernel_replays_at_each_new_slot():
     """Captured once, replayed as the step advances the slot: each replay writes its own slot and
     attends over it."""
-    from encoder_graphs.models.kernels import decode as decode_kernel
+    from encoder_graphs.kernels import decode as decode_kernel
 
     query, key, value, keys, values, slot, mask = decode_case(4, 16, 2, 128, 256, torch.bfloat16, seed=5)
     keys.nan_to_num_(0), values.nan_to_num_(0)
@@ -204,7 +204,7 @@ def reference_window(q, k, v, cos, sin, cu_seqlens, scale):
 
 def window_kernel_call(q, k, v, cos, sin, cu_seqlens, scale):
     """The kernel on q and k with their dims interleaved by rotary pairs, as the fused blocks hold them."""
-    from encoder_graphs.models.kernels.window import rotary_window_attention
+    from encoder_graphs.kernels.window import rotary_window_attention
 
     order = interleave_pairs(q.shape[-1]).cuda()
     return rotary_window_attention(q[..., order], k[..., order], v, cos, sin, cu_seqlens, 64, scale)
@@ -219,7 +219,7 @@ def test_rotary_window_kernel_matches_rotary_then_fp32_sdpa(heads, head_dim, pro
     These few windows take a head a program; counted as for a GPU of one SM, they take as many
     as divide the heads, up to 4 (16 and 12 heads: 4, 6: 2, 5: 1). With 3 programs a head group,
     each loops over several windows, past empty ones, to the end."""
-    from encoder_graphs.models.kernels import window as window_kernel
+    from encoder_graphs.kernels import window as window_kernel
 
     if programs is not None:
         monkeypatch.setattr(window_kernel, "_programs_per_group", lambda device, groups: programs)
@@ -242,7 +242,7 @@ def test_rotary_window_kernel_matches_rotary_then_fp32_sdpa(heads, head_dim, pro
 def test_rotary_window_kernel_replays_new_windows():
     """Captured once; a replay over new windows and new rows matches an eager call on them and
     zeroes the rows the new windows leave uncovered."""
-    from encoder_graphs.models.kernels.window import rotary_window_attention
+    from encoder_graphs.kernels.window import rotary_window_attention
 
     q, k, v, cos, sin, cu_seqlens = window_case(16, 80, seed=0)
     order = interleave_pairs(80).cuda()
@@ -273,10 +273,10 @@ def test_fused_window_forward_matches_stock_attention():
 
     from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLVisionAttention
 
-    from encoder_graphs.models.kernels.window import rotary_window_attention
-    from encoder_graphs.models.presets import get_config
-    from encoder_graphs.models.rewrites import Rewrites
-    from encoder_graphs.models.seam.vision import permute_qk, window_attention_forward
+    from encoder_graphs.kernels.window import rotary_window_attention
+    from encoder_graphs.presets import get_config
+    from encoder_graphs.rewrites import Rewrites
+    from encoder_graphs.seam.vision import permute_qk, window_attention_forward
 
     config = get_config("qwen2.5-vl-7b").vision_config
     config._attn_implementation = "sdpa"

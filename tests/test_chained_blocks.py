@@ -8,10 +8,10 @@ import torch
 from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLRMSNorm
 
 from encoder_graphs.models import Qwen2_5_VLAdapter, VisionBatch
-from encoder_graphs.models.presets import build_vision_tower
 from encoder_graphs.models.qwen.chained_blocks import chained, chained_forwards, chains_blocks
-from encoder_graphs.models.rewrites import Rewrites
-from encoder_graphs.models.seam.vision import is_qwen2_5_vision_block
+from encoder_graphs.presets import build_vision_tower
+from encoder_graphs.rewrites import Rewrites
+from encoder_graphs.seam.vision import is_qwen2_5_vision_block
 
 
 def add_norm_reference(x: torch.Tensor, update: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -22,10 +22,10 @@ from encoder_graphs.app.media import SAMPLES_DIR, LoadLimits
 from encoder_graphs.app.pipeline import Captioner, Pending, RunStats, longest_sequence
 from encoder_graphs.app.results import ResultsFile, read_records
 from encoder_graphs.app.walk import discover
-from encoder_graphs.models.presets import build_model
-from encoder_graphs.models.presets.default_model import SPECIAL_TOKENS, default_model_dir
-from encoder_graphs.models.presets.files import write_preset_files
 from encoder_graphs.models.qwen.inputs import QwenVLInputs
+from encoder_graphs.presets import build_model
+from encoder_graphs.presets.default_model import SPECIAL_TOKENS, default_model_dir
+from encoder_graphs.presets.files import write_preset_files
 
 FAST = ["--max-new-tokens", "3", "--quiet"]
 
@@ -79,7 +79,7 @@ def test_a_broken_model_cache_is_rebuilt_or_named(tmp_path, monkeypatch, capsys)
     one-line errors naming the folder and what to do, not tracebacks (issue 41, case 9)."""
     import shutil
 
-    from encoder_graphs.models.presets.default_model import default_model_dir
+    from encoder_graphs.presets.default_model import default_model_dir
 
     monkeypatch.setenv("ENCODER_GRAPHS_CACHE", str(tmp_path / "cache"))
     good_images(tmp_path / "media", 1)
@@ -110,7 +110,7 @@ def test_a_hub_id_runs_from_the_hugging_face_cache_offline(tmp_path, monkeypatch
 
     from huggingface_hub import constants
 
-    from encoder_graphs.models.presets.default_model import default_model_dir
+    from encoder_graphs.presets.default_model import default_model_dir
 
     hub = tmp_path / "hub"
     repo = hub / "models--someone--tiny-vl"

@@ -22,15 +22,14 @@ from encoder_graphs.app import loading
 from encoder_graphs.app.cli import build_parser, main
 from encoder_graphs.app.config import CaptionConfig
 from encoder_graphs.app.media import SAMPLES_DIR, LoadLimits, MediaError
-from encoder_graphs.app.pipeline import load
 from encoder_graphs.app.outputs import Outputs, SidecarPolicy
-from encoder_graphs.app.pipeline import Captioner
+from encoder_graphs.app.pipeline import Captioner, load
 from encoder_graphs.app.results import ResultsFile
 from encoder_graphs.app.sizing import RESERVE_BYTES, TextSizes, batch_size_for, sequence_memory
 from encoder_graphs.app.walk import MediaFile, discover
-from encoder_graphs.models.presets import PRESETS, get_config
-from encoder_graphs.models.presets.default_model import default_model_dir
 from encoder_graphs.models.qwen.inputs import QwenVLInputs
+from encoder_graphs.presets import PRESETS, get_config
+from encoder_graphs.presets.default_model import default_model_dir
 
 
 @pytest.fixture

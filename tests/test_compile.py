@@ -10,10 +10,10 @@ from test_decoder import NO_EOS, hf_generate, make_batch
 from torch import nn
 
 from encoder_graphs import enable_cuda_graphs
+from encoder_graphs.decoder.layers.stack import pointwise_parts
 from encoder_graphs.engine.compile import compile_blocks
-from encoder_graphs.models.presets import build_model
-from encoder_graphs.models.rewrites import Rewrites
-from encoder_graphs.models.text.stack import pointwise_parts
+from encoder_graphs.presets import build_model
+from encoder_graphs.rewrites import Rewrites
 
 GRIDS = [(1, 8, 8), (1, 12, 20), (2, 8, 12)]
 

@@ -18,14 +18,14 @@ from synthetic_prompts import (
 from encoder_graphs.decoder.buffers import DecoderGraphConfig, default_buckets, default_length_tiers
 from encoder_graphs.decoder.runner import DecoderGraphRunner
 from encoder_graphs.decoder.step import packed_prefill, prefill, prompt_positions
-from encoder_graphs.models.presets import PRESETS, build_model
 from encoder_graphs.models.qwen import vision as qwen_vision
-from encoder_graphs.models.seam.attention import (
+from encoder_graphs.presets import PRESETS, build_model
+from encoder_graphs.report import format_decoder_stats
+from encoder_graphs.seam.attention import (
     attention_implementation,
     register_varlen_attention,
     static_decode_attention,
 )
-from encoder_graphs.report import format_decoder_stats
 
 FAMILIES = ["tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl"]
 NEW_TOKENS = 12
@@ -416,13 +416,13 @@ def test_projections_that_are_not_plain_linears_run_one_by_one():
     """A subclass (as LoRA or quantized layers are) is never stacked: its own forward runs."""
     from torch import nn
 
-    from encoder_graphs.models.rewrites.stacked_linear import StackedLinear
+    from encoder_graphs.rewrites.stacked_linear import StackedLinear
 
     class Scaled(nn.Linear):
         def forward(self, x):
             return 2 * super().forward(x)
 
-    from encoder_graphs.models.rewrites import Rewrites
+    from encoder_graphs.rewrites import Rewrites
 
     linears = [Scaled(8, 4), nn.Linear(8, 2)]
     storages = [linear.weight.data_ptr() for linear in linears]
@@ -437,8 +437,8 @@ def test_projections_that_are_not_plain_linears_run_one_by_one():
 def test_the_fused_step_hands_the_decode_kernel_what_it_takes(model, dtype, monkeypatch):
     """Every decode attention of the fused step has the dtypes, strides and mask the Triton kernel
     takes, so on a GPU it runs the kernel and not the sdpa fallback."""
-    import encoder_graphs.models.text.decode as text_decode
-    from encoder_graphs.models.attention import fits_decode_kernel, write_and_decode
+    import encoder_graphs.decoder.layers.decode as text_decode
+    from encoder_graphs.attention import fits_decode_kernel, write_and_decode
 
     calls = []
 

@@ -21,7 +21,7 @@ from synthetic_prompts import image_prompt, left_pad, mm_token_type_ids, random_
 
 from encoder_graphs import DecoderGraphRunner, enable_cuda_graphs
 from encoder_graphs.decoder.step import decode_step
-from encoder_graphs.models.presets import build_model
+from encoder_graphs.presets import build_model
 
 pytestmark = [
     pytest.mark.gpu,

@@ -19,10 +19,10 @@ from transformers.models.deepseek_ocr2.modeling_deepseek_ocr2 import (
 
 from encoder_graphs import enable_cuda_graphs
 from encoder_graphs.app.cli import main
-from encoder_graphs.models.attention.rel_pos import decomposed_rel_pos_attention
+from encoder_graphs.attention.rel_pos import decomposed_rel_pos_attention
 from encoder_graphs.models.deepseek_ocr.adapter import GLOBAL, LOCAL, Pages
 from encoder_graphs.models.registry import adapter_for
-from encoder_graphs.models.seam.vision import rel_pos_on_device, sam_attention_forward
+from encoder_graphs.seam.vision import rel_pos_on_device, sam_attention_forward
 
 # The tower keeps its real image sides (1024 px views, 768 px tiles: its query banks are sized for
 # them) and shrinks everything else.

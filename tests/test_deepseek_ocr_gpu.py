@@ -26,8 +26,8 @@ from test_decoder_gpu import free_cuda_memory  # noqa: F401 (autouse)
 from encoder_graphs import EncoderCudaGraphManager, enable_cuda_graphs
 from encoder_graphs.models import adapter_for
 from encoder_graphs.models.deepseek_ocr.adapter import GLOBAL, LOCAL, TILE_SIDE, VIEW_SIDE, Pages
-from encoder_graphs.models.presets import build_model
-from encoder_graphs.models.rewrites import Rewrites
+from encoder_graphs.presets import build_model
+from encoder_graphs.rewrites import Rewrites
 
 pytestmark = [
     pytest.mark.gpu,

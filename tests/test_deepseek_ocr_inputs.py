@@ -17,10 +17,10 @@ from transformers.models.deepseek_ocr2.image_processing_pil_deepseek_ocr2 import
     get_optimal_tiled_canvas,
 )
 
-from encoder_graphs.models import pil_pixels
+from encoder_graphs.models.common import pil_pixels
 from encoder_graphs.models.deepseek_ocr.inputs import DeepseekOcrInputs
-from encoder_graphs.models.presets.tokenizer import build_tokenizer
-from encoder_graphs.models.seam.vision import tiled_canvas
+from encoder_graphs.presets.tokenizer import build_tokenizer
+from encoder_graphs.seam.vision import tiled_canvas
 
 IMAGE_ID = TINY["image_token_id"]
 EOS_ID, PAD_ID = TINY["text_config"]["eos_token_id"], TINY["text_config"]["pad_token_id"]

@@ -14,7 +14,7 @@ import torch
 from PIL import Image, ImageChops
 
 from encoder_graphs.models.deepseek_ocr.inputs import DeepseekOcrInputs
-from encoder_graphs.models.presets.files import write_preset_files
+from encoder_graphs.presets.files import write_preset_files
 
 pytest.importorskip("torchvision")
 pytestmark = pytest.mark.torchvision

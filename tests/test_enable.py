@@ -9,7 +9,7 @@ from test_decoder import make_batch
 from transformers import GenerationConfig
 
 from encoder_graphs import DecoderGraphRunner, enable_cuda_graphs
-from encoder_graphs.models.presets import PRESETS, build_model
+from encoder_graphs.presets import PRESETS, build_model
 
 FAMILIES = ["tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl", "tiny-qwen3.5"]
 NEW_TOKENS = 10

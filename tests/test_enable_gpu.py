@@ -17,7 +17,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import encoder_graphs.models.qwen.qwen2_5_vl as qwen2_5_vl
 from encoder_graphs import DecoderGraphRunner, enable_cuda_graphs
-from encoder_graphs.models.kernels import triton_runs
+from encoder_graphs.kernels import triton_runs
 
 pytestmark = [
     pytest.mark.gpu,

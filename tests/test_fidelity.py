@@ -22,8 +22,8 @@ from fidelity import (
 )
 
 from encoder_graphs.app.loading import load_model, open_model
-from encoder_graphs.models.presets import build_model
-from encoder_graphs.models.presets.files import write_preset_files
+from encoder_graphs.presets import build_model
+from encoder_graphs.presets.files import write_preset_files
 
 CPU = torch.device("cpu")
 

@@ -9,8 +9,8 @@ from test_decoder import make_batch
 from encoder_graphs import enable_cuda_graphs
 from encoder_graphs.decoder import generation
 from encoder_graphs.decoder.generation import StockOnly, runner_arguments
-from encoder_graphs.models.presets import PRESETS, build_model
-from encoder_graphs.models.seam.generation import generation_settings
+from encoder_graphs.presets import PRESETS, build_model
+from encoder_graphs.seam.generation import generation_settings
 
 NEW_TOKENS = 8
 GRIDS = [(1, 4, 4), (1, 8, 6)]

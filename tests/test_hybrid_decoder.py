@@ -12,8 +12,8 @@ from test_decoder import CASES, NO_EOS, hf_generate, make_batch, runner_generate
 from transformers import AutoConfig
 
 from encoder_graphs.decoder.runner import DecoderGraphRunner
-from encoder_graphs.models.presets import PRESETS, build_model
-from encoder_graphs.models.seam.text import SlotLayer, StateLayer, linear_attention_layers
+from encoder_graphs.presets import PRESETS, build_model
+from encoder_graphs.seam.text import SlotLayer, StateLayer, linear_attention_layers
 
 
 @pytest.fixture(scope="module")

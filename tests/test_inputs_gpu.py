@@ -8,8 +8,8 @@ from PIL import Image
 from tiny_internvl import write_tiny_internvl
 
 from encoder_graphs.models.internvl.inputs import InternVLInputs
-from encoder_graphs.models.presets.default_model import default_model_dir
 from encoder_graphs.models.qwen.inputs import QwenVLInputs
+from encoder_graphs.presets.default_model import default_model_dir
 
 pytestmark = [
     pytest.mark.gpu,

@@ -16,7 +16,7 @@ from test_decoder_gpu import assert_parts_only_at_close_logits, free_cuda_memory
 
 from encoder_graphs import DecoderGraphRunner, EncoderCudaGraphManager, enable_cuda_graphs
 from encoder_graphs.models import adapter_for
-from encoder_graphs.models.presets import build_model
+from encoder_graphs.presets import build_model
 
 pytestmark = [
     pytest.mark.gpu,

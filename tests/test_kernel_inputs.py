@@ -6,15 +6,15 @@ import pytest
 import torch
 
 from encoder_graphs.decoder.runner import DecoderGraphRunner, _Route
-from encoder_graphs.models.kernels import kernels_tested_on, triton_runs
-from encoder_graphs.models.kernels.checks import (
+from encoder_graphs.kernels import kernels_tested_on, triton_runs
+from encoder_graphs.kernels.checks import (
     check_decode_inputs,
     check_segments,
     check_swiglu_inputs,
     check_window_inputs,
 )
-from encoder_graphs.models.presets import build_model, build_vision_tower
 from encoder_graphs.models.qwen.qwen2_5_vl import Qwen2_5_VLAdapter
+from encoder_graphs.presets import build_model, build_vision_tower
 
 
 def offsets(*values: int) -> torch.Tensor:

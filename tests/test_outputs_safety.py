@@ -24,7 +24,7 @@ from encoder_graphs.app import loading
 from encoder_graphs.app.cli import main
 from encoder_graphs.app.outputs import NAME_MAX, Outputs, SidecarPolicy, temp_prefix
 from encoder_graphs.app.results import ResultsFile, ResultsLocked
-from encoder_graphs.models.presets.default_model import default_model_dir
+from encoder_graphs.presets.default_model import default_model_dir
 
 
 @pytest.fixture

@@ -5,9 +5,9 @@ import torch
 from transformers import AutoConfig, AutoModelForImageTextToText
 
 from encoder_graphs.models import adapter_for, supported_architectures
-from encoder_graphs.models.presets import PRESETS, build_model, build_vision_tower, get_config
-from encoder_graphs.models.presets.files import preset_files_dir
 from encoder_graphs.models.registry import family_for_config
+from encoder_graphs.presets import PRESETS, build_model, build_vision_tower, get_config
+from encoder_graphs.presets.files import preset_files_dir
 
 # Key fields of Qwen/Qwen2-VL-2B-Instruct, Qwen/Qwen2.5-VL-{3B,7B}-Instruct, Qwen/Qwen3-VL-2B-Instruct.
 PUBLIC = {

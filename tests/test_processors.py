@@ -17,11 +17,11 @@ import pytest
 import torch
 from PIL import Image
 
-from encoder_graphs.models.presets import get_config
-from encoder_graphs.models.presets.default_model import SPECIAL_TOKENS
-from encoder_graphs.models.presets.files import QWEN_CHAT_TEMPLATE
-from encoder_graphs.models.presets.tokenizer import build_tokenizer
 from encoder_graphs.models.qwen.inputs import QwenVLInputs
+from encoder_graphs.presets import get_config
+from encoder_graphs.presets.default_model import SPECIAL_TOKENS
+from encoder_graphs.presets.files import QWEN_CHAT_TEMPLATE
+from encoder_graphs.presets.tokenizer import build_tokenizer
 
 pytest.importorskip("torchvision")
 pytestmark = pytest.mark.torchvision

@@ -15,10 +15,10 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_res
 
 from encoder_graphs import EncoderCudaGraphManager, enable_cuda_graphs
 from encoder_graphs.models import VisionBatch, adapter_for, supported_architectures
-from encoder_graphs.models.presets import build_model
 from encoder_graphs.models.qwen.vision import pad_offsets
-from encoder_graphs.models.rewrites import Rewrites
+from encoder_graphs.presets import build_model
 from encoder_graphs.protocols import SupportsEncoderCudaGraph
+from encoder_graphs.rewrites import Rewrites
 
 FAMILIES = ["tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl", "tiny-qwen3.5"]
 ODD_SIZES = [(37, 211), (333, 97), (501, 499), (64, 64), (120, 450), (29, 29)]

@@ -25,9 +25,9 @@ from synthetic_prompts import left_pad, mm_token_type_ids, random_pixels, vision
 from encoder_graphs import EncoderCudaGraphManager, enable_cuda_graphs
 from encoder_graphs.engine.compile import compile_blocks
 from encoder_graphs.models import VisionBatch, adapter_for
-from encoder_graphs.models.presets import build_model, build_vision_tower
-from encoder_graphs.models.rewrites import Rewrites
 from encoder_graphs.packing import BudgetCosts
+from encoder_graphs.presets import build_model, build_vision_tower
+from encoder_graphs.rewrites import Rewrites
 
 pytestmark = [
     pytest.mark.gpu,

@@ -2,7 +2,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from encoder_graphs.models import Qwen2_5_VLAdapter
-from encoder_graphs.models.presets import build_vision_tower
+from encoder_graphs.presets import build_vision_tower
 
 ADAPTER = Qwen2_5_VLAdapter(build_vision_tower("tiny-qwen2.5-vl"))
 

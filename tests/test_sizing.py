@@ -16,9 +16,9 @@ from encoder_graphs.app.sizing import (
     batch_size_for,
     sequence_memory,
 )
-from encoder_graphs.models.presets import build_model, get_config
-from encoder_graphs.models.presets.files import preset_files_dir
 from encoder_graphs.models.registry import family_for_config
+from encoder_graphs.presets import build_model, get_config
+from encoder_graphs.presets.files import preset_files_dir
 
 CARD = 24 * GIB
 CUDA_CONTEXT = GIB // 2  # what the CUDA context and torch take before any tensor

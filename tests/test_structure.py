@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from encoder_graphs.engine.capture import is_capture_failure
-from encoder_graphs.models.seam import TESTED_RANGE, check_version
+from encoder_graphs.seam import TESTED_RANGE, check_version
 
 
 def loaded_after(code: str) -> set[str]:
@@ -71,7 +71,7 @@ def test_an_untested_transformers_version_warns_once_naming_the_range():
 
 ROOT = Path(__file__).resolve().parents[1]
 FAMILIES = ("encoder_graphs.models.qwen", "encoder_graphs.models.internvl", "encoder_graphs.models.deepseek_ocr")
-GATHERERS = {"models/registry.py", "models/presets/catalog.py"}  # they list every family
+GATHERERS = {"models/registry.py", "encoder_graphs/presets/catalog.py"}  # they list every family
 
 
 def package_imports(path: Path) -> set[str]:
@@ -85,8 +85,20 @@ def package_imports(path: Path) -> set[str]:
     return {name for name in found if name.startswith("encoder_graphs")}
 
 
+def sources(top: str) -> dict[str, set[str]]:
+    """Each source file under `top` (a folder of the repository) and the package modules it imports."""
+    return {str(path.relative_to(ROOT)): package_imports(path) for path in sorted((ROOT / top).rglob("*.py"))}
+
+
 def model_sources() -> dict[str, set[str]]:
-    return {str(path.relative_to(ROOT)): package_imports(path) for path in sorted((ROOT / "models").rglob("*.py"))}
+    return sources("models")
+
+
+def test_models_hold_the_families_the_registry_and_common_only():
+    """What is not one family's knowledge lives in `encoder_graphs/` under a name that says what it
+    is (kernels, attention, rewrites, seam, presets, decoder/layers)."""
+    entries = {path.name for path in (ROOT / "models").iterdir() if path.name != "__pycache__"}
+    assert entries == {"__init__.py", "registry.py", "common", "qwen", "internvl", "deepseek_ocr"}
 
 
 def test_models_import_nothing_above_them():
@@ -96,7 +108,15 @@ def test_models_import_nothing_above_them():
     assert not {path: names for path, names in wrong.items() if names}
 
 
-def test_shared_model_folders_import_no_family_and_families_not_each_other():
+@pytest.mark.parametrize("top", ["encoder_graphs/decoder", "encoder_graphs/engine", "encoder_graphs/kernels",
+                                 "encoder_graphs/attention", "encoder_graphs/rewrites", "encoder_graphs/seam",
+                                 "models/common", "packing", "protocols"])
+def test_what_serves_every_family_imports_no_family(top):
+    wrong = {path: sorted(n for n in names if n.startswith(FAMILIES)) for path, names in sources(top).items()}
+    assert not {path: names for path, names in wrong.items() if names}
+
+
+def test_families_import_no_other_family():
     for path, names in model_sources().items():
         if path in GATHERERS:
             continue
@@ -106,9 +126,8 @@ def test_shared_model_folders_import_no_family_and_families_not_each_other():
 
 
 def test_kernels_import_only_their_guards_and_each_other():
-    for path, names in model_sources().items():
-        if path.startswith("models/kernels/"):
-            assert all(n.startswith("encoder_graphs.models.kernels") for n in names), (path, names)
+    for path, names in sources("encoder_graphs/kernels").items():
+        assert all(n.startswith("encoder_graphs.kernels") for n in names), (path, names)
 
 
 def test_every_package_folder_ships_in_the_wheel_and_no_fixture_does():
@@ -134,7 +153,7 @@ def transformers_imports(path: Path) -> set[str]:
 
 
 def test_transformers_internals_are_reached_only_through_the_seam():
-    """Outside `models/seam/`: transformers' public top level (its model, config and processor
+    """Outside `encoder_graphs/seam/`: transformers' public top level (its model, config and processor
     classes), its output dataclasses and its logging; no registration, cache or generation
     internals, no modeling module."""
     public = ("transformers.modeling_outputs.", "transformers.utils.logging")

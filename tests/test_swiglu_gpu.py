@@ -4,9 +4,9 @@ import torch.nn.functional as F
 from test_aligned_mlp import interleaved_reference
 from test_attention_gpu import relative_error
 
-from encoder_graphs.models.presets import build_vision_tower
-from encoder_graphs.models.rewrites import Rewrites
-from encoder_graphs.models.rewrites.fused_mlp import fuse_gated_mlp, fuses_gated_mlp
+from encoder_graphs.presets import build_vision_tower
+from encoder_graphs.rewrites import Rewrites
+from encoder_graphs.rewrites.fused_mlp import fuse_gated_mlp, fuses_gated_mlp
 
 pytestmark = [
     pytest.mark.gpu,
@@ -31,7 +31,7 @@ def poisoned_empty_cache() -> None:
 def test_swiglu_linear_is_the_stock_mlps_bf16_but_for_rare_roundings(rows, width, inputs, bias):
     """Rounded at the stock MLP's points: nearly every element equals the stock bf16 one (the
     GEMMs accumulate in another order), and the error against fp32 is stock's own."""
-    from encoder_graphs.models.kernels.swiglu import swiglu_linear
+    from encoder_graphs.kernels.swiglu import swiglu_linear
 
     generator = torch.Generator(device="cuda").manual_seed(rows + width)
 
@@ -54,7 +54,7 @@ def test_swiglu_linear_is_the_stock_mlps_bf16_but_for_rare_roundings(rows, width
 
 
 def test_swiglu_linear_in_compiled_code_and_graphs_without_a_break():
-    from encoder_graphs.models.kernels.swiglu import swiglu_linear
+    from encoder_graphs.kernels.swiglu import swiglu_linear
 
     weight = torch.randn(2 * 3424, 1280, device="cuda", dtype=torch.bfloat16) / 36
     bias = torch.randn(2 * 3424, device="cuda", dtype=torch.bfloat16) / 10
@@ -79,7 +79,7 @@ def test_swiglu_linear_in_compiled_code_and_graphs_without_a_break():
 
 
 def test_fused_stock_mlp_matches_and_refuses_gradients():
-    from encoder_graphs.models.kernels.swiglu import swiglu_linear
+    from encoder_graphs.kernels.swiglu import swiglu_linear
 
     mlp = build_vision_tower("tiny-qwen2.5-vl", device="cuda").blocks[0].mlp  # 44 wide: a multiple of 4 only
     x = torch.randn(999, mlp.gate_proj.in_features, device="cuda")

@@ -1,4 +1,4 @@
-"""A clean undo (`models/rewrites/`), on the CPU: after `enable_cuda_graphs` then `disable()`, and
+"""A clean undo (`encoder_graphs/rewrites/`), on the CPU: after `enable_cuda_graphs` then `disable()`, and
 after an enable that fails at any point, the model is as it was: every parameter the same object
 with the same values, `requires_grad`, kind (inference tensor or not) and strides, no instance
 attribute or hook of ours left on any module, the configs' attention implementations unchanged.
@@ -18,10 +18,10 @@ from torch import nn
 from transformers import AutoModelForImageTextToText
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+import encoder_graphs.decoder.layers.decode as text_decode
 import encoder_graphs.models.qwen.qwen2_5_vl as qwen2_5_vl
-import encoder_graphs.models.text.decode as text_decode
 from encoder_graphs import DecoderGraphRunner, EncoderCudaGraphManager, enable_cuda_graphs
-from encoder_graphs.models.presets import build_model
+from encoder_graphs.presets import build_model
 
 FAMILIES = ["tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl", "tiny-qwen3.5", "tiny-internvl"]
 TABLES = ("_parameters", "_buffers", "_modules")  # compared entry by entry, not as objects
@@ -239,12 +239,12 @@ def test_the_gpu_rewrites_composed_on_the_cpu_show_and_give_back_the_stock_weigh
     one meanwhile, and the undo gives back every parameter as it was."""
     from test_aligned_mlp import interleaved_reference
 
-    from encoder_graphs.models.presets import build_vision_tower
     from encoder_graphs.models.qwen.aligned_mlp import align_gated_mlps
     from encoder_graphs.models.qwen.qwen2_5_vl import interleave_pairs
-    from encoder_graphs.models.rewrites import Rewrites
-    from encoder_graphs.models.rewrites.fused_mlp import fuse_gated_mlp
-    from encoder_graphs.models.seam.vision import permute_qk
+    from encoder_graphs.presets import build_vision_tower
+    from encoder_graphs.rewrites import Rewrites
+    from encoder_graphs.rewrites.fused_mlp import fuse_gated_mlp
+    from encoder_graphs.seam.vision import permute_qk
 
     tower = build_vision_tower("tiny-qwen2.5-vl", seed=1)
     mixed_requires_grad(tower)

@@ -7,8 +7,8 @@ from pathlib import Path
 import torch
 from transformers import GenerationConfig, InternVLForConditionalGeneration
 
-from encoder_graphs.models.presets.files import write_preset_files
-from encoder_graphs.models.seam import from_config
+from encoder_graphs.presets.files import write_preset_files
+from encoder_graphs.seam import from_config
 
 PRESET = "tiny-internvl"
 

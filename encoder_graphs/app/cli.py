@@ -20,7 +20,7 @@ from encoder_graphs.app.config import (
     PROMPT_FIELDS,
 )
 from encoder_graphs.app.errors import EXIT_INTERRUPTED, EXIT_OUTPUT, EXIT_USAGE, OutputError, UsageError, printable
-from encoder_graphs.models.presets.names import PRESET_NAMES
+from encoder_graphs.presets.names import PRESET_NAMES
 
 
 def build_parser() -> argparse.ArgumentParser:

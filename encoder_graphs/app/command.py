@@ -43,7 +43,7 @@ STARTED = time.perf_counter()  # the command's start, for the statistics' times 
 def caption(settings: Settings) -> int:
     if settings.model is None and int(os.environ.get("WORLD_SIZE", "1")) > 1 and not settings.dry_run:
         from encoder_graphs.app.loading import cache_error
-        from encoder_graphs.models.presets.default_model import default_model_dir
+        from encoder_graphs.presets.default_model import default_model_dir
 
         try:  # before the job's process group exists: transformers then writes weights on rank 0 only
             default_model_dir()
@@ -217,7 +217,7 @@ def caption_files(
     from encoder_graphs.app.pipeline import Captioner
     from encoder_graphs.app.results import ResultsFile
     from encoder_graphs.app.runstats import progress_bar
-    from encoder_graphs.models.text.stack import warm_up_language_model
+    from encoder_graphs.decoder.layers.stack import warm_up_language_model
 
     setup_started = time.perf_counter()
     config = batched_config(plan, model, inputs, limits, longest, device)

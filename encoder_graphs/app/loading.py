@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from encoder_graphs.app.errors import UsageError
-from encoder_graphs.models.presets.names import PRESET_NAMES
+from encoder_graphs.presets.names import PRESET_NAMES
 
 if TYPE_CHECKING:
     import torch
@@ -56,13 +56,13 @@ def open_model(
     from transformers import AutoConfig
     from transformers.utils import logging as hf_logging
 
-    from encoder_graphs.models.presets.files import preset_files_dir
     from encoder_graphs.models.registry import family_for_config
+    from encoder_graphs.presets.files import preset_files_dir
 
     hf_logging.disable_progress_bar()
     resolution = {"max_tiles": max_tiles, "max_image_tokens": max_image_tokens, "max_frame_tokens": max_frame_tokens}
     if name is not None and name in PRESET_NAMES and not Path(name).exists():
-        from encoder_graphs.models.presets import get_config
+        from encoder_graphs.presets import get_config
 
         config = get_config(name)
         try:
@@ -75,7 +75,7 @@ def open_model(
             raise resolution_error(error) or UsageError(f"--model {name}: {error}") from error
         inputs.check_model(config)
         return ModelSource(config, inputs, preset=name)
-    from encoder_graphs.models.presets.default_model import default_model_dir
+    from encoder_graphs.presets.default_model import default_model_dir
 
     try:
         directory = default_model_dir() if name is None else hub_checkpoint(name) or Path(name)
@@ -133,7 +133,7 @@ def hub_checkpoint(name: str) -> Path | None:
 
 def cache_error(error: OSError) -> UsageError:
     """The usage error of a cache folder the default model or a preset's files cannot be built in."""
-    from encoder_graphs.models.presets.files import cache_root
+    from encoder_graphs.presets.files import cache_root
 
     return UsageError(f"cannot build the model's files in the cache folder {cache_root()}: {error.strerror or error}; "
                       "set ENCODER_GRAPHS_CACHE to a folder you can write")
@@ -157,7 +157,7 @@ def load_model(source: ModelSource, device: "torch.device") -> "PreTrainedModel"
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if source.preset is not None:
-        from encoder_graphs.models.presets import build_model
+        from encoder_graphs.presets import build_model
 
         return build_model(source.preset, dtype=dtype, device=device)
     try:

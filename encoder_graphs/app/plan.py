@@ -177,7 +177,7 @@ def default_out(demo: bool, job: Job, make: bool = True) -> Path:
 
 def check_attention_backend(name: str | None) -> None:
     if name is not None:
-        from encoder_graphs.models.attention import get_attention_backend
+        from encoder_graphs.attention import get_attention_backend
 
         try:
             get_attention_backend(name)

@@ -13,7 +13,7 @@ fixed reserve with the graph pools and library workspaces.
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from encoder_graphs.models.seam.text import linear_attention_layers, linear_state_shapes, mixer_width, text_head_dim
+from encoder_graphs.seam.text import linear_attention_layers, linear_state_shapes, mixer_width, text_head_dim
 
 if TYPE_CHECKING:
     import torch

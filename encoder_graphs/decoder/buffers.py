@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 import torch
 
 from encoder_graphs.decoder.static_cache import LinearStates, StaticKVStore
-from encoder_graphs.models.seam.text import linear_attention_layers, linear_state_shapes, text_head_dim
 from encoder_graphs.packing import generate_budgets
+from encoder_graphs.seam.text import linear_attention_layers, linear_state_shapes, text_head_dim
 
 _POWER_BUCKETS = (1, 2, 4, 8, 16, 32)
 _BUCKET_STEP = 16

@@ -14,7 +14,7 @@ import torch
 from transformers import GenerationConfig
 
 from encoder_graphs.models.registry import family_class
-from encoder_graphs.models.seam.generation import (
+from encoder_graphs.seam.generation import (
     GenerationMode,
     generate_arguments,
     generation_settings,

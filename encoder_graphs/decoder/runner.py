@@ -1,7 +1,7 @@
 """The language model's decode step captured as CUDA graphs, one per (batch-size bucket, length tier).
 
 Prefill is the model's own forward (eager, dynamic cache; over the prompts packed without their
-padding where `models/text/decode.py` knows the decoder and it has no linear attention, else
+padding where `encoder_graphs/decoder/layers/decode.py` knows the decoder and it has no linear attention, else
 exactly what `generate` runs); its keys and values (linear layers: their states) are copied into
 a static cache, and each decode step then replays the graph of the smallest bucket that holds
 the batch and the smallest length tier that holds its sequences: that graph's attention reads
@@ -23,20 +23,20 @@ from transformers import PretrainedConfig
 
 from encoder_graphs.decoder.buffers import DecodeBuffers, DecoderGraphConfig, TextDims
 from encoder_graphs.decoder.generation import token_id_list
+from encoder_graphs.decoder.layers.decode import DecodeStack
+from encoder_graphs.decoder.layers.stack import fuse_text_kernels
 from encoder_graphs.decoder.sampling import Generators, SamplingParams, select_next_tokens
 from encoder_graphs.decoder.stats import DecodeCounters
 from encoder_graphs.decoder.step import decode_step, packed_prefill, prefill
 from encoder_graphs.decoder.tokens import NewTokens
 from encoder_graphs.engine.capture import GraphCapture, unavailable_reason
 from encoder_graphs.models.registry import family_class
-from encoder_graphs.models.rewrites import Rewrites
-from encoder_graphs.models.seam.generation import generation_position_ids
-from encoder_graphs.models.seam.text import LINEAR_ATTENTION, SlotCache, static_rope
-from encoder_graphs.models.text.decode import DecodeStack
-from encoder_graphs.models.text.stack import fuse_text_kernels
 from encoder_graphs.packing import smallest_fitting_budget
 from encoder_graphs.protocols import ModelFamily
 from encoder_graphs.report import format_decoder_stats
+from encoder_graphs.rewrites import Rewrites
+from encoder_graphs.seam.generation import generation_position_ids
+from encoder_graphs.seam.text import LINEAR_ATTENTION, SlotCache, static_rope
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ class DecoderGraphRunner:
         if (reason := self.unsupported(model.config)) is not None:
             raise ValueError(reason)
         self.family = family if family is not None else family_class(model)
-        known = DecodeStack.supports(model)  # whether models/text/decode.py knows its decoder layers
+        known = DecodeStack.supports(model)  # whether encoder_graphs/decoder/layers/decode.py knows its decoder layers
         self._dims = TextDims.of(model)
         # Prefill over the packed prompts for the same decoders (False: left-padded, as generate),
         # but linear attention's: its conv and recurrence would run across the prompts' bounds.

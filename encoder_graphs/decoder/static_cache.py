@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from encoder_graphs.models.seam.text import SlotCache, SlotLayer, StateLayer
+from encoder_graphs.seam.text import SlotCache, SlotLayer, StateLayer
 
 
 @dataclass(frozen=True)

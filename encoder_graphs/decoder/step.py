@@ -8,15 +8,15 @@ import torch
 import torch.nn.functional as F
 
 from encoder_graphs.decoder.buffers import DecodeBuffers
-from encoder_graphs.models.seam.attention import (
+from encoder_graphs.decoder.layers.decode import DecodeStack
+from encoder_graphs.seam.attention import (
     DECODE_ATTENTION,
     TOKEN_INPUTS,
     attention_implementation,
     packed_sequences,
 )
-from encoder_graphs.models.seam.generation import generation_position_ids
-from encoder_graphs.models.seam.text import SlotCache, dynamic_cache, layer_states
-from encoder_graphs.models.text.decode import DecodeStack
+from encoder_graphs.seam.generation import generation_position_ids
+from encoder_graphs.seam.text import SlotCache, dynamic_cache, layer_states
 
 KeyValues = list[tuple[torch.Tensor, torch.Tensor]]
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from encoder_graphs.models.rewrites import Rewrites
+from encoder_graphs.rewrites import Rewrites
 
 
 @dataclass

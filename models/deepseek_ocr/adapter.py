@@ -19,20 +19,20 @@ import torch
 from torch import nn
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
-from encoder_graphs.models.attention.rel_pos import decomposed_rel_pos_attention
-from encoder_graphs.models.rewrites import Rewrites
-from encoder_graphs.models.seam.vision import (
-    rel_pos_on_device,
-    returns_no_weights,
-    sam_attention_forward,
-    sam_rel_pos_attentions,
-)
+from encoder_graphs.attention.rel_pos import decomposed_rel_pos_attention
 from encoder_graphs.protocols import (
     CaptureInputs,
     EncoderCudaGraphConfig,
     EncoderItemSpec,
     EncoderPathConfig,
     ReplayBuffers,
+)
+from encoder_graphs.rewrites import Rewrites
+from encoder_graphs.seam.vision import (
+    rel_pos_on_device,
+    returns_no_weights,
+    sam_attention_forward,
+    sam_rel_pos_attentions,
 )
 
 GLOBAL, LOCAL = "global", "local"

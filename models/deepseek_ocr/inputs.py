@@ -41,10 +41,10 @@ import torch
 from PIL import Image
 from transformers import AutoTokenizer, DeepseekOcr2ImageProcessorPil, PreTrainedTokenizerBase
 
-from encoder_graphs.models.batching import CollatingInputs, per_item, to_device
+from encoder_graphs.models.common.batching import CollatingInputs, per_item, to_device
+from encoder_graphs.models.common.pil_pixels import affine, normalized
 from encoder_graphs.models.deepseek_ocr.adapter import MOST_TILES, TILE_FEATURES, TILE_SIDE, VIEW_FEATURES, VIEW_SIDE
-from encoder_graphs.models.pil_pixels import affine, normalized
-from encoder_graphs.models.seam.vision import tiled_canvas
+from encoder_graphs.seam.vision import tiled_canvas
 
 # What `DeepseekOcr2Processor` hands its image processor unless told otherwise (crop_to_patches=True,
 # min_patches=2, max_patches=MOST_TILES), over the image processor's own settings: 5.17.0's

@@ -3,7 +3,7 @@ values from the public config.json of deepseek-community/DeepSeek-OCR-2, and a t
 
 from transformers import DeepseekOcr2Config, DeepseekOcr2ForConditionalGeneration, DeepseekOcr2VisionModel
 
-from encoder_graphs.models.presets.preset import Preset
+from encoder_graphs.presets.preset import Preset
 
 # SAM ViT-B at 1024 px (global attention in blocks 2, 5, 8, 11; its neck to 256 channels, then two
 # strided convs to 896, the encoder's width), then a Qwen2-0.5B-shaped encoder that reads SAM's

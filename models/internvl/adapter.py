@@ -16,8 +16,6 @@ import torch
 from torch import nn
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
-from encoder_graphs.models.rewrites import Rewrites
-from encoder_graphs.models.seam.attention import attention_implementation, register_dense_attention
 from encoder_graphs.protocols import (
     CaptureInputs,
     EncoderCudaGraphConfig,
@@ -25,6 +23,8 @@ from encoder_graphs.protocols import (
     EncoderPathConfig,
     ReplayBuffers,
 )
+from encoder_graphs.rewrites import Rewrites
+from encoder_graphs.seam.attention import attention_implementation, register_dense_attention
 
 PATH = "tiles"
 # Budgets 1, 2, ..., 13, 15, 16, 17, 19, ..., 59, 64 (31 graphs): every tile count of one image has

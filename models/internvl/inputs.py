@@ -19,9 +19,9 @@ import torch
 from PIL import Image
 from transformers import AutoTokenizer, GotOcr2ImageProcessorPil, PreTrainedTokenizerBase
 
-from encoder_graphs.models.batching import CollatingInputs, per_item, to_device
-from encoder_graphs.models.pil_pixels import affine, normalized
-from encoder_graphs.models.seam.vision import tiled_canvas
+from encoder_graphs.models.common.batching import CollatingInputs, per_item, to_device
+from encoder_graphs.models.common.pil_pixels import affine, normalized
+from encoder_graphs.seam.vision import tiled_canvas
 
 # The tokenizer's named special tokens (`tokenizer.context_image_token` ...) and their usual text.
 TOKENS = {

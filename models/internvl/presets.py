@@ -5,7 +5,7 @@ from typing import Any
 
 from transformers import InternVLConfig, InternVLForConditionalGeneration, InternVLVisionModel
 
-from encoder_graphs.models.presets.preset import TINY_TEXT, Preset
+from encoder_graphs.presets.preset import TINY_TEXT, Preset
 
 # InternViT-300M (InternVL3-1B/2B/8B, InternVL3.5-1B..8B) and InternViT-6B (InternVL3-38B/78B,
 # InternVL3.5-38B/241B), as OpenGVLab's HF conversion (internvl_chat/tools/internvl_custom2hf.py)

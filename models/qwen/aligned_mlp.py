@@ -8,7 +8,7 @@ in gate/up and zero columns in down add exactly zero (act(0) * 0 = 0), so paddin
 import torch
 from torch import nn
 
-from encoder_graphs.models.rewrites import Rewrites, made_like
+from encoder_graphs.rewrites import Rewrites, made_like
 
 ALIGNMENT = 8
 

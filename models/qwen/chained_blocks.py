@@ -13,9 +13,9 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from encoder_graphs.models.kernels import HALF_DTYPES, triton_runs
-from encoder_graphs.models.rewrites import Rewrites
-from encoder_graphs.models.seam.vision import AddNorm, chained_block_forward, is_qwen2_5_vision_block
+from encoder_graphs.kernels import HALF_DTYPES, triton_runs
+from encoder_graphs.rewrites import Rewrites
+from encoder_graphs.seam.vision import AddNorm, chained_block_forward, is_qwen2_5_vision_block
 
 Forward = Callable[..., torch.Tensor]
 

@@ -32,7 +32,7 @@ import torch
 from PIL import Image
 from transformers import AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase, Qwen2VLImageProcessorPil
 
-from encoder_graphs.models.batching import CollatingInputs, per_item, to_device
+from encoder_graphs.models.common.batching import CollatingInputs, per_item, to_device
 from encoder_graphs.models.qwen.geometry import (
     QWEN3_PROCESSOR_MODELS,
     VIDEO_DEFAULTS,

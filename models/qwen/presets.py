@@ -16,8 +16,8 @@ from transformers import (
     Qwen3VLVisionModel,
 )
 
-from encoder_graphs.models.presets.preset import TINY_TEXT, Preset
-from encoder_graphs.models.seam.vision import qwen_vision_towers
+from encoder_graphs.presets.preset import TINY_TEXT, Preset
+from encoder_graphs.seam.vision import qwen_vision_towers
 
 Qwen2VisionTransformerPretrainedModel, Qwen2_5_VisionTransformerPretrainedModel = qwen_vision_towers()
 

@@ -9,14 +9,14 @@ from functools import partial
 
 import torch
 
-from encoder_graphs.models.kernels import HALF_DTYPES, triton_runs
-from encoder_graphs.models.kernels.checks import check_segments
+from encoder_graphs.kernels import HALF_DTYPES, triton_runs
+from encoder_graphs.kernels.checks import check_segments
 from encoder_graphs.models.qwen.aligned_mlp import align_gated_mlps
 from encoder_graphs.models.qwen.chained_blocks import Forward, chained, chained_forwards, chains_blocks
 from encoder_graphs.models.qwen.vision import Layout, QwenVisionAdapter, pad_offsets
-from encoder_graphs.models.rewrites import Rewrites
-from encoder_graphs.models.rewrites.fused_mlp import fuse_gated_mlp, fuses_gated_mlp
-from encoder_graphs.models.seam.vision import get_vision_window_index, permute_qk, window_attention_forward
+from encoder_graphs.rewrites import Rewrites
+from encoder_graphs.rewrites.fused_mlp import fuse_gated_mlp, fuses_gated_mlp
+from encoder_graphs.seam.vision import get_vision_window_index, permute_qk, window_attention_forward
 
 
 def interleave_pairs(head_dim: int) -> torch.Tensor:
@@ -43,7 +43,7 @@ class Qwen2_5_VLAdapter(QwenVisionAdapter):
         super().align_weights(rewrites)
         align_gated_mlps([block.mlp for block in self.visual.blocks], rewrites)
         if self.fuses_windows:
-            from encoder_graphs.models.kernels.window import rotary_window_attention
+            from encoder_graphs.kernels.window import rotary_window_attention
 
             # One wrapper for every window block, out of torch.compile'd code as the varlen backends.
             attend = torch.compiler.disable(partial(rotary_window_attention, max_seqlen=self.window_rows))
@@ -51,13 +51,13 @@ class Qwen2_5_VLAdapter(QwenVisionAdapter):
                 self._fuse_window(attention, attend, rewrites)
         mlps = [block.mlp for block in self.visual.blocks if fuses_gated_mlp(block.mlp)]
         if mlps:
-            from encoder_graphs.models.kernels.swiglu import swiglu_linear
+            from encoder_graphs.kernels.swiglu import swiglu_linear
 
             for mlp in mlps:
                 fuse_gated_mlp(mlp, swiglu_linear, rewrites)
         blocks = list(self.visual.blocks)
         if chains_blocks(blocks, self.dtype):
-            from encoder_graphs.models.kernels.add_norm import add_rms_norm
+            from encoder_graphs.kernels.add_norm import add_rms_norm
 
             rewrites.patch(self, "_chained_forwards", chained_forwards(blocks, add_rms_norm))
 
@@ -79,7 +79,7 @@ class Qwen2_5_VLAdapter(QwenVisionAdapter):
             return False
         if any(param.device != self.device for param in self.visual.parameters()):
             return False
-        from encoder_graphs.models.kernels.window import fits_window_kernel
+        from encoder_graphs.kernels.window import fits_window_kernel
 
         return fits_window_kernel(self.head_dim, self.window_rows)
 

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from encoder_graphs.models.qwen.vision import Layout, QwenVisionAdapter, pad_rows
-from encoder_graphs.models.seam.vision import deepstack_output, get_vision_interpolation_indices_and_weights
+from encoder_graphs.seam.vision import deepstack_output, get_vision_interpolation_indices_and_weights
 
 
 class Qwen3TowerAdapter(QwenVisionAdapter):

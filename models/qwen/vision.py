@@ -18,11 +18,8 @@ import torch
 import torch.nn.functional as F
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
-from encoder_graphs.models.attention import default_attention_backend
-from encoder_graphs.models.kernels import HALF_DTYPES
-from encoder_graphs.models.rewrites import Rewrites
-from encoder_graphs.models.seam.attention import attention_implementation, register_varlen_attention
-from encoder_graphs.models.seam.vision import get_vision_cu_seqlens, get_vision_position_ids
+from encoder_graphs.attention import default_attention_backend
+from encoder_graphs.kernels import HALF_DTYPES
 from encoder_graphs.protocols import (
     CaptureInputs,
     EncoderCudaGraphConfig,
@@ -30,6 +27,9 @@ from encoder_graphs.protocols import (
     EncoderPathConfig,
     ReplayBuffers,
 )
+from encoder_graphs.rewrites import Rewrites
+from encoder_graphs.seam.attention import attention_implementation, register_varlen_attention
+from encoder_graphs.seam.vision import get_vision_cu_seqlens, get_vision_position_ids
 
 PATH = "default"
 # Budgets grow by 2**(1/4): at most ~16% padding instead of doubling's 50%. At large budgets the

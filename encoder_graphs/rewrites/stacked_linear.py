@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from encoder_graphs.models.rewrites import Rewrites, made_like
+from encoder_graphs.rewrites import Rewrites, made_like
 
 
 def plain_linears(linears: Sequence[nn.Module]) -> bool:

@@ -17,7 +17,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionCach
 
 LINEAR_ATTENTION = "linear_attention"  # 5.17.0, 5.23.0: its name in a text config's `layer_types`
 
-# 5.17.0, 5.23.0: decoder layers, by class name, that `text/decode.py`'s `DecodeLayer` computes
+# 5.17.0, 5.23.0: decoder layers, by class name, that `decoder/layers/decode.py`'s `DecodeLayer` computes
 # over their own modules: pre-norm, q/k/v/o projections (Qwen3: RMSNorm on q and k per head),
 # rotate-half rotary embedding, a gated MLP. Qwen3.5's: its full-attention layers as Qwen3's with
 # an output gate (`q_proj` twice as wide: each head's query, then its gate) and rotary over a part

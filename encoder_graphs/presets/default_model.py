@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 from transformers import GenerationConfig, Qwen2VLForConditionalGeneration
 
-from encoder_graphs.models.presets.files import build_atomically, cache_root, write_preset_files
-from encoder_graphs.models.seam import from_config
+from encoder_graphs.presets.files import build_atomically, cache_root, write_preset_files
+from encoder_graphs.seam import from_config
 
 VERSION = 1
 PRESET = "tiny-qwen2-vl"

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from encoder_graphs.models.kernels.checks import check_decode_inputs
+from encoder_graphs.kernels.checks import check_decode_inputs
 
 BLOCK_N = 64  # slots per tile
 # Rows of a key or value tile wider than this many bytes halve the tile: an fp32 head of 256

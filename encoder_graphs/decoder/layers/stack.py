@@ -11,7 +11,7 @@ cache's type and fill state, and reached its recompile limit on the second `gene
 tiny Qwen2.5-VL). Their MLPs and RMSNorms take only hidden states: compiled with
 dynamic shapes they fuse the activation, the gating and the norms' six kernels, for prompts of
 any batch and length (one compilation, and one more for a batch of one). Decode steps run
-`text/decode.py`'s `DecodeLayer`s, which call these modules inside their own compiled code.
+`decoder/layers/decode.py`'s `DecodeLayer`s, which call these modules inside their own compiled code.
 """
 
 from contextlib import nullcontext
@@ -19,10 +19,10 @@ from contextlib import nullcontext
 import torch
 from torch import nn
 
-from encoder_graphs.models.kernels import HALF_DTYPES, triton_runs
-from encoder_graphs.models.rewrites import Rewrites
-from encoder_graphs.models.rewrites.fused_mlp import InterleavedGateUp, fuse_gated_mlp, fuses_gated_mlp
-from encoder_graphs.models.seam.modules import is_stock_rms_norm, rms_norm_forward
+from encoder_graphs.kernels import HALF_DTYPES, triton_runs
+from encoder_graphs.rewrites import Rewrites
+from encoder_graphs.rewrites.fused_mlp import InterleavedGateUp, fuse_gated_mlp, fuses_gated_mlp
+from encoder_graphs.seam.modules import is_stock_rms_norm, rms_norm_forward
 
 # Every decoder this package supports (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, InternVL's Qwen2/Qwen3)
 # names them so, as Llama does.
@@ -62,12 +62,12 @@ def warm_up_language_model(model: nn.Module) -> None:
 def fuse_text_kernels(model: nn.Module, rewrites: Rewrites) -> dict[nn.Module, InterleavedGateUp]:
     """The language model's stock RMSNorms through `rms_norm` and its gated MLPs through the
     swiglu GEMM, until `rewrites` is undone, where the kernels run (half precision, a tested GPU);
-    each fused MLP's gate and up for the decode steps (`text/decode.py`'s `DecodeLayer`)."""
+    each fused MLP's gate and up for the decode steps (`decoder/layers/decode.py`'s `DecodeLayer`)."""
     weight = model.get_input_embeddings().weight
     if weight.dtype not in HALF_DTYPES or not triton_runs(weight.device):
         return {}
-    from encoder_graphs.models.kernels.add_norm import rms_norm
-    from encoder_graphs.models.kernels.swiglu import swiglu_linear
+    from encoder_graphs.kernels.add_norm import rms_norm
+    from encoder_graphs.kernels.swiglu import swiglu_linear
 
     decoder = model.get_decoder()
     for module in decoder.modules():

@@ -15,8 +15,8 @@ from typing import Any
 
 from transformers import DeepseekOcr2ImageProcessorPil, DeepseekOcr2Processor, PretrainedConfig
 
-from encoder_graphs.models.presets import get_config
-from encoder_graphs.models.presets.tokenizer import build_tokenizer, write_json
+from encoder_graphs.presets import get_config
+from encoder_graphs.presets.tokenizer import build_tokenizer, write_json
 
 VERSION = 2  # 2: Qwen2.5-VL presets name Qwen2_5_VLProcessor
 QWEN_CHAT_TEMPLATE = (

@@ -11,7 +11,7 @@ naming the argument. No Triton here: the checks run, and are tested, on any mach
 
 import torch
 
-from encoder_graphs.models.kernels import HALF_DTYPES
+from encoder_graphs.kernels import HALF_DTYPES
 
 
 def check_segments(cu_seqlens: torch.Tensor, max_seqlen: int, rows: int) -> None:

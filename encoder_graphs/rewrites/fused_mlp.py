@@ -11,10 +11,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from encoder_graphs.models.kernels import refuse_gradients, triton_runs
-from encoder_graphs.models.rewrites import Rewrites, made_like
-from encoder_graphs.models.rewrites.stacked_linear import plain_linears
-from encoder_graphs.models.seam.modules import gated_silu_mlp_forward, is_gated_silu_mlp
+from encoder_graphs.kernels import refuse_gradients, triton_runs
+from encoder_graphs.rewrites import Rewrites, made_like
+from encoder_graphs.rewrites.stacked_linear import plain_linears
+from encoder_graphs.seam.modules import gated_silu_mlp_forward, is_gated_silu_mlp
 
 
 def fuses_gated_mlp(mlp: nn.Module) -> bool:
@@ -26,7 +26,7 @@ def fuses_gated_mlp(mlp: nn.Module) -> bool:
     weight, other = mlp.gate_proj.weight, mlp.up_proj.weight
     if (other.device, other.dtype) != (weight.device, weight.dtype) or not triton_runs(weight.device):
         return False
-    from encoder_graphs.models.kernels.swiglu import fits_swiglu_kernel
+    from encoder_graphs.kernels.swiglu import fits_swiglu_kernel
 
     return fits_swiglu_kernel(weight)
 

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from encoder_graphs.models.kernels import refuse_gradients
+from encoder_graphs.kernels import refuse_gradients
 
 
 # The row count is not specialized on (divisible by 16 or not): one compilation serves every batch.

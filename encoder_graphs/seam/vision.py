@@ -21,7 +21,7 @@ from transformers.vision_utils import (
     get_vision_window_index,
 )
 
-from encoder_graphs.models.rewrites import Rewrites, made_like
+from encoder_graphs.rewrites import Rewrites, made_like
 
 __all__ = [
     "get_vision_cu_seqlens",

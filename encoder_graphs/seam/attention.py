@@ -8,7 +8,7 @@ from contextlib import contextmanager
 import torch
 from transformers import AttentionInterface, PretrainedConfig
 
-from encoder_graphs.models.attention import (
+from encoder_graphs.attention import (
     VarlenAttention,
     causal_varlen_attention,
     decode_attention,

@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from encoder_graphs.models.kernels import HALF_DTYPES
+from encoder_graphs.kernels import HALF_DTYPES
 
 WORKSPACE_BYTES = 128 * 1024 * 1024  # what vLLM gives cuDNN for ViT attention
 MIN_SEGMENTS = 8

@@ -25,8 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from encoder_graphs.models.kernels import refuse_gradients
-from encoder_graphs.models.kernels.checks import check_window_inputs
+from encoder_graphs.kernels import refuse_gradients
+from encoder_graphs.kernels.checks import check_window_inputs
 
 MAX_ROWS = 64  # longer segments need more registers than a program holds
 PROGRAMS_PER_SM = 4  # with 4 heads a program; 2 to 16 measured the same

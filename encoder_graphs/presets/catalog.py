@@ -9,9 +9,9 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from encoder_graphs.models.deepseek_ocr.presets import DEEPSEEK_OCR_PRESETS
 from encoder_graphs.models.internvl.presets import INTERNVL_PRESETS
-from encoder_graphs.models.presets.preset import Preset
 from encoder_graphs.models.qwen.presets import QWEN_PRESETS
-from encoder_graphs.models.seam import from_config
+from encoder_graphs.presets.preset import Preset
+from encoder_graphs.seam import from_config
 
 PRESETS: dict[str, Preset] = {**QWEN_PRESETS, **INTERNVL_PRESETS, **DEEPSEEK_OCR_PRESETS}
 

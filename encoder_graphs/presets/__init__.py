@@ -8,7 +8,7 @@ Names are exported lazily: the command line reads `names.PRESET_NAMES` without t
 
 from encoder_graphs.lazy import lazy_exports
 
-_CATALOG = "encoder_graphs.models.presets.catalog"
+_CATALOG = "encoder_graphs.presets.catalog"
 _EXPORTS = {name: _CATALOG for name in ("PRESETS", "build_model", "build_vision_tower", "get_config")}
 __all__ = sorted(_EXPORTS)
 

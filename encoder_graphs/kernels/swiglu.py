@@ -17,8 +17,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from encoder_graphs.models.kernels import HALF_DTYPES
-from encoder_graphs.models.kernels.checks import check_swiglu_inputs
+from encoder_graphs.kernels import HALF_DTYPES
+from encoder_graphs.kernels.checks import check_swiglu_inputs
 
 
 @triton.jit(do_not_specialize=["rows"])

@@ -12,7 +12,7 @@ from itertools import pairwise
 
 import torch
 
-from encoder_graphs.models.kernels import HALF_DTYPES, triton_runs
+from encoder_graphs.kernels import HALF_DTYPES, triton_runs
 
 VarlenAttention = Callable[..., torch.Tensor]
 
@@ -88,7 +88,7 @@ def flashinfer_varlen_attention(
     max_seqlen: int,
     scale: float | None = None,
 ) -> torch.Tensor:
-    from encoder_graphs.models.attention.flashinfer import cudnn_varlen_attention
+    from encoder_graphs.attention.flashinfer import cudnn_varlen_attention
 
     return cudnn_varlen_attention(q, k, v, cu_seqlens, max_seqlen, scale)
 
@@ -180,7 +180,7 @@ def write_and_decode(
     kernel pair does both (`kernels/decode.py`); elsewhere (the CPU, no Triton, odd head widths, GPUs
     the kernels were not tested on) index_copy and sdpa."""
     if triton_runs(query.device) and fits_decode_kernel(query, keys, values, mask):
-        from encoder_graphs.models.kernels.decode import write_and_attend
+        from encoder_graphs.kernels.decode import write_and_attend
 
         return write_and_attend(query, key, value, keys, values, slot, mask, scale)
     keys.index_copy_(2, slot, key)

@@ -24,11 +24,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from encoder_graphs.models.attention import write_and_decode
-from encoder_graphs.models.rewrites import Rewrites
-from encoder_graphs.models.rewrites.fused_mlp import InterleavedGateUp
-from encoder_graphs.models.rewrites.stacked_linear import StackedLinear
-from encoder_graphs.models.seam.text import FUSED_LAYERS, decode_rotary, delta_net, delta_net_activation
+from encoder_graphs.attention import write_and_decode
+from encoder_graphs.rewrites import Rewrites
+from encoder_graphs.rewrites.fused_mlp import InterleavedGateUp
+from encoder_graphs.rewrites.stacked_linear import StackedLinear
+from encoder_graphs.seam.text import FUSED_LAYERS, decode_rotary, delta_net, delta_net_activation
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -54,7 +54,7 @@ _write_and_decode = torch.compiler.disable(write_and_decode)
 
 class _DecodeBlock(nn.Module):
     """A decoder layer's norms and MLP (gate/up stacked until `rewrites` is undone; `gate_up`: the
-    MLP's, where it is fused already by `text/stack.py`'s `fuse_text_kernels`)."""
+    MLP's, where it is fused already by `decoder/layers/stack.py`'s `fuse_text_kernels`)."""
 
     def __init__(self, layer: nn.Module, rewrites: Rewrites, gate_up: InterleavedGateUp | None) -> None:
         super().__init__()
