@@ -3,9 +3,11 @@
 from encoder_graphs.packing.budgets import generate_budgets, smallest_fitting_budget
 from encoder_graphs.packing.cost import BudgetCosts
 from encoder_graphs.packing.greedy import PackItem, SubBatch, greedy_pack, merge_eager
+from encoder_graphs.packing.reasons import EagerReason
 
 __all__ = [
     "BudgetCosts",
+    "EagerReason",
     "PackItem",
     "SubBatch",
     "generate_budgets",

@@ -3,6 +3,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from encoder_graphs.packing.budgets import smallest_fitting_budget
+from encoder_graphs.packing.reasons import EagerReason
 
 
 class PackItem(Protocol):
@@ -20,7 +21,7 @@ class SubBatch:
     tokens: dict[str, int]
     budget: dict[str, int | None]
     frames: int = 0
-    eager_reasons: dict[str, str] = field(default_factory=dict)
+    eager_reasons: dict[str, EagerReason] = field(default_factory=dict)
 
     def padded_tokens(self, path: str) -> int:
         return self.budget[path] or self.tokens[path]
@@ -105,18 +106,18 @@ def _sub_batch(
     frames = sum(specs[i].frames for i in indices)
     tokens = {path: sum(specs[i].path_tokens.get(path, 0) for i in indices) for path in budgets}
     chosen: dict[str, int | None] = {}
-    reasons: dict[str, str] = {}
+    reasons: dict[str, EagerReason] = {}
     for path, path_budgets in budgets.items():
         if tokens[path] == 0:
             chosen[path] = 0
         elif not path_budgets:
-            chosen[path], reasons[path] = None, "no graph captured"
+            chosen[path], reasons[path] = None, EagerReason.NONE_CAPTURED
         elif frames > frame_limit:
-            chosen[path], reasons[path] = None, "frames over max_frames"
+            chosen[path], reasons[path] = None, EagerReason.FRAMES_OVER_CAP
         else:
             chosen[path] = smallest_fitting_budget(path_budgets, tokens[path])
             if chosen[path] is None:
-                reasons[path] = "tokens over largest budget"
+                reasons[path] = EagerReason.TOKENS_OVER_BUDGETS
     return SubBatch(indices, tokens, chosen, frames, reasons)
 
 

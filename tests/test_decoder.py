@@ -288,7 +288,7 @@ def test_stats_and_eager_reasons(model):
     assert stats["steps"] == 2 * (NEW_TOKENS - 1)
     assert stats["graph_steps"] == 0 and stats["eager_steps"] == stats["steps"]
     assert stats["eager_reasons"] == {
-        "batch larger than largest bucket 2": NEW_TOKENS - 1,
+        "batch larger than the largest bucket": NEW_TOKENS - 1,
         "enabled=False": NEW_TOKENS - 1,
     }
     assert stats["replays_per_bucket"] == {} and stats["replays_per_tier"] == {}
@@ -305,7 +305,7 @@ def test_batch_between_largest_bucket_and_max_batch_size(model):
     inputs = make_batch(model.config, grids=[(1, 4, 4), (1, 8, 6), (1, 4, 8)], seed=8)
     got = runner_generate(runner, inputs, eos_token_id=NO_EOS)
     assert torch.equal(got, hf_generate(model, inputs, eos_token_id=NO_EOS))
-    assert runner.stats()["eager_reasons"] == {"batch larger than largest bucket 2": NEW_TOKENS - 1}
+    assert runner.stats()["eager_reasons"] == {"batch larger than the largest bucket": NEW_TOKENS - 1}
 
 
 def test_no_cuda_reason_and_capture_is_a_no_op(model):

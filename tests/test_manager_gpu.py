@@ -10,7 +10,7 @@ from toy_vit import GLOBAL, LOCAL, ToyItem, ToyViT, ToyViTConfig
 
 from encoder_graphs import EncoderCudaGraphManager
 from encoder_graphs.engine.buffers import fill_buffers
-from encoder_graphs.engine.manager import BEFORE_CAPTURE
+from encoder_graphs.packing.reasons import EagerReason
 
 pytestmark = [
     pytest.mark.gpu,
@@ -222,7 +222,7 @@ def test_lazy_capture_from_the_second_call_times_nothing_in_the_first():
             assert_close_bf16(out, ref)
         first = manager.stats()
         assert first["captured_budgets"] == {GLOBAL: []} and not manager.costs[GLOBAL].eager_ms
-        assert first["graph_items"] == 0 and first["paths"][GLOBAL]["miss_reasons"] == {BEFORE_CAPTURE: 1}
+        assert first["graph_items"] == 0 and first["paths"][GLOBAL]["miss_reasons"] == {EagerReason.BEFORE_CAPTURE: 1}
         for out, ref in zip(manager.execute(items), eager.execute(items)):
             assert_close_bf16(out, ref)
     second = manager.stats()

@@ -5,6 +5,7 @@ import ast
 import subprocess
 import sys
 import warnings
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -179,3 +180,18 @@ def test_importing_the_decoder_registers_its_attention_implementations():
     )
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert result.stdout.split()[-1] == "True", result.stderr
+
+
+def test_eager_reasons_are_members_counted_and_shown_by_their_text():
+    """Reasons are enum members; the statistics' JSON and the report show each one's text, and a
+    member and its text are the same key (a torchrun job merges its ranks' JSON by text)."""
+    import json
+
+    from encoder_graphs.packing.reasons import EagerReason, counts_by_text
+
+    counted = counts_by_text(Counter({EagerReason.NO_CUDA: 2, EagerReason.CAPTURE_FAILED: 1}))
+    assert json.loads(json.dumps(counted)) == {"no CUDA device": 2, "capture failed": 1}
+    assert all(type(key) is str for key in counted)
+    assert f"{EagerReason.GPU_BOUND}" == str(EagerReason.GPU_BOUND) == "GPU-bound size, not captured"
+    assert {"eager measured faster": 1} == {EagerReason.EAGER_CHEAPER: 1}
+    assert len({reason.value for reason in EagerReason}) == len(EagerReason)  # one text, one cause

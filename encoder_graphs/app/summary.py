@@ -15,11 +15,11 @@ if TYPE_CHECKING:
 def said_by_flag(graph_stats: dict) -> dict:
     """The graphs' statistics with their "turned off" reason (the API's `enabled=False`) said as
     the flag that turned them off here, --no-graphs (a key of the miss reasons too)."""
-    from encoder_graphs.engine.capture import TURNED_OFF
+    from encoder_graphs.packing.reasons import EagerReason
 
     if isinstance(graph_stats, dict):
-        return {("--no-graphs" if key == TURNED_OFF else key): said_by_flag(value) for key, value in graph_stats.items()}
-    return "--no-graphs" if graph_stats == TURNED_OFF else graph_stats
+        return {("--no-graphs" if key == EagerReason.TURNED_OFF else key): said_by_flag(value) for key, value in graph_stats.items()}
+    return "--no-graphs" if graph_stats == EagerReason.TURNED_OFF else graph_stats
 
 
 SHOWN_FAILURES = 5  # failed files the report names

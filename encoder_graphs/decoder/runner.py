@@ -32,6 +32,7 @@ from encoder_graphs.decoder.tokens import NewTokens
 from encoder_graphs.engine.capture import GraphCapture, unavailable_reason
 from encoder_graphs.models.registry import family_class
 from encoder_graphs.packing import smallest_fitting_budget
+from encoder_graphs.packing.reasons import EagerReason
 from encoder_graphs.protocols import ModelFamily
 from encoder_graphs.report import format_decoder_stats
 from encoder_graphs.rewrites import Rewrites
@@ -48,7 +49,7 @@ class _Route:
 
     buffers: DecodeBuffers
     rows: int
-    eager_reason: str | None
+    eager_reason: EagerReason | None
 
 
 @dataclass
@@ -58,7 +59,7 @@ class _Tier:
     tier: int
     graph: torch.cuda.CUDAGraph | None
     cache: SlotCache | None
-    eager_reason: str | None
+    eager_reason: EagerReason | None
 
 
 class DecoderGraphRunner:
@@ -311,8 +312,7 @@ class DecoderGraphRunner:
         assert self.unfit_reason(batch, needed_slots) is None, "generate refuses what the static cache cannot hold"
         bucket = next((b for b in self.config.buckets if b >= batch), None)
         if bucket is None:
-            reason = f"batch larger than largest bucket {self.config.buckets[-1]}"
-            return _Route(self.static_buffers(), batch, reason)
+            return _Route(self.static_buffers(), batch, EagerReason.OVER_LARGEST_BUCKET)
         # Eager steps take the same padded bucket as a replay would: one code path everywhere.
         return _Route(self.static_buffers(), bucket, None)
 
@@ -343,15 +343,16 @@ class DecoderGraphRunner:
         graph = self.graphs.get((route.rows, tier)) if route.eager_reason is None else None
         if graph is not None:
             return _Tier(tier, graph, None, None)
-        reason = route.eager_reason or self._eager_reason(route.rows, tier)
+        reason = route.eager_reason or self._eager_reason()
         return _Tier(tier, None, route.buffers.store.cache(route.rows, tier), reason)
 
-    def _eager_reason(self, bucket: int, tier: int) -> str:
+    def _eager_reason(self) -> EagerReason:
+        """Why a route that fits a bucket has no graph (its capture's error: `failed_graphs`)."""
         if self.disabled_reason is not None:
             return self.disabled_reason
         if not self.captured:
-            return "capture() not called"
-        return f"capture of batch {bucket}, tier {tier} failed"
+            return EagerReason.NOT_CAPTURED
+        return EagerReason.CAPTURE_FAILED
 
     def _model_inputs(self, model_inputs: dict) -> dict:
         inputs = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in model_inputs.items()}
@@ -373,7 +374,7 @@ class DecoderGraphRunner:
     def stats(self) -> dict:
         return {
             "enabled": self.disabled_reason is None,
-            "disabled_reason": self.disabled_reason,
+            "disabled_reason": None if self.disabled_reason is None else str(self.disabled_reason),
             "step": "fused layers" if self.stack is not None else "model forward",
             "prefill": "packed" if self.packed_prefill else "left-padded",
             **self.counters.as_dict(),

@@ -4,6 +4,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from encoder_graphs.engine.stats import LatencyRecorder
+from encoder_graphs.packing.reasons import EagerReason, counts_by_text
 
 
 @dataclass
@@ -20,7 +21,7 @@ class DecodeCounters:
     steps_per_tier: Counter = field(default_factory=Counter)  # length tier -> steps, replayed or eager
     timer: LatencyRecorder = field(default_factory=LatencyRecorder)
 
-    def count_step(self, rows: int, batch: int, tier: int, eager_reason: str | None) -> None:
+    def count_step(self, rows: int, batch: int, tier: int, eager_reason: EagerReason | None) -> None:
         """One decode step of `batch` sequences in `rows` lanes, replayed unless `eager_reason`."""
         self.steps += 1
         self.real_lanes += batch
@@ -40,7 +41,7 @@ class DecodeCounters:
             "steps": self.steps,
             "graph_steps": self.graph_steps,
             "eager_steps": self.steps - self.graph_steps,
-            "eager_reasons": dict(self.eager_reasons),
+            "eager_reasons": counts_by_text(self.eager_reasons),
             "replays_per_bucket": dict(sorted(self.replays.items())),
             "replays_per_tier": dict(sorted(self.tier_replays.items())),
             "steps_per_tier": dict(sorted(self.steps_per_tier.items())),

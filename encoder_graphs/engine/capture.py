@@ -14,6 +14,8 @@ from typing import TypeVar
 
 import torch
 
+from encoder_graphs.packing.reasons import EagerReason
+
 T = TypeVar("T")
 # Phrases of the RuntimeErrors torch raises when a stream capture itself fails (an op that syncs,
 # allocates pinned memory or queries the device while capturing), as opposed to a wrong program.
@@ -25,16 +27,12 @@ _CAPTURE_PHRASES = ("captur", "out of memory")
 CAPTURE_ERROR_MODE = "thread_local"
 
 
-# Graphs turned off by their owner's `enabled=False` (the caption command says its --no-graphs).
-TURNED_OFF = "enabled=False"
-
-
-def unavailable_reason(enabled: bool, device: torch.device) -> str | None:
+def unavailable_reason(enabled: bool, device: torch.device) -> EagerReason | None:
     """Why graphs cannot run here, or None when they can."""
     if not enabled:
-        return TURNED_OFF
+        return EagerReason.TURNED_OFF
     if device.type != "cuda" or not torch.cuda.is_available():
-        return "no CUDA device"
+        return EagerReason.NO_CUDA
     return None
 
 

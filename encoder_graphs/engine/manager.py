@@ -16,6 +16,7 @@ from encoder_graphs.engine.buffers import BudgetGraph, SharedBuffers, fill_buffe
 from encoder_graphs.engine.capture import CAPTURE_ERROR_MODE, GraphCapture, unavailable_reason
 from encoder_graphs.engine.stats import EncoderCounters, elapsed_ms
 from encoder_graphs.packing import BudgetCosts, SubBatch, generate_budgets, greedy_pack, merge_eager
+from encoder_graphs.packing.reasons import EagerReason
 from encoder_graphs.protocols import SupportsEncoderCudaGraph, check_supports_encoder_cuda_graph
 from encoder_graphs.report import format_encoder_stats
 
@@ -25,9 +26,6 @@ logger = logging.getLogger(__name__)
 # pool and 1 MiB blocks for the caching allocator's small-block pool.
 _SMALL_BLOCK = 1 << 20
 DEFAULT_MAX_ITEMS = 32
-EAGER_CHEAPER = "eager measured faster"
-GPU_BOUND = "GPU-bound size, not captured"
-BEFORE_CAPTURE = "budget's first call, run eagerly"
 # Sub-batches that run eagerly merge into one forward of up to this many largest budgets (and
 # `max_items` items): fewer launches, fuller kernels, the host-side metadata once a forward. A
 # call of photos that ran as many small eager sub-batches took less time merged (measured:
@@ -293,13 +291,14 @@ class EncoderCudaGraphManager:
             if not budget or budget in self.graphs[path]:
                 continue
             if self._calls_wanting[path, budget] < self.capture_from_call:
-                batch.budget[path], batch.eager_reasons[path] = None, BEFORE_CAPTURE
+                batch.budget[path], batch.eager_reasons[path] = None, EagerReason.BEFORE_CAPTURE
                 continue
             if (path, budget) not in self._capture.failed and not self._measured_gpu_bound(path, budget):
                 self._capture_budgets(path, [budget])
             if budget not in self.graphs[path]:
                 failed = (path, budget) in self._capture.failed
-                batch.budget[path], batch.eager_reasons[path] = None, "capture failed" if failed else GPU_BOUND
+                batch.budget[path], batch.eager_reasons[path] = None, (
+                    EagerReason.CAPTURE_FAILED if failed else EagerReason.GPU_BOUND)
 
     def _measured_gpu_bound(self, path: str, budget: int) -> bool:
         """Whether `budget` is GPU-bound by eager timings at it and at a budget half its size
@@ -324,7 +323,7 @@ class EncoderCudaGraphManager:
         for path, budget in batch.budget.items():
             if budget and self.costs[path].prefer_eager(batch.tokens[path], budget):
                 batch.budget[path] = None
-                batch.eager_reasons[path] = EAGER_CHEAPER
+                batch.eager_reasons[path] = EagerReason.EAGER_CHEAPER
 
     def _run_path(self, batch: SubBatch, path: str, subset: Any) -> dict[str, torch.Tensor] | None:
         budget = batch.budget[path]
@@ -341,20 +340,20 @@ class EncoderCudaGraphManager:
         rows = batch.tokens[path]
         return {key: out[:rows].clone() for key, out in graph.outputs.items()}
 
-    def _miss_reason(self, batch: SubBatch, path: str) -> str:
+    def _miss_reason(self, batch: SubBatch, path: str) -> EagerReason:
         if self.disabled_reason is not None:
             return self.disabled_reason
         if not self.captured:
-            return "capture() not called"
+            return EagerReason.NOT_CAPTURED
         if not self.graphs[path] and not self.lazy:  # lazy: none captured yet is no failure
-            return "every budget failed to capture"
-        return batch.eager_reasons.get(path, "no graph fits")
+            return EagerReason.EVERY_BUDGET_FAILED
+        return EagerReason(batch.eager_reasons.get(path, EagerReason.NO_GRAPH_FITS))
 
     # ----- statistics ----------------------------------------------------------------------
     def stats(self) -> dict:
         return {
             "enabled": self.disabled_reason is None,
-            "disabled_reason": self.disabled_reason,
+            "disabled_reason": None if self.disabled_reason is None else str(self.disabled_reason),
             **self.counters.as_dict(),
             "budgets": {path: list(values) for path, values in self.budgets.items()},
             "captured_budgets": {path: sorted(graphs) for path, graphs in self.graphs.items()},

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from encoder_graphs.packing import SubBatch
+from encoder_graphs.packing.reasons import EagerReason, counts_by_text
 from encoder_graphs.protocols import EncoderItemSpec
 
 LATENCY_WINDOW = 10_000
@@ -27,7 +28,7 @@ class PathStats:
         return {
             "hits": self.hits,
             "misses": self.misses,
-            "miss_reasons": dict(self.miss_reasons),
+            "miss_reasons": counts_by_text(self.miss_reasons),
             "replays_per_budget": dict(sorted(self.replays.items())),
             "real_tokens": self.real_tokens,
             "padded_tokens": self.padded_tokens,
@@ -48,7 +49,7 @@ class EncoderCounters:
         self.graph_items = 0
         self.latency = LatencyRecorder()
 
-    def count(self, batch: SubBatch, specs: list[EncoderItemSpec], miss_reason: Callable[[SubBatch, str], str]) -> None:
+    def count(self, batch: SubBatch, specs: list[EncoderItemSpec], miss_reason: Callable[[SubBatch, str], EagerReason]) -> None:
         """Count one sub-batch; `miss_reason` says why a path of it runs eagerly."""
         self.items += len(batch.indices)
         if all(batch.budget[path] is not None for path in self.paths):
@@ -81,7 +82,7 @@ class EncoderCounters:
         }
 
     def miss_reasons(self) -> dict[str, int]:
-        return dict(sum((Counter(stats.miss_reasons) for stats in self.path_stats.values()), Counter()))
+        return counts_by_text(sum((Counter(stats.miss_reasons) for stats in self.path_stats.values()), Counter()))
 
 
 class LatencyRecorder:
