@@ -1,8 +1,8 @@
 """The language model's decode step captured as CUDA graphs, one per (batch-size bucket, length tier).
 
 Prefill is the model's own forward (eager, dynamic cache; over the prompts packed without their
-padding where `encoder_graphs/decoder/layers/decode.py` knows the decoder and it has no linear attention, else
-exactly what `generate` runs); its keys and values (linear layers: their states) are copied into
+padding where `layers/decode.py` knows the decoder and it has no linear attention, else exactly
+what `generate` runs); its keys and values (linear layers: their states) are copied into
 a static cache, and each decode step then replays the graph of the smallest bucket that holds
 the batch and the smallest length tier that holds its sequences: that graph's attention reads
 only the tier's first slots of the one cache allocation. The tier of each step is known on the
@@ -29,7 +29,7 @@ from encoder_graphs.decoder.sampling import Generators, SamplingParams, select_n
 from encoder_graphs.decoder.stats import DecodeCounters
 from encoder_graphs.decoder.step import decode_step, packed_prefill, prefill
 from encoder_graphs.decoder.tokens import NewTokens
-from encoder_graphs.engine.capture import GraphCapture, unavailable_reason
+from encoder_graphs.engine.capture import GraphCache, unavailable_reason
 from encoder_graphs.models.registry import family_class
 from encoder_graphs.packing import smallest_fitting_budget
 from encoder_graphs.packing.reasons import EagerReason
@@ -102,8 +102,7 @@ class DecoderGraphRunner:
         self._position_dims: tuple[int, ...] | None = None
         self._static: DecodeBuffers | None = None
         self._caches: dict[tuple[int, int], SlotCache] = {}
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (bucket, tier) -> graph
-        self._capture = GraphCapture(self.device, "decoder")
+        self._graphs: GraphCache[tuple[int, int], torch.cuda.CUDAGraph] = GraphCache(self.device, "decoder")
         self.captured = False
         self.reset_stats()
         # The language model's norms and MLPs through the Triton kernels where they run, and the
@@ -167,23 +166,24 @@ class DecoderGraphRunner:
 
     def _capture_graphs(self, keys: Iterable[tuple[int, int]]) -> None:
         buffers = self.static_buffers()
-        with self._capture.session():
-            for bucket, tier in sorted(keys, reverse=True):
-                with self._capture.or_drop((bucket, tier), f"batch {bucket}, tier {tier}"):
-                    self._capture_graph(buffers, bucket, tier)
-        logger.info(
-            "captured decoder graphs (bucket, tier) %s in %.2f s, %.1f MiB",
-            sorted(self.graphs),
-            self._capture.seconds,
-            self._capture.memory_bytes / 2**20,
-        )
+        if self._graphs.capture(sorted(keys, reverse=True), lambda key: self._capture_graph(buffers, *key),
+                                lambda key: f"batch {key[0]}, tier {key[1]}"):
+            logger.info(
+                "captured decoder graphs (bucket, tier) %s in %.2f s, %.1f MiB",
+                sorted(self.graphs), self._graphs.seconds, self._graphs.memory_bytes / 2**20,
+            )
 
-    def _capture_graph(self, buffers: DecodeBuffers, bucket: int, tier: int) -> None:
+    @property
+    def graphs(self) -> dict[tuple[int, int], torch.cuda.CUDAGraph]:
+        """The captured graphs by (bucket, length tier): the graph cache's."""
+        return self._graphs.graphs
+
+    def _capture_graph(self, buffers: DecodeBuffers, bucket: int, tier: int) -> torch.cuda.CUDAGraph:
         cache = buffers.store.cache(bucket, tier)
         with torch.inference_mode(), self._idle_lanes(buffers, bucket, tier):
-            graph, _ = self._capture.graph(lambda: self._step(buffers, bucket, tier, cache))
+            graph, _ = self._graphs.graph(lambda: self._step(buffers, bucket, tier, cache))
         self._caches[bucket, tier] = cache  # the graph reads these views: keep them alive
-        self.graphs[bucket, tier] = graph
+        return graph
 
     def warm_up(self) -> None:
         """One eager step at the largest bucket and one at a single row, over the shortest tier:
@@ -325,13 +325,7 @@ class DecoderGraphRunner:
         tiers = self.config.length_tiers
         low = smallest_fitting_budget(tiers, first_slots) or tiers[-1]
         high = smallest_fitting_budget(tiers, last_slots) or tiers[-1]
-        missing = [
-            (route.rows, tier)
-            for tier in tiers
-            if low <= tier <= high and (route.rows, tier) not in self.graphs and (route.rows, tier) not in self._capture.failed
-        ]
-        if missing:
-            self._capture_graphs(missing)
+        self._capture_graphs((route.rows, tier) for tier in tiers if low <= tier <= high)  # those not tried
 
     def _tier(self, route: _Route, needed_slots: int) -> _Tier:
         """The smallest length tier holding `needed_slots`; past the last one (a route's own longer
@@ -381,10 +375,10 @@ class DecoderGraphRunner:
             "buckets": list(self.config.buckets),
             "length_tiers": list(self.config.length_tiers),
             "captured_graphs": [list(key) for key in sorted(self.graphs)],
-            "failed_graphs": {f"batch {b}, tier {t}": reason for (b, t), reason in sorted(self._capture.failed.items())},
+            "failed_graphs": {f"batch {b}, tier {t}": reason for (b, t), reason in sorted(self._graphs.failed.items())},
             "max_cache_len": self.config.max_cache_len,
-            "capture_seconds": self._capture.seconds,
-            "graph_memory_bytes": self._capture.memory_bytes,
+            "capture_seconds": self._graphs.seconds,
+            "graph_memory_bytes": self._graphs.memory_bytes,
             "static_buffer_bytes": self._static.nbytes if self._static is not None else 0,
         }
 
@@ -394,10 +388,9 @@ class DecoderGraphRunner:
     def close(self) -> None:
         """Free the graphs, their pool and the static buffers; give the stacked projections of the
         fused step their own weights back (later steps run through the model's forward)."""
-        self.graphs.clear()
+        self._graphs.clear()
         self._caches.clear()
         self._static = None
-        self._capture.pool = None
         self.captured = False
         self.stack = None
         self._rewrites.undo()

@@ -1,4 +1,6 @@
-"""The capture core that the encoder manager and the decoder runner share.
+"""The one graph cache that the encoder manager (keyed by path and budget) and the decoder runner
+(keyed by bucket and length tier) each hold: graphs captured on first use, failures remembered
+with their reasons, capture time and memory counted.
 
 One memory pool per owner; every graph is warmed up on a side stream first (lazy inits,
 autotuning and workspace allocation must not land inside a graph), then captured into the pool.
@@ -8,15 +10,17 @@ its reason, and the owner runs that shape eagerly; any other exception is a bug 
 
 import time
 import warnings
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from contextlib import contextmanager
-from typing import TypeVar
+from typing import Generic, TypeVar
 
 import torch
 
 from encoder_graphs.packing.reasons import EagerReason
 
 T = TypeVar("T")
+K = TypeVar("K", bound=Hashable)
+G = TypeVar("G")
 # Phrases of the RuntimeErrors torch raises when a stream capture itself fails (an op that syncs,
 # allocates pinned memory or queries the device while capturing), as opposed to a wrong program.
 _CAPTURE_PHRASES = ("captur", "out of memory")
@@ -25,6 +29,9 @@ _CAPTURE_PHRASES = ("captur", "out of memory")
 # ("global") CUDA fails a capture for calls such as those from any thread (a GPU probe: 1,816 of
 # 1,820 captures failed beside a thread pinning in a loop; none "thread_local").
 CAPTURE_ERROR_MODE = "thread_local"
+# Sizes of the blocks that `GraphCache.poison` fills with NaN: one large block for the large pool
+# and 1 MiB blocks for the caching allocator's small-block pool.
+_SMALL_BLOCK = 1 << 20
 
 
 def unavailable_reason(enabled: bool, device: torch.device) -> EagerReason | None:
@@ -44,16 +51,60 @@ def is_capture_failure(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and any(phrase in message for phrase in _CAPTURE_PHRASES)
 
 
-class GraphCapture:
-    """Captures graphs into one pool and accounts for their time and memory."""
+class GraphCache(Generic[K, G]):
+    """An owner's graphs by key, captured into one pool; the keys whose capture failed, with the
+    error (never tried again); the time and memory the captures took."""
 
     def __init__(self, device: torch.device, what: str) -> None:
         self.device = device
         self.what = what  # "encoder" or "decoder", for messages
         self.pool: tuple[int, int] | None = None
-        self.failed: dict[Hashable, str] = {}
+        self.graphs: dict[K, G] = {}
+        self.failed: dict[K, str] = {}
         self.seconds = 0.0
         self.memory_bytes = 0
+
+    def tried(self, key: K) -> bool:
+        """Captured, or failed to capture: either way not to be captured again."""
+        return key in self.graphs or key in self.failed
+
+    def capture(self, keys: Iterable[K], make: Callable[[K], G], label: Callable[[K], str]) -> list[K]:
+        """Capture each key not tried yet, in the order given, in one session: `make(key)` builds
+        its graph; a capture failure is remembered and the rest go on. The keys captured."""
+        done, todo = [], [key for key in keys if not self.tried(key)]
+        if not todo:
+            return done
+        with self.session():
+            for key in todo:
+                with self.or_drop(key, label(key)):
+                    self.graphs[key] = make(key)
+                    done.append(key)
+        return done
+
+    def poison(self, nbytes: int) -> torch.cuda.CUDAGraph:
+        """Fill blocks of the pool with NaN bits and free them, so that graphs captured next
+        reuse NaN memory: a test of rule 1 (no uninitialised rows reach real tokens). Keep the
+        returned graph until the real graphs are captured: it holds the pool and its NaN blocks."""
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool_handle(), capture_error_mode=CAPTURE_ERROR_MODE):
+            blocks = [torch.empty(nbytes, dtype=torch.uint8, device=self.device)]
+            blocks += [torch.empty(_SMALL_BLOCK, dtype=torch.uint8, device=self.device) for _ in range(64)]
+            for block in blocks:
+                block.fill_(0xFF)
+        graph.replay()
+        torch.cuda.synchronize(self.device)
+        del blocks
+        return graph
+
+    def clear(self) -> None:
+        """Free the graphs and their pool (failures stay remembered)."""
+        self.graphs.clear()
+        self.pool = None
+
+    def pool_handle(self) -> tuple[int, int]:
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        return self.pool
 
     @contextmanager
     def session(self) -> Iterator[None]:
@@ -63,8 +114,7 @@ class GraphCapture:
         torch.cuda.empty_cache()
         reserved = torch.cuda.memory_reserved(self.device)
         started = time.perf_counter()
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
+        self.pool_handle()
         try:
             yield
         finally:
@@ -83,8 +133,9 @@ class GraphCapture:
                 raise
             self.failed[key] = f"{type(error).__name__}: {error}"[:200]
             warnings.warn(f"{self.what} graph capture failed for {label}; it runs eagerly: {error}", stacklevel=3)
-            torch.cuda.synchronize(self.device)
-            torch.cuda.empty_cache()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+                torch.cuda.empty_cache()
 
     def graph(self, forward: Callable[[], T]) -> tuple[torch.cuda.CUDAGraph, T]:
         """`forward` warmed up once on a side stream, then captured into the pool; what it returned

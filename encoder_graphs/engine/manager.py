@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from encoder_graphs.engine.buffers import BudgetGraph, SharedBuffers, fill_buffers
-from encoder_graphs.engine.capture import CAPTURE_ERROR_MODE, GraphCapture, unavailable_reason
+from encoder_graphs.engine.capture import GraphCache, unavailable_reason
 from encoder_graphs.engine.stats import EncoderCounters, elapsed_ms
 from encoder_graphs.packing import BudgetCosts, SubBatch, generate_budgets, greedy_pack, merge_eager
 from encoder_graphs.packing.reasons import EagerReason
@@ -22,9 +22,6 @@ from encoder_graphs.report import format_encoder_stats
 
 logger = logging.getLogger(__name__)
 
-# Sizes of the blocks that `poison_pool_bytes` fills with NaN: one large block for the large
-# pool and 1 MiB blocks for the caching allocator's small-block pool.
-_SMALL_BLOCK = 1 << 20
 DEFAULT_MAX_ITEMS = 32
 # Sub-batches that run eagerly merge into one forward of up to this many largest budgets (and
 # `max_items` items): fewer launches, fuller kernels, the host-side metadata once a forward. A
@@ -90,9 +87,8 @@ class EncoderCudaGraphManager:
 
         self.disabled_reason = unavailable_reason(enabled, self.config.device)
 
-        self.graphs: dict[str, dict[int, BudgetGraph]] = {path: {} for path in self.paths}
         self.buffers = SharedBuffers()
-        self._capture = GraphCapture(self.config.device, "encoder")
+        self._graphs: GraphCache[tuple[str, int], BudgetGraph] = GraphCache(self.config.device, "encoder")
         self.captured = False
         self._poisoned = False
         self._reset_counters()
@@ -134,47 +130,39 @@ class EncoderCudaGraphManager:
                 self._capture_budgets(path, self.budgets[path])
         self.captured = True
 
+    @property
+    def graphs(self) -> dict[str, dict[int, BudgetGraph]]:
+        """The captured graphs by path and budget (a view of the graph cache)."""
+        graphs: dict[str, dict[int, BudgetGraph]] = {path: {} for path in self.paths}
+        for (path, budget), graph in sorted(self._graphs.graphs.items()):
+            graphs[path][budget] = graph
+        return graphs
+
     def _capture_budgets(self, path: str, budgets: Sequence[int]) -> None:
         """Capture `budgets` of `path` in one session, largest first (without `lazy`, the first is
         the path's largest budget, which sizes the shared buffers every graph takes a prefix of)."""
-        with self._capture.session():
-            poison = self._poison_pool() if self.poison_pool_bytes and not self._poisoned else None
-            for budget in sorted(budgets, reverse=True):
-                with self._capture.or_drop((path, budget), f"path {path!r} budget {budget}"):
-                    forward = self._capture_budget(path, budget)
-                    if self.choose_by_cost:
-                        self._measure(path, budget, forward)
-            del poison  # the real graphs hold the pool now
+        poison = None
+        if self.poison_pool_bytes and not self._poisoned:
+            poison, self._poisoned = self._graphs.poison(self.poison_pool_bytes), True
+        keys = [(path, budget) for budget in sorted(budgets, reverse=True)]
+        self._graphs.capture(keys, lambda key: self._capture_budget(*key), lambda key: f"path {key[0]!r} budget {key[1]}")
+        del poison  # the real graphs hold the pool now
         logger.info(
             "captured encoder graphs %s in %.2f s, %.1f MiB",
             {path: sorted(graphs) for path, graphs in self.graphs.items()},
-            self._capture.seconds,
-            self._capture.memory_bytes / 2**20,
+            self._graphs.seconds,
+            self._graphs.memory_bytes / 2**20,
         )
 
-    def _poison_pool(self) -> torch.cuda.CUDAGraph:
-        """Fill blocks of the graph pool with NaN bits and free them, so that graphs captured
-        next reuse NaN memory: a test of rule 1 (no uninitialised rows reach real tokens)."""
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._capture.pool, capture_error_mode=CAPTURE_ERROR_MODE):
-            blocks = [torch.empty(self.poison_pool_bytes, dtype=torch.uint8, device="cuda")]
-            blocks += [torch.empty(_SMALL_BLOCK, dtype=torch.uint8, device="cuda") for _ in range(64)]
-            for block in blocks:
-                block.fill_(0xFF)
-        graph.replay()
-        torch.cuda.synchronize()
-        del blocks
-        self._poisoned = True
-        return graph  # keeps the pool, and its NaN blocks, alive until real graphs hold it
-
-    def _capture_budget(self, path: str, budget: int) -> Callable[[], object]:
-        """Capture one budget's graph; returns the same forward, uncaptured, over its buffers."""
+    def _capture_budget(self, path: str, budget: int) -> BudgetGraph:
+        """Capture one budget's graph (and time it against the same forward run eagerly)."""
         # Inference tensors throughout, as in `execute`: compiled blocks see one set of guards.
         with torch.inference_mode():
             inputs, forward = self._forward(path, budget)
-            graph, outputs = self._capture.graph(forward)
-        self.graphs[path][budget] = BudgetGraph(budget, graph, inputs, outputs)
-        return forward
+            graph, outputs = self._graphs.graph(forward)
+        if self.choose_by_cost:
+            self._measure(path, budget, graph, forward)
+        return BudgetGraph(budget, graph, inputs, outputs)
 
     def _forward(self, path: str, budget: int) -> tuple[dict[str, torch.Tensor], Callable[[], dict[str, torch.Tensor]]]:
         """The capture inputs of `budget` in the shared buffers, and the forward over them that
@@ -198,13 +186,13 @@ class EncoderCudaGraphManager:
         that sized them are dropped (a graph of one could not fit its buffers), each with its
         reason, so no later capture meets buffers too small for it."""
         for budget in reversed(self.budgets[path]):
-            if (path, budget) in self._capture.failed:
+            if (path, budget) in self._graphs.failed:
                 continue
             self._time_eager(path, budget)
             if self.buffers.sized(path):
                 return
             self.buffers.drop(path)
-            self._capture.failed[path, budget] = "OutOfMemoryError: sizing the shared buffers by an eager forward"
+            self._graphs.failed[path, budget] = "OutOfMemoryError: sizing the shared buffers by an eager forward"
             warnings.warn(f"encoder graphs of path {path!r}: budget {budget} is dropped, it ran out of memory "
                           "sizing the shared buffers; its items run eagerly", stacklevel=3)
 
@@ -219,12 +207,12 @@ class EncoderCudaGraphManager:
         except torch.cuda.OutOfMemoryError:
             torch.cuda.empty_cache()
 
-    def _measure(self, path: str, budget: int, forward: Callable[[], object]) -> None:
+    def _measure(self, path: str, budget: int, graph: torch.cuda.CUDAGraph, forward: Callable[[], object]) -> None:
         """Time the budget's replay (after an untimed one: the first uploads the graph) and its
         eager forward (the capture's warm-up ran the forward already); a close call twice, keeping
         each way's faster (see `packing.cost`). Out of memory leaves the budget unmeasured: it
         then always replays."""
-        graph, costs = self.graphs[path][budget].graph, self.costs[path]
+        costs = self.costs[path]
         try:
             with torch.inference_mode():
                 graph.replay()
@@ -278,7 +266,7 @@ class EncoderCudaGraphManager:
         tried yet (a failed capture is out)."""
         if not (self.lazy and self.captured and self.disabled_reason is None):
             return {path: sorted(graphs) for path, graphs in self.graphs.items()}
-        failed = set(self._capture.failed)
+        failed = set(self._graphs.failed)
         return {path: [b for b in self.budgets[path] if (path, b) not in failed] for path in self.paths}
 
     def _capture_first_use(self, batch: SubBatch) -> None:
@@ -288,15 +276,15 @@ class EncoderCudaGraphManager:
         if not self.lazy:
             return
         for path, budget in batch.budget.items():
-            if not budget or budget in self.graphs[path]:
+            if not budget or (path, budget) in self._graphs.graphs:
                 continue
             if self._calls_wanting[path, budget] < self.capture_from_call:
                 batch.budget[path], batch.eager_reasons[path] = None, EagerReason.BEFORE_CAPTURE
                 continue
-            if (path, budget) not in self._capture.failed and not self._measured_gpu_bound(path, budget):
+            if (path, budget) not in self._graphs.failed and not self._measured_gpu_bound(path, budget):
                 self._capture_budgets(path, [budget])
-            if budget not in self.graphs[path]:
-                failed = (path, budget) in self._capture.failed
+            if (path, budget) not in self._graphs.graphs:
+                failed = (path, budget) in self._graphs.failed
                 batch.budget[path], batch.eager_reasons[path] = None, (
                     EagerReason.CAPTURE_FAILED if failed else EagerReason.GPU_BOUND)
 
@@ -308,7 +296,7 @@ class EncoderCudaGraphManager:
         costs, budgets = self.costs[path], self.budgets[path]
         if not self.buffers.sized(path):
             self._size_buffers(path)
-            if (path, budget) in self._capture.failed:
+            if (path, budget) in self._graphs.failed:
                 return True  # dropped: it runs eagerly
         if not self.choose_by_cost:
             return False
@@ -331,7 +319,7 @@ class EncoderCudaGraphManager:
             return None
         if budget is None:
             return self.model.eager_forward(subset, path)
-        graph = self.graphs[path][budget]
+        graph = self._graphs.graphs[path, budget]
         replay = self.model.prepare_replay_buffers(
             subset, self.max_items, self.max_frames, path, budget=budget
         )
@@ -345,7 +333,7 @@ class EncoderCudaGraphManager:
             return self.disabled_reason
         if not self.captured:
             return EagerReason.NOT_CAPTURED
-        if not self.graphs[path] and not self.lazy:  # lazy: none captured yet is no failure
+        if not self.lazy and not any(key[0] == path for key in self._graphs.graphs):  # lazy: none captured yet is no failure
             return EagerReason.EVERY_BUDGET_FAILED
         return EagerReason(batch.eager_reasons.get(path, EagerReason.NO_GRAPH_FITS))
 
@@ -360,8 +348,8 @@ class EncoderCudaGraphManager:
             "failed_budgets": self._failed_budgets(),
             "max_items": self.max_items,
             "max_frames": self.max_frames,
-            "capture_seconds": self._capture.seconds,
-            "graph_memory_bytes": self._capture.memory_bytes,
+            "capture_seconds": self._graphs.seconds,
+            "graph_memory_bytes": self._graphs.memory_bytes,
             "budget_costs_ms": {
                 path: {budget: {"replay": costs.replay_ms.get(budget), "eager": costs.eager_ms[budget]}
                        for budget in sorted(costs.eager_ms)}
@@ -372,7 +360,7 @@ class EncoderCudaGraphManager:
 
     def _failed_budgets(self) -> dict[str, dict[int, str]]:
         failed: dict[str, dict[int, str]] = {}
-        for (path, budget), reason in self._capture.failed.items():
+        for (path, budget), reason in self._graphs.failed.items():
             failed.setdefault(path, {})[budget] = reason
         return failed
 
@@ -399,8 +387,7 @@ class EncoderCudaGraphManager:
     def close(self) -> None:
         """Log a last summary and free the graphs and their pool."""
         self._log_summary()
-        self.graphs = {path: {} for path in self.paths}
+        self._graphs.clear()
         self.costs = {path: BudgetCosts() for path in self.paths}
         self._calls_wanting.clear()
         self.buffers.clear()
-        self._capture.pool = None
