@@ -55,9 +55,10 @@ class GraphCache(Generic[K, G]):
     """An owner's graphs by key, captured into one pool; the keys whose capture failed, with the
     error (never tried again); the time and memory the captures took."""
 
-    def __init__(self, device: torch.device, what: str) -> None:
+    def __init__(self, device: torch.device, what: str, poison_bytes: int = 0) -> None:
         self.device = device
         self.what = what  # "encoder" or "decoder", for messages
+        self.poison_bytes = poison_bytes  # a test hook: the first session's pool is NaN (`poison`)
         self.pool: tuple[int, int] | None = None
         self.graphs: dict[K, G] = {}
         self.failed: dict[K, str] = {}
@@ -75,10 +76,12 @@ class GraphCache(Generic[K, G]):
         if not todo:
             return done
         with self.session():
+            poison, self.poison_bytes = (self.poison(self.poison_bytes) if self.poison_bytes else None), 0
             for key in todo:
                 with self.or_drop(key, label(key)):
                     self.graphs[key] = make(key)
                     done.append(key)
+            del poison  # the real graphs hold the pool now
         return done
 
     def poison(self, nbytes: int) -> torch.cuda.CUDAGraph:

@@ -88,9 +88,8 @@ class EncoderCudaGraphManager:
         self.disabled_reason = unavailable_reason(enabled, self.config.device)
 
         self.buffers = SharedBuffers()
-        self._graphs: GraphCache[tuple[str, int], BudgetGraph] = GraphCache(self.config.device, "encoder")
+        self._graphs: GraphCache[tuple[str, int], BudgetGraph] = GraphCache(self.config.device, "encoder", poison_pool_bytes)
         self.captured = False
-        self._poisoned = False
         self._reset_counters()
 
     def _resolve_budgets(self, budgets) -> dict[str, list[int]]:
@@ -141,12 +140,8 @@ class EncoderCudaGraphManager:
     def _capture_budgets(self, path: str, budgets: Sequence[int]) -> None:
         """Capture `budgets` of `path` in one session, largest first (without `lazy`, the first is
         the path's largest budget, which sizes the shared buffers every graph takes a prefix of)."""
-        poison = None
-        if self.poison_pool_bytes and not self._poisoned:
-            poison, self._poisoned = self._graphs.poison(self.poison_pool_bytes), True
         keys = [(path, budget) for budget in sorted(budgets, reverse=True)]
         self._graphs.capture(keys, lambda key: self._capture_budget(*key), lambda key: f"path {key[0]!r} budget {key[1]}")
-        del poison  # the real graphs hold the pool now
         logger.info(
             "captured encoder graphs %s in %.2f s, %.1f MiB",
             {path: sorted(graphs) for path, graphs in self.graphs.items()},
