@@ -14,6 +14,7 @@ _EXPORTS = {
     "EncoderCudaGraphManager": "encoder_graphs.engine.manager",
     "DecoderGraphRunner": "encoder_graphs.decoder.runner",
     "EncoderGraphsHandle": "encoder_graphs.enable",
+    "GraphOptions": "encoder_graphs.options",
     "enable_cuda_graphs": "encoder_graphs.enable",
 }
 __all__ = sorted(_EXPORTS)
@@ -22,6 +23,7 @@ if TYPE_CHECKING:
     from encoder_graphs.decoder.runner import DecoderGraphRunner
     from encoder_graphs.enable import EncoderGraphsHandle, enable_cuda_graphs
     from encoder_graphs.engine.manager import EncoderCudaGraphManager
+    from encoder_graphs.options import GraphOptions
 
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -19,7 +19,8 @@ config does after `disable()`, as none did before enable.
 
 import inspect
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -32,6 +33,7 @@ from encoder_graphs.decoder.runner import DecoderGraphRunner
 from encoder_graphs.engine.compile import CompiledBlocks, compile_blocks
 from encoder_graphs.engine.manager import EncoderCudaGraphManager
 from encoder_graphs.models.registry import adapter_for
+from encoder_graphs.options import GraphOptions
 from encoder_graphs.protocols import ModelFamily
 from encoder_graphs.report import format_graph_stats
 from encoder_graphs.rewrites import Rewrites
@@ -58,6 +60,7 @@ class EncoderGraphsHandle:
         self.manager = manager
         self.decoder = decoder
         self.decoder_off = decoder_off  # why `decoder` is None: `generate` stays stock
+        self.options = GraphOptions()  # what `enable_cuda_graphs` was given
         self.compiled = compiled
         self.generate_fallbacks: Counter = Counter()  # reason -> generate calls sent to the original
         self._rewrites = rewrites
@@ -79,48 +82,13 @@ class EncoderGraphsHandle:
         self._rewrites.undo()
 
 
-def enable_cuda_graphs(
-    model: nn.Module,
-    *,
-    budgets: Sequence[int] | Mapping[str, Sequence[int]] | None = None,
-    max_items: int | None = None,
-    max_frames: int | None = None,
-    max_frames_per_item: int | None = None,
-    attn_backend: str | None = None,
-    enabled: bool = True,
-    poison_pool_bytes: int = 0,
-    log_interval_s: float = 60.0,
-    decoder: bool = True,
-    decoder_max_batch_size: int = 32,
-    decoder_max_cache_len: int = 4096,
-    decoder_batch_sizes: Sequence[int] | None = None,
-    decoder_length_tiers: Sequence[int] | None = None,
-    compile: bool = False,
-    choose_by_cost: bool = True,
-    lazy: bool = False,
-    encoder_capture_from_call: int = 1,
-) -> EncoderGraphsHandle:
+def enable_cuda_graphs(model: nn.Module, options: GraphOptions | None = None, **settings: Any) -> EncoderGraphsHandle:
     """Capture `model`'s vision encoder at token budgets and route its image/video features
-    through the graphs; with `decoder`, capture its decode step per batch-size bucket and length
-    tier over a static cache of `decoder_max_cache_len` slots and route `model.generate` through
-    them. Each step reads only the smallest tier holding its sequences (default tiers: 256, 512,
-    ... up to `decoder_max_cache_len`, always the last).
-    `enabled=False` keeps both routes but runs them eagerly. `compile=True` compiles, with
-    torch.compile (dynamic shapes, attention left out) before the capture, the encoder's repeated
-    blocks and (with `decoder`) the language model's MLPs and norms and the decode step's layers, so
-    graphs and eager calls run inductor's fused kernels (until `disable()`, any call of those
-    modules does, stock-only ones too); a compiler failure warns and leaves them uncompiled
-    (`stats()["encoder"]["compile"]`). `choose_by_cost` (the default) times each budget's
-    replay and eager forward at capture and runs a sub-batch eagerly where that measured faster
-    (GPU-bound sizes well below their budget); False replays wherever a budget fits, so the path
-    taken never depends on timings. `lazy=True` captures each encoder budget and each decode
-    (bucket, tier) at its first use instead of all of them now: the first calls pay for the
-    captures, and a job that uses few pays little (the caption command's choice); with
-    `encoder_capture_from_call=N` an encoder budget is timed and captured only in the Nth call of
-    the model's feature method that wants it, eager before (the command's 2: a job of one batch
-    times nothing). `max_frames_per_item`: the most frames a video of the job holds (the caption
-    command's `--max-frames`), so that one fits a sub-batch's frames (`EncoderCudaGraphManager`).
-    Raises ValueError for an unsupported architecture.
+    through the graphs; unless `options.decoder` is False, capture its decode step per batch-size
+    bucket and length tier over a static cache and route `model.generate` through them.
+    `options`: every setting (`GraphOptions`, defaults where None); keyword `settings` of the same
+    names change some of them (`enable_cuda_graphs(model, lazy=True)`). Raises ValueError for an
+    unsupported architecture, TypeError for a setting `GraphOptions` does not have.
 
     `model.generate` reads its settings as transformers does (arguments > a `generation_config`
     argument > `model.generation_config` > transformers' defaults). Calls with greedy or
@@ -139,45 +107,47 @@ def enable_cuda_graphs(
     if getattr(model, "_encoder_graphs", None) is not None:
         raise RuntimeError("encoder graphs are already enabled on this model; disable() them first")
     check_version()
-    adapter = adapter_for(model, attn_backend=attn_backend)
+    options = replace(options or GraphOptions(), **settings)
+    adapter = adapter_for(model, attn_backend=options.attn_backend)
     # Every change to the model and every resource holding graphs, undone last first by
     # disable(), or here if anything raises before the handle is returned.
     rewrites = Rewrites()
     with rewrites.undone_on_error():
         manager = EncoderCudaGraphManager(
             adapter,
-            budgets=budgets,
-            max_items=max_items,
-            max_frames=max_frames,
-            max_frames_per_item=max_frames_per_item,
-            enabled=enabled,
-            log_interval_s=log_interval_s,
-            poison_pool_bytes=poison_pool_bytes,
-            choose_by_cost=choose_by_cost,
-            lazy=lazy,
-            capture_from_call=encoder_capture_from_call,
+            budgets=options.budgets,
+            max_items=options.max_items,
+            max_frames=options.max_frames,
+            max_frames_per_item=options.max_frames_per_item,
+            enabled=options.enabled,
+            log_interval_s=options.log_interval_s,
+            poison_pool_bytes=options.poison_pool_bytes,
+            choose_by_cost=options.choose_by_cost,
+            lazy=options.lazy,
+            capture_from_call=options.encoder_capture_from_call,
         )
         rewrites.push(manager.close)
         runner = None
-        decoder_off = "decoder=False" if not decoder else DecoderGraphRunner.unsupported(model.config)
+        decoder_off = "decoder=False" if not options.decoder else DecoderGraphRunner.unsupported(model.config)
         if decoder_off is None:
             runner = DecoderGraphRunner(
                 model,
-                max_batch_size=decoder_max_batch_size,
-                batch_sizes=decoder_batch_sizes,
-                max_cache_len=decoder_max_cache_len,
-                length_tiers=decoder_length_tiers,
-                enabled=enabled,
+                max_batch_size=options.decoder_max_batch_size,
+                batch_sizes=options.decoder_batch_sizes,
+                max_cache_len=options.decoder_max_cache_len,
+                length_tiers=options.decoder_length_tiers,
+                enabled=options.enabled,
                 family=adapter,
-                lazy=lazy,
+                lazy=options.lazy,
             )
             rewrites.push(runner.close)  # gives the stacked projections back
         adapter.align_weights(rewrites)  # exact
-        compiled = _compile(model, adapter, manager, runner, rewrites) if compile else None
+        compiled = _compile(model, adapter, manager, runner, rewrites) if options.compile else None
         manager.capture()
         if runner is not None:
             runner.capture()
         handle = EncoderGraphsHandle(model, adapter, manager, runner, compiled, rewrites, decoder_off)
+        handle.options = options
         for owner in (model, getattr(model, "model", None)):
             if owner is None:
                 continue

@@ -8,7 +8,7 @@ import torch
 from test_decoder import make_batch
 from transformers import GenerationConfig
 
-from encoder_graphs import DecoderGraphRunner, enable_cuda_graphs
+from encoder_graphs import DecoderGraphRunner, GraphOptions, enable_cuda_graphs
 from encoder_graphs.presets import PRESETS, build_model
 
 FAMILIES = ["tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl", "tiny-qwen3.5"]
@@ -119,9 +119,15 @@ def test_settings_resolve_like_generate_and_unsupported_ones_fall_back(model):
     assert sampled.shape[0] == 2 and sampled.shape[1] > inputs["input_ids"].shape[1]
 
 
-def test_decoder_false_leaves_generate_alone(model):
-    handle = enable_cuda_graphs(model, budgets=[64], decoder=False)
+def test_decoder_false_leaves_generate_alone_and_options_are_one_object(model):
+    """The settings as one `GraphOptions` (the contract), keyword settings changing some of them."""
+    options = GraphOptions(budgets=[64], decoder=True, lazy=True)
+    with pytest.raises(TypeError, match="decoder_cache_len"):
+        enable_cuda_graphs(model, options, decoder_cache_len=64)  # no such setting: nothing enabled
+    handle = enable_cuda_graphs(model, options, decoder=False)
     try:
+        assert handle.options == GraphOptions(budgets=[64], decoder=False, lazy=True)
+        assert handle.manager.budgets == {"default": [64]} and handle.manager.lazy
         assert handle.decoder is None and "generate" not in model.__dict__
         assert handle.stats()["decoder"] is None
         assert "decoder graphs: off (decoder=False)" in handle.format_stats()

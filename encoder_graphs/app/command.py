@@ -211,7 +211,7 @@ def caption_files(
     statistics. `longest`: the longest sequence (`check_length`), which sizes the decoder's
     cache, its length tiers and the batch; `videos`: the video decoders, already started."""
     settings = plan.settings
-    from encoder_graphs import enable_cuda_graphs
+    from encoder_graphs import GraphOptions, enable_cuda_graphs
     from encoder_graphs.app.distributed import by_cost, claim_chunk, claimed, part_path
     from encoder_graphs.app.outputs import Outputs
     from encoder_graphs.app.pipeline import Captioner
@@ -222,8 +222,7 @@ def caption_files(
     setup_started = time.perf_counter()
     config = batched_config(plan, model, inputs, limits, longest, device)
     try:
-        handle = enable_cuda_graphs(
-            model,
+        options = GraphOptions(
             budgets=settings.budgets,
             attn_backend=settings.attn_backend,
             enabled=not settings.no_graphs,
@@ -234,6 +233,7 @@ def caption_files(
             lazy=True,  # each graph at its first use: a job captures only what it needs
             encoder_capture_from_call=2,  # and an encoder budget only once a second batch wants it
         )
+        handle = enable_cuda_graphs(model, options)
     except ValueError as error:  # an architecture without an adapter, a bad backend or budgets
         raise UsageError(f"cannot enable graphs on this model: {error}") from error
     setup_s = time.perf_counter() - setup_started

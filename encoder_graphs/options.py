@@ -1,0 +1,57 @@
+"""What `enable_cuda_graphs` does to a model, as one frozen object: made once (by a library user,
+or by the caption command from its resolved job) and read by everything downstream."""
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class GraphOptions:
+    """The encoder's and the decoder's graph settings.
+
+    Encoder: `budgets` (token budgets, one list or one per path; default: the adapter's range),
+    `max_items` / `max_frames` (the most items / frames of a sub-batch), `max_frames_per_item`
+    (the most frames a video of the job holds, the caption command's `--max-frames`, so that one
+    fits a sub-batch), `attn_backend` (the vision attention; default: the fastest installed).
+    `choose_by_cost` (the default) times each budget's replay and eager forward at capture and
+    runs a sub-batch eagerly where that measured faster (GPU-bound sizes well below their budget);
+    False replays wherever a budget fits, so the path taken never depends on timings.
+
+    Decoder (with `decoder`): a static cache of `decoder_max_cache_len` slots, one graph per
+    batch bucket (`decoder_batch_sizes`, up to `decoder_max_batch_size`) and length tier
+    (`decoder_length_tiers`; default 256, 512, ... up to the cache length, always the last); each
+    step reads only the smallest tier holding its sequences.
+
+    Both: `enabled=False` keeps both routes but runs them eagerly. `compile=True` compiles, with
+    torch.compile (dynamic shapes, attention left out) before the capture, the encoder's repeated
+    blocks and (with `decoder`) the language model's MLPs and norms and the decode step's layers,
+    so graphs and eager calls run inductor's fused kernels (until `disable()`, any call of those
+    modules does, stock-only ones too); a compiler failure warns and leaves them uncompiled
+    (`stats()["encoder"]["compile"]`). `lazy=True` captures each encoder budget and each decode
+    (bucket, tier) at its first use instead of all of them now: the first calls pay for the
+    captures, and a job that uses few pays little (the caption command's choice); with
+    `encoder_capture_from_call=N` an encoder budget is timed and captured only in the Nth call of
+    the model's feature method that wants it, eager before (the command's 2: a job of one batch
+    times nothing). `log_interval_s`: how often the encoder logs its hit rate.
+
+    `poison_pool_bytes` is a test hook: the graph pool is filled with NaN before the first
+    capture, so that a graph reading memory it never wrote shows it.
+    """
+
+    budgets: Sequence[int] | Mapping[str, Sequence[int]] | None = None
+    max_items: int | None = None
+    max_frames: int | None = None
+    max_frames_per_item: int | None = None
+    attn_backend: str | None = None
+    choose_by_cost: bool = True
+    decoder: bool = True
+    decoder_max_batch_size: int = 32
+    decoder_max_cache_len: int = 4096
+    decoder_batch_sizes: Sequence[int] | None = None
+    decoder_length_tiers: Sequence[int] | None = None
+    enabled: bool = True
+    compile: bool = False
+    lazy: bool = False
+    encoder_capture_from_call: int = 1
+    log_interval_s: float = 60.0
+    poison_pool_bytes: int = 0
