@@ -8,7 +8,8 @@ fresh process over the same files at the same resolution policy:
 - `no_graphs`: the same with `--no-graphs`;
 - `frames_model` (asked for by name): the defaults with `--max-frame-tokens model`, video frames
   at the checkpoint's own resolution;
-- `stock`: `stock_caption.py`, the official processor and `model.generate` in batches of 8,
+- `stock`: `stock_caption.py`, the official processor and `model.generate`, at each batch of
+  `--stock-batches` (default 8 to 128; its best is the baseline of the ratio),
   what a user writes without this project (videos: 16 frames each, as the command's default).
 Reported per run: process wall time, items/s end to end (start included) and in the loop (the
 `images_*` keys say the same, kept for older readers), the start (process start until the loop),
@@ -55,6 +56,9 @@ held = torch.empty(max(0, free - keep), dtype=torch.uint8, device="cuda")
 print("held", held.numel(), flush=True)
 time.sleep(3600)
 """
+# The stock script's batches swept by default: its best is what a user would run (on an H200 at 256
+# photos it ran fastest at 64, the largest tried then, and was still gaining).
+STOCK_BATCHES = [8, 16, 32, 64, 128]
 # The caption command's arguments of each run of ours that `--runs` may name.
 OUR_RUNS = {"defaults": [], "no_graphs": ["--no-graphs"], "frames_model": ["--max-frame-tokens", "model"],
             "keyframes": ["--video-sampling", "keyframes"], "no_prefetch": []}
@@ -204,6 +208,24 @@ def run_stock(folder: Path, work: Path, args: argparse.Namespace, batch_size: in
     }
 
 
+def stock_sweep(folder: Path, work: Path, args: argparse.Namespace) -> dict[str, dict]:
+    """The stock script at each of `--stock-batches`, smallest first: what a user would run at its
+    best batch. A batch that runs out of GPU memory is recorded as such and ends the sweep (a
+    larger one would too)."""
+    runs = {}
+    for batch in sorted(args.stock_batches):
+        key = "stock" if len(args.stock_batches) == 1 else f"stock_batch_{batch}"
+        try:
+            runs[key] = run_stock(folder, work, args, batch)
+        except RuntimeError as error:
+            if "OutOfMemoryError" not in str(error) and "out of memory" not in str(error):
+                raise
+            runs[key] = {"batch_size": batch, "out_of_memory": str(error).splitlines()[-1][:300]}
+            print(f"{key}: out of GPU memory; larger batches not run", file=sys.stderr)
+            break
+    return runs
+
+
 def on_a_smaller_card(folder: Path, work: Path, args: argparse.Namespace) -> dict:
     """The defaults with only `args.card_gib` GiB of GPU memory free: a second process holds the rest."""
     holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(args.card_gib)], stdout=subprocess.PIPE, text=True)
@@ -244,8 +266,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=1, help="runs of each --sizes configuration")
     parser.add_argument("--card-gib", type=float, default=0, help="also the defaults with only this much GPU memory free")
     parser.add_argument("--stock-images", type=int, default=0, help="run the stock script on the first N files only")
-    parser.add_argument("--stock-batches", type=lambda t: [int(b) for b in t.split(",")], default=[8],
-                        help="the stock script's batch sizes, each a run (its best is the baseline), e.g. 8,16,32")
+    parser.add_argument("--stock-batches", type=lambda t: [int(b) for b in t.split(",")], default=STOCK_BATCHES,
+                        help="the stock script's batch sizes, each a run: its best is the baseline (default: "
+                        f"{','.join(map(str, STOCK_BATCHES))}; a batch out of memory ends the sweep)")
     parser.add_argument("--gpus", type=int, default=1, help="also the defaults under torchrun on this many GPUs")
     parser.add_argument("--cli-args", default="", help="more arguments for every caption command, as --cli-args=--compile")
     source = parser.add_mutually_exclusive_group()
@@ -313,9 +336,7 @@ def main() -> None:
         for name in chosen:
             print(f"run {name} ...", file=sys.stderr)
             if name == "stock":
-                for batch in args.stock_batches:
-                    key = name if len(args.stock_batches) == 1 else f"{name}_batch_{batch}"
-                    runs[key] = run_stock(folder, work, args, batch)
+                runs.update(stock_sweep(folder, work, args))
             else:
                 runs[name] = run_ours(folder, work, name, args, OUR_RUNS[name])
         for count in [int(n) for n in args.sizes.split(",") if n]:
@@ -365,11 +386,14 @@ def report(args: argparse.Namespace, runs: dict[str, dict], written: dict) -> No
     rows = [[name, str(r["images"]), str(r["batch_size"] or r.get("video_batch_size")), f"{r['wall_s']:.1f}", f"{r['items_per_s_end_to_end']:.2f}",
              f"{r['items_per_s_in_loop']:.2f}", f"{r['start_s']:.1f}", f"{r['first_caption_after_load_s']:.1f}",
              f"{r['input_wait_pct']:.1f}", f"{r['peak_gpu_memory_gib']:.1f}", f"{r['peak_host_memory_gib']:.1f}"]
-            for name, r in runs.items()]
+            for name, r in runs.items() if not r.get("out_of_memory")]
     print(markdown_table(["run", what, "batch", "wall s", f"{what}/s end to end", f"{what}/s in loop", "start s",
                           "first caption s after load", "input wait % of loop", "peak GPU GiB",
                           "peak host GiB (process tree)"], rows))
     for name, r in runs.items():
+        if r.get("out_of_memory"):
+            print(f"{name}: out of GPU memory at batch {r['batch_size']} ({r['out_of_memory']})")
+            continue
         paths = (r.get("encoder") or {}).get("paths") or {}
         replays = ", ".join(f"{path} {p['hits']} replayed / {p['misses']} eager" for path, p in paths.items())
         decoder = r.get("decoder") or {}

@@ -81,5 +81,9 @@ def test_bench_cli_pairs_the_stock_script_with_ours_on_as_many_files():
     paired = over_stock(older)
     assert paired["speedup_of"] == "defaults_256"
     assert paired["speedup_over_stock"] == speedup(older["defaults_256"], older["stock"])
+    out_of_memory = {**runs, "stock_batch_128": {"batch_size": 128, "out_of_memory": "CUDA out of memory"}}
+    assert over_stock(out_of_memory) == over_stock(runs)  # a batch that did not run is no baseline
+    only = {"defaults": runs["defaults"], "stock_batch_8": out_of_memory["stock_batch_128"]}
+    assert over_stock(only)["speedup_over_stock"] is None and "out of memory" in over_stock(only)["no_speedup"]
     alone = {name: run for name, run in older.items() if name in ("defaults", "stock")}
     assert over_stock(alone)["speedup_over_stock"] is None and "1024 and 256" in over_stock(alone)["no_speedup"]
