@@ -25,3 +25,12 @@ def printable(text: object) -> str:
     name can hold terminal escapes, which printed raw would drive the user's terminal."""
     return "".join(c if c.isprintable() else c.encode("unicode_escape", "backslashreplace").decode("ascii")
                    for c in str(text))
+
+
+def file_kind(mode: int) -> str:
+    """What a file that is not a regular one is, for messages ("a FIFO", "a folder", ...)."""
+    import stat
+
+    kinds = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+             (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISLNK, "a symbolic link"))
+    return next((name for test, name in kinds if test(mode)), "a special file")

@@ -240,7 +240,7 @@ def _same_file(fd: int, path: Path) -> bool:
         here, there = os.fstat(fd), os.lstat(path)
     except FileNotFoundError:
         return False
-    return (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)
+    return os.path.samestat(here, there)
 
 
 def _read_holder(path: Path) -> LockHolder:

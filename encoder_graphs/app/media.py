@@ -20,11 +20,12 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 import numpy as np
-from PIL import Image, UnidentifiedImageError
+from PIL import ExifTags, Image, UnidentifiedImageError
 
+from encoder_graphs.app.errors import file_kind
 
 SAMPLES_DIR = Path(__file__).parent / "samples"
-ORIENTATION_TAG = 0x0112  # EXIF
+ORIENTATION_TAG = ExifTags.Base.Orientation
 # How EXIF orientations 2-8 turn a stored image upright (PIL's ImageOps.exif_transpose table).
 UPRIGHT = {
     2: Image.Transpose.FLIP_LEFT_RIGHT,
@@ -35,6 +36,8 @@ UPRIGHT = {
     7: Image.Transpose.TRANSVERSE,
     8: Image.Transpose.ROTATE_90,
 }
+QUARTER_TURNS = frozenset({Image.Transpose.TRANSPOSE, Image.Transpose.ROTATE_270, Image.Transpose.TRANSVERSE,
+                           Image.Transpose.ROTATE_90})  # orientations 5-8: width and height swap
 WIDE_MODES = frozenset({"I;16", "I;16B", "I;16L", "I;16N", "I", "F"})  # more than 8 bits a channel
 # Bytes a decoded pixel may take while an image is converted: its bitmap (at most 4) and one
 # converted copy.
@@ -169,6 +172,14 @@ def load_image(path: Path, limits: LoadLimits) -> Image.Image:
     return fit(rgb, None, limits.min_side)
 
 
+def upright_size(path: Path) -> tuple[int, int]:
+    """An image's width and height as seen (its EXIF orientation applied), from its header only."""
+    with Image.open(path) as image:  # sizes judged by `load` (the warnings filter above)
+        width, height = image.size
+        turned = UPRIGHT.get(image.getexif().get(ORIENTATION_TAG, 1)) in QUARTER_TURNS
+    return (height, width) if turned else (width, height)
+
+
 def check_size(path: Path, width: int, height: int, limits: LoadLimits, max_pixels: int | None = None) -> None:
     """From the header, before any pixel is decoded: too many pixels (`max_pixels`, default
     `limits.max_decode_pixels`), or too elongated a shape."""
@@ -218,7 +229,7 @@ def open_regular(path: Path) -> BinaryIO:
     try:
         info = os.stat(path)
         if not stat.S_ISREG(info.st_mode):
-            raise MediaError(path, "special", f"{_file_type(info.st_mode)}, not a regular file: not read")
+            raise MediaError(path, "special", f"{file_kind(info.st_mode)}, not a regular file: not read")
         descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except PermissionError as error:
         raise MediaError(path, "unreadable", "permission denied") from error
@@ -226,7 +237,7 @@ def open_regular(path: Path) -> BinaryIO:
         raise MediaError(path, "unreadable", error.strerror or str(error)) from error
     handle = os.fdopen(descriptor, "rb")
     opened = os.fstat(descriptor)
-    if (opened.st_dev, opened.st_ino) != (info.st_dev, info.st_ino):
+    if not os.path.samestat(opened, info):
         handle.close()
         raise MediaError(path, "unreadable", "the file was replaced while it was opened")
     if opened.st_size == 0:
@@ -253,12 +264,6 @@ def fingerprint(path: Path) -> str | None:
             return digest.hexdigest()
     except (MediaError, OSError):
         return None
-
-
-def _file_type(mode: int) -> str:
-    kinds = {stat.S_ISFIFO: "a FIFO", stat.S_ISCHR: "a character device", stat.S_ISBLK: "a block device",
-             stat.S_ISSOCK: "a socket", stat.S_ISDIR: "a folder"}
-    return next((name for test, name in kinds.items() if test(mode)), "a special file")
 
 
 def _narrow(image: Image.Image) -> Image.Image:

@@ -10,7 +10,7 @@ import stat
 from collections.abc import Sequence
 from pathlib import Path
 
-from encoder_graphs.app.errors import UsageError
+from encoder_graphs.app.errors import UsageError, file_kind
 from encoder_graphs.app.outputs import SidecarPolicy
 from encoder_graphs.app.walk import media_kind
 
@@ -38,9 +38,7 @@ def special_file(path: Path) -> str | None:
         return None
     if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
         return None
-    kinds = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
-    kind = next((name for test, name in kinds if test(mode)), "a socket")
-    return f"{path} is {kind}, not a regular file"
+    return f"{path} is {file_kind(mode)}, not a regular file"
 
 
 def not_our_stats(path: Path) -> str | None:

@@ -16,15 +16,13 @@ from transformers import PreTrainedModel
 
 from encoder_graphs.app.config import CaptionConfig
 from encoder_graphs.app.decoders import VideoDecoders, video_workers
-from encoder_graphs.app.media import LoadLimits, MediaError, fingerprint, load_image
+from encoder_graphs.app.media import LoadLimits, MediaError, fingerprint, load_image, upright_size
 from encoder_graphs.app.outputs import Outputs, relative_path
 from encoder_graphs.app.runstats import RunStats
 from encoder_graphs.app.video import DecodedVideo, decode_video
 from encoder_graphs.app.walk import MediaFile, list_folder, os_reason
 from encoder_graphs.decoder.step import prompt_positions
 from encoder_graphs.protocols import CaptionInputs, EncodedMedia
-
-ORIENTATION_TAG = 0x0112  # EXIF; values 5-8 turn the image by 90 degrees
 
 
 @dataclass
@@ -201,7 +199,7 @@ class Captioner:
             media = load(file, self.limits, self._video_decoders(file.path) if file.kind == "video" else None)
             if file.kind == "image":
                 item = self.inputs.encode_image(media)
-                size = original_size(file.path)
+                size = upright_size(file.path)
             else:
                 item = self.inputs.encode_video(media.frames, media.metadata)
                 size, video = media.size, media.record()
@@ -360,14 +358,6 @@ def folder_reason(path: Path) -> str:
     except OSError as error:
         return os_reason(error)
     return "it could not be listed when the files were gathered"
-
-
-def original_size(path: Path) -> tuple[int, int]:
-    """An image's width and height as seen (EXIF rotation applied), from its header only."""
-    with Image.open(path) as image:  # sizes judged by `load` (media's warnings filter)
-        width, height = image.size
-        rotated = image.getexif().get(ORIENTATION_TAG) in (5, 6, 7, 8)
-    return (height, width) if rotated else (width, height)
 
 
 def longest_sequence(inputs: CaptionInputs, config: CaptionConfig, limits: LoadLimits, videos: bool = True) -> int:
