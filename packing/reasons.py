@@ -7,9 +7,10 @@ so a reader of the JSON (and a torchrun job's merge of its ranks) sees plain str
 parameters of one case (which budget, which batch and tier) are in the statistics beside the
 counts (`failed_budgets`, `failed_graphs`), not in the reason, so the same cause is one key."""
 
-from enum import Enum
+from enum import Enum, unique
 
 
+@unique  # one text, one cause
 class EagerReason(str, Enum):
     TURNED_OFF = "enabled=False"  # the owner's enabled=False (the caption command says --no-graphs)
     NO_CUDA = "no CUDA device"

@@ -53,6 +53,8 @@ def test_a_capture_failure_is_remembered_loudly_and_not_tried_again():
     assert cache.capture([(4, 128)], build, str) == [] and made.count((4, 128)) == 1
     cache.clear()
     assert cache.graphs == {} and cache.pool is None and cache.tried((4, 128))  # the failure stays known
+    cache.clear(forget_failures=True)
+    assert not cache.tried((4, 128))
 
 
 def test_an_error_that_is_no_capture_failure_is_a_bug_and_propagates():

@@ -98,7 +98,7 @@ def model_sources() -> dict[str, set[str]]:
 def test_models_hold_the_families_the_registry_and_common_only():
     """What is not one family's knowledge lives in `encoder_graphs/` under a name that says what it
     is (kernels, attention, rewrites, seam, presets, decoder/layers)."""
-    entries = {path.name for path in (ROOT / "models").iterdir() if path.name != "__pycache__"}
+    entries = {path.name for path in (ROOT / "models").iterdir() if path.is_file() or any(path.rglob("*.py"))}
     assert entries == {"__init__.py", "registry.py", "common", "qwen", "internvl", "deepseek_ocr"}
 
 
@@ -194,4 +194,4 @@ def test_eager_reasons_are_members_counted_and_shown_by_their_text():
     assert all(type(key) is str for key in counted)
     assert f"{EagerReason.GPU_BOUND}" == str(EagerReason.GPU_BOUND) == "GPU-bound size, not captured"
     assert {"eager measured faster": 1} == {EagerReason.EAGER_CHEAPER: 1}
-    assert len({reason.value for reason in EagerReason}) == len(EagerReason)  # one text, one cause
+    assert len({reason.value for reason in EagerReason}) == len(EagerReason.__members__)  # no alias

@@ -388,7 +388,7 @@ class DecoderGraphRunner:
     def close(self) -> None:
         """Free the graphs, their pool and the static buffers; give the stacked projections of the
         fused step their own weights back (later steps run through the model's forward)."""
-        self._graphs.clear()
+        self._graphs.clear(forget_failures=True)  # a later capture's step is the model's, not the fused one
         self._caches.clear()
         self._static = None
         self.captured = False

@@ -99,10 +99,13 @@ class GraphCache(Generic[K, G]):
         del blocks
         return graph
 
-    def clear(self) -> None:
-        """Free the graphs and their pool (failures stay remembered)."""
+    def clear(self, *, forget_failures: bool = False) -> None:
+        """Free the graphs and their pool; with `forget_failures`, a capture after this tries
+        every key again (for an owner that changed what it captures)."""
         self.graphs.clear()
         self.pool = None
+        if forget_failures:
+            self.failed.clear()
 
     def pool_handle(self) -> tuple[int, int]:
         if self.pool is None:

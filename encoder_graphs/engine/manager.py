@@ -8,6 +8,7 @@ import time
 import warnings
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -130,12 +131,12 @@ class EncoderCudaGraphManager:
         self.captured = True
 
     @property
-    def graphs(self) -> dict[str, dict[int, BudgetGraph]]:
-        """The captured graphs by path and budget (a view of the graph cache)."""
+    def graphs(self) -> Mapping[str, Mapping[int, BudgetGraph]]:
+        """The captured graphs by path and budget: a read-only copy of the graph cache's."""
         graphs: dict[str, dict[int, BudgetGraph]] = {path: {} for path in self.paths}
         for (path, budget), graph in sorted(self._graphs.graphs.items()):
             graphs[path][budget] = graph
-        return graphs
+        return MappingProxyType({path: MappingProxyType(of_path) for path, of_path in graphs.items()})
 
     def _capture_budgets(self, path: str, budgets: Sequence[int]) -> None:
         """Capture `budgets` of `path` in one session, largest first (without `lazy`, the first is
@@ -330,7 +331,7 @@ class EncoderCudaGraphManager:
             return EagerReason.NOT_CAPTURED
         if not self.lazy and not any(key[0] == path for key in self._graphs.graphs):  # lazy: none captured yet is no failure
             return EagerReason.EVERY_BUDGET_FAILED
-        return EagerReason(batch.eager_reasons.get(path, EagerReason.NO_GRAPH_FITS))
+        return batch.eager_reasons.get(path, EagerReason.NO_GRAPH_FITS)
 
     # ----- statistics ----------------------------------------------------------------------
     def stats(self) -> dict:

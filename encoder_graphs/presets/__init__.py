@@ -1,5 +1,6 @@
 """Named model configs: real sizes (values from the public config.json files) and tiny CPU ones,
-each family's in its folder (`qwen/presets.py`, `internvl/presets.py`); the checkpoint files
+each family's in its folder (`models/qwen/presets.py`, `models/internvl/presets.py`, gathered by
+`catalog.py`); the checkpoint files
 besides weights that every preset gets (`files.py`), and the embedded tiny default model.
 
 Weights are random: presets exist to measure speed and to test equivalence, not to caption.
