@@ -31,19 +31,19 @@ captions are noise, speed is real.
 
 import argparse
 import json
-import os
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
+from baselines import PEER_RUNS, STOCK_BATCHES, run_peer, stock_sweep, subset
 from clips import write_clip_folder, write_mixed_folder
 from pages import write_page_folder
 from photos import write_photo_folder
+from processes import run_measured
 from timing import environment, markdown_table, over_stock, write_json
 
 from encoder_graphs.app.walk import media_kind
@@ -56,75 +56,11 @@ held = torch.empty(max(0, free - keep), dtype=torch.uint8, device="cuda")
 print("held", held.numel(), flush=True)
 time.sleep(3600)
 """
-# The stock script's batches swept by default: its best is what a user would run (on an H200 at 256
-# photos it ran fastest at 64, the largest tried then, and was still gaining).
-STOCK_BATCHES = [8, 16, 32, 64, 128]
 # The caption command's arguments of each run of ours that `--runs` may name.
 OUR_RUNS = {"defaults": [], "no_graphs": ["--no-graphs"], "frames_model": ["--max-frame-tokens", "model"],
             "keyframes": ["--video-sampling", "keyframes"], "no_prefetch": []}
 # Runs that differ by the environment: no clips decoded while the model loads (`app/decoders.py`).
 OUR_RUN_ENV = {"no_prefetch": {"ENCODER_GRAPHS_VIDEO_PREFETCH_BYTES": "0"}}
-SAMPLE_S = 0.2  # how often the process tree's memory is read
-
-
-def children_of() -> dict[int, list[int]]:
-    """Every process's children, from /proc (no psutil here)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = Path(entry.path, "stat").read_text()
-        except OSError:  # ended meanwhile
-            continue
-        parent = int(stat.rsplit(")", 1)[1].split()[1])  # after "pid (name)": state, then the parent's pid
-        children.setdefault(parent, []).append(int(entry.name))
-    return children
-
-
-def tree_rss_bytes(root: int) -> int:
-    """Resident memory of `root` and all its descendants, summed: pages that processes share
-    (libraries, memory a fork inherited) count in each, so this bounds the tree's use from above."""
-    children, total, pending = children_of(), 0, [root]
-    while pending:
-        pid = pending.pop()
-        pending += children.get(pid, [])
-        try:
-            total += int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-        except (OSError, IndexError):
-            continue
-    return total
-
-
-def watch_memory(pid: int, done: threading.Event, peak: list[int]) -> None:
-    """Keep in `peak[0]` the largest process-tree memory seen, every SAMPLE_S s until `done`."""
-    while True:
-        peak[0] = max(peak[0], tree_rss_bytes(pid))
-        if done.wait(SAMPLE_S):
-            return
-
-
-def run_measured(command: list[str], env: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess, float, int]:
-    """Run `command` to its end (`env` added to the environment): its result, wall time and peak
-    memory of its process tree. The tree's, not the process's: the caption command decodes
-    videos in worker processes."""
-    started = time.perf_counter()
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               env={**os.environ, **(env or {})})
-    done, peak = threading.Event(), [0]
-    watcher = threading.Thread(target=watch_memory, args=(process.pid, done, peak), daemon=True)
-    watcher.start()
-    try:
-        stdout, stderr = process.communicate()
-    finally:
-        done.set()
-        watcher.join()
-    wall_s = time.perf_counter() - started
-    if process.returncode != 0:
-        raise RuntimeError(f"{' '.join(command)} exited {process.returncode}:\n{stderr[-4000:]}")
-    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr), wall_s, peak[0]
-
-
 def caption_command(folder: Path, out: Path, stats: Path, args: argparse.Namespace, extra: list[str], gpus: int) -> list[str]:
     launcher = [sys.executable] if gpus == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}"]
@@ -183,49 +119,6 @@ def run_ours(folder: Path, work: Path, name: str, args: argparse.Namespace, extr
     }
 
 
-def run_stock(folder: Path, work: Path, args: argparse.Namespace, batch_size: int = 8) -> dict:
-    if args.stock_images:
-        folder = subset(folder, work, args.stock_images)
-    command = [sys.executable, str(Path(__file__).with_name("stock_caption.py")), str(folder), "--preset", args.preset,
-               "--new-tokens", str(args.new_tokens), "--out", str(work / "stock.jsonl"), "--batch-size", str(batch_size)]
-    result, wall_s, peak_host = run_measured(command)
-    stats = json.loads(result.stdout.strip().splitlines()[-1])
-    videos = stats.get("videos", 0)
-    return {
-        **stats,
-        "command": "stock_caption.py " + " ".join(command[2:]),
-        "wall_s": wall_s,
-        "images_per_s_end_to_end": stats["images"] / wall_s,
-        "images_per_s_in_loop": stats["images"] / stats["loop_s"],
-        "items_per_s_end_to_end": stats["images"] / wall_s,
-        "items_per_s_in_loop": stats["images"] / stats["loop_s"],
-        "by_kind": {kind: n for kind, n in (("image", stats["images"] - videos), ("video", videos)) if n},
-        "start_s": wall_s - stats["loop_s"],
-        "input_wait_pct": 100 * stats["input_wait_s"] / stats["loop_s"],
-        "peak_gpu_memory_gib": stats["peak_gpu_memory_bytes"] / 2**30,
-        "peak_host_memory_gib": peak_host / 2**30,
-        "batch_size": stats.get("batch_size", 8),
-    }
-
-
-def stock_sweep(folder: Path, work: Path, args: argparse.Namespace) -> dict[str, dict]:
-    """The stock script at each of `--stock-batches`, smallest first: what a user would run at its
-    best batch. A batch that runs out of GPU memory is recorded as such and ends the sweep (a
-    larger one would too)."""
-    runs = {}
-    for batch in sorted(args.stock_batches):
-        key = "stock" if len(args.stock_batches) == 1 else f"stock_batch_{batch}"
-        try:
-            runs[key] = run_stock(folder, work, args, batch)
-        except RuntimeError as error:
-            if "OutOfMemoryError" not in str(error) and "out of memory" not in str(error):
-                raise
-            runs[key] = {"batch_size": batch, "out_of_memory": str(error).splitlines()[-1][:300]}
-            print(f"{key}: out of GPU memory; larger batches not run", file=sys.stderr)
-            break
-    return runs
-
-
 def on_a_smaller_card(folder: Path, work: Path, args: argparse.Namespace) -> dict:
     """The defaults with only `args.card_gib` GiB of GPU memory free: a second process holds the rest."""
     holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(args.card_gib)], stdout=subprocess.PIPE, text=True)
@@ -235,17 +128,6 @@ def on_a_smaller_card(folder: Path, work: Path, args: argparse.Namespace) -> dic
     finally:
         holder.kill()
         holder.wait()
-
-
-def subset(folder: Path, work: Path, count: int) -> Path:
-    """A folder of links to the first `count` files."""
-    target = work / f"first_{count}"
-    if target.exists():
-        return target
-    target.mkdir()
-    for path in sorted(folder.iterdir())[:count]:
-        (target / path.name).symlink_to(path)
-    return target
 
 
 def mixed_counts(text: str) -> tuple[int, int]:
@@ -261,7 +143,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--preset", default="qwen2.5-vl-3b")
     parser.add_argument("--images", type=int, default=1024, help="photos (or --pages) generated")
     parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--runs", default="defaults,no_graphs,stock", help=f"of {', '.join(OUR_RUNS)}, stock")
+    parser.add_argument("--runs", default="defaults,no_graphs,stock",
+                        help=f"of {', '.join(OUR_RUNS)}, stock, {', '.join(PEER_RUNS)} (vLLM's LLM.generate: peer_vllm.py)")
     parser.add_argument("--sizes", default="", help="also defaults and --no-graphs on the first N files, e.g. 32,256")
     parser.add_argument("--repeats", type=int, default=1, help="runs of each --sizes configuration")
     parser.add_argument("--card-gib", type=float, default=0, help="also the defaults with only this much GPU memory free")
@@ -337,6 +220,8 @@ def main() -> None:
             print(f"run {name} ...", file=sys.stderr)
             if name == "stock":
                 runs.update(stock_sweep(folder, work, args))
+            elif name in PEER_RUNS:
+                runs[name] = run_peer(folder, work, args)
             else:
                 runs[name] = run_ours(folder, work, name, args, OUR_RUNS[name])
         for count in [int(n) for n in args.sizes.split(",") if n]:
