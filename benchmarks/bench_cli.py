@@ -8,6 +8,11 @@ fresh process over the same files at the same resolution policy:
 - `no_graphs`: the same with `--no-graphs`;
 - `frames_model` (asked for by name): the defaults with `--max-frame-tokens model`, video frames
   at the checkpoint's own resolution;
+- `cold` (asked for by name): the defaults as a fresh machine's first run, as near as a process
+  can make it: empty Triton, inductor and preset caches, the page cache dropped where allowed
+  (`page_cache_dropped` says); the untimed warm-up run warms only the other runs;
+- `vllm`, `vllm_warm` (asked for by name): vLLM's offline `LLM.generate` (`peer_vllm.py`), its
+  first start on the machine and a second one;
 - `stock`: `stock_caption.py`, the official processor and `model.generate`, at each batch of
   `--stock-batches` (default 8 to 128; its best is the baseline of the ratio),
   what a user writes without this project (videos: 16 frames each, as the command's default).
@@ -31,6 +36,7 @@ captions are noise, speed is real.
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -58,7 +64,7 @@ time.sleep(3600)
 """
 # The caption command's arguments of each run of ours that `--runs` may name.
 OUR_RUNS = {"defaults": [], "no_graphs": ["--no-graphs"], "frames_model": ["--max-frame-tokens", "model"],
-            "keyframes": ["--video-sampling", "keyframes"], "no_prefetch": []}
+            "keyframes": ["--video-sampling", "keyframes"], "no_prefetch": [], "cold": []}
 # Runs that differ by the environment: no clips decoded while the model loads (`app/decoders.py`).
 OUR_RUN_ENV = {"no_prefetch": {"ENCODER_GRAPHS_VIDEO_PREFETCH_BYTES": "0"}}
 def caption_command(folder: Path, out: Path, stats: Path, args: argparse.Namespace, extra: list[str], gpus: int) -> list[str]:
@@ -69,16 +75,34 @@ def caption_command(folder: Path, out: Path, stats: Path, args: argparse.Namespa
                        *args.cli_args.split(), *extra]
 
 
+def cold_start(work: Path) -> tuple[dict[str, str], bool]:
+    """A first run on a fresh machine, as near as one process can make it: Triton's, inductor's
+    and this project's caches empty (fresh folders), and, where this process may (root, a /proc/sys
+    that is not read-only), the page cache dropped, so libraries are read from disk again. Its
+    environment, and whether the page cache was dropped."""
+    fresh = Path(tempfile.mkdtemp(prefix="cold-", dir=work))
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        dropped = True
+    except OSError:
+        dropped = False
+    env = {"TRITON_CACHE_DIR": fresh / "triton", "TORCHINDUCTOR_CACHE_DIR": fresh / "inductor",
+           "ENCODER_GRAPHS_CACHE": fresh / "encoder-graphs"}
+    return {key: str(path) for key, path in env.items()}, dropped
+
+
 def run_ours(folder: Path, work: Path, name: str, args: argparse.Namespace, extra: list[str], gpus: int = 1) -> dict:
     out, stats_path = work / f"{name}.jsonl", work / f"{name}.stats.json"
     command = caption_command(folder, out, stats_path, args, extra, gpus)
-    env = OUR_RUN_ENV.get(name)
+    env, dropped = (cold_start(work) if name == "cold" else (OUR_RUN_ENV.get(name), None))
     _, wall_s, peak_host = run_measured(command, env)
     stats = json.loads(stats_path.read_text())
     pipeline, encoder, decoder = stats["pipeline"], stats["encoder"], stats["decoder"] or {}
     return {
         "command": " ".join(command[command.index("caption"):]),
         "env": env,
+        "page_cache_dropped": dropped,  # a cold run's: whether the files were read from disk again
         "wall_s": wall_s,
         "images": pipeline["succeeded"],  # items captioned, whatever their kind (the key older reports read)
         "images_per_s_end_to_end": pipeline["succeeded"] / wall_s,
