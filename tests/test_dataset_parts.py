@@ -249,3 +249,20 @@ def test_ctrl_c_stops_a_torchrun_job_cleanly(tmp_path):
     done = [r["path"] for r in records(out)] if out.exists() else []
     done += [json.loads(line)["path"] for part in tmp_path.glob("r.jsonl.encoder-graphs-part[0-9]") for line in part.read_text().splitlines()]
     assert 0 < len(done) < 60 and len(set(done)) == len(done)
+
+
+def test_every_graph_statistic_has_a_merge_rule():
+    """A torchrun job merges its ranks' statistics field by field: a statistic added without a
+    rule must fail here, not be summed by accident."""
+    from encoder_graphs import enable_cuda_graphs
+    from encoder_graphs.presets import build_model
+
+    handle = enable_cuda_graphs(build_model("tiny-qwen2.5-vl"), budgets=[64])
+    try:
+        stats = json.loads(json.dumps(handle.stats(), default=str))  # as the ranks send them
+    finally:
+        handle.disable()
+    assert combined_graph_stats([stats, stats]).keys() == stats.keys()
+    stats["encoder"]["new_counter"] = 1
+    with pytest.raises(KeyError, match="no merge rule for the statistics \\['new_counter'\\]"):
+        combined_graph_stats([stats, stats])
