@@ -34,13 +34,14 @@ def run_peer(folder: Path, work: Path, args: argparse.Namespace) -> dict:
     if not (checkpoint / "config.json").is_file():
         run_measured([sys.executable, script, "--write-checkpoint", "--checkpoint", str(checkpoint), "--preset", args.preset])
     return run_script([sys.executable, script, str(folder), "--checkpoint", str(checkpoint),
-                       "--new-tokens", str(args.new_tokens), "--out", str(work / "vllm.jsonl")])
+                       "--new-tokens", str(args.new_tokens), "--out", str(work / "vllm.jsonl")],
+                      env={"VLLM_LOGGING_STREAM": "ext://sys.stderr"})  # stdout's last line is the JSON
 
 
-def run_script(command: list[str]) -> dict:
+def run_script(command: list[str], env: dict[str, str] | None = None) -> dict:
     """A baseline script's run (`stock_caption.py`, `peer_vllm.py`: one JSON line of timings), in
     the keys of ours."""
-    result, wall_s, peak_host = run_measured(command)
+    result, wall_s, peak_host = run_measured(command, env)
     stats = json.loads(result.stdout.strip().splitlines()[-1])
     videos = stats.get("videos", 0)
     return {

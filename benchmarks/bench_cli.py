@@ -185,9 +185,9 @@ def parse_args() -> argparse.Namespace:
     source.add_argument("--mixed", type=mixed_counts, metavar="P,C", help="P photos and C clips in one folder instead")
     parser.add_argument("--json", help="write results here")
     args = parser.parse_args()
-    unknown = [name for name in args.runs.split(",") if name and name not in {*OUR_RUNS, "stock"}]
+    unknown = [name for name in args.runs.split(",") if name and name not in {*OUR_RUNS, "stock", *PEER_RUNS}]
     if unknown:
-        parser.error(f"--runs: unknown {', '.join(unknown)} (of {', '.join(OUR_RUNS)}, stock)")
+        parser.error(f"--runs: unknown {', '.join(unknown)} (of {', '.join([*OUR_RUNS, 'stock', *PEER_RUNS])})")
     return args
 
 
