@@ -71,9 +71,10 @@ def stock_sweep(folder: Path, work: Path, args: argparse.Namespace) -> dict[str,
         try:
             runs[key] = run_stock(folder, work, args, batch)
         except RuntimeError as error:
-            if "OutOfMemoryError" not in str(error) and "out of memory" not in str(error):
+            if "OutOfMemoryError" not in str(error) and "out of memory" not in str(error).lower():
                 raise
-            runs[key] = {"batch_size": batch, "out_of_memory": str(error).splitlines()[-1][:300]}
+            said = [line for line in str(error).splitlines() if "out of memory" in line.lower()]
+            runs[key] = {"batch_size": batch, "out_of_memory": (said or str(error).splitlines())[-1][:300]}
             print(f"{key}: out of GPU memory; larger batches not run", file=sys.stderr)
             break
     return runs

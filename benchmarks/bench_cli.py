@@ -50,7 +50,7 @@ from clips import write_clip_folder, write_mixed_folder
 from pages import write_page_folder
 from photos import write_photo_folder
 from processes import run_measured
-from timing import environment, markdown_table, over_stock, write_json
+from timing import environment, markdown_table, over_stock, speedup, write_json
 
 from encoder_graphs.app.walk import media_kind
 
@@ -188,6 +188,9 @@ def parse_args() -> argparse.Namespace:
     unknown = [name for name in args.runs.split(",") if name and name not in {*OUR_RUNS, "stock", *PEER_RUNS}]
     if unknown:
         parser.error(f"--runs: unknown {', '.join(unknown)} (of {', '.join([*OUR_RUNS, 'stock', *PEER_RUNS])})")
+    peers = [name for name in args.runs.split(",") if name in PEER_RUNS]
+    if peers and (args.clips or args.mixed or (args.folder is not None and unit(args) != "images")):
+        parser.error(f"--runs {','.join(peers)}: peer_vllm.py reads photos only; drop it, or caption photos or pages")
     return args
 
 
@@ -245,7 +248,11 @@ def main() -> None:
             if name == "stock":
                 runs.update(stock_sweep(folder, work, args))
             elif name in PEER_RUNS:
-                runs[name] = run_peer(folder, work, args)
+                try:  # a peer that cannot start (not installed, an engine error) costs its row only
+                    runs[name] = run_peer(folder, work, args)
+                except (RuntimeError, OSError, ValueError) as error:
+                    runs[name] = {"error": str(error)[-2000:]}
+                    print(f"{name}: did not run; its error is in the JSON", file=sys.stderr)
             else:
                 runs[name] = run_ours(folder, work, name, args, OUR_RUNS[name])
         for count in [int(n) for n in args.sizes.split(",") if n]:
@@ -294,12 +301,18 @@ def report(args: argparse.Namespace, runs: dict[str, dict], written: dict) -> No
     print(f"\n{args.preset}, {source}, {args.new_tokens} new tokens | {env}")
     rows = [[name, str(r["images"]), str(r["batch_size"] or r.get("video_batch_size")), f"{r['wall_s']:.1f}", f"{r['items_per_s_end_to_end']:.2f}",
              f"{r['items_per_s_in_loop']:.2f}", f"{r['start_s']:.1f}", f"{r['first_caption_after_load_s']:.1f}",
-             f"{r['input_wait_pct']:.1f}", f"{r['peak_gpu_memory_gib']:.1f}", f"{r['peak_host_memory_gib']:.1f}"]
-            for name, r in runs.items() if not r.get("out_of_memory")]
+             f"{r['input_wait_pct']:.1f}", f"{r['peak_gpu_memory_gib']:.1f}" + ("*" if r.get("gpu_memory_is_card_use") else ""),
+             f"{r['peak_host_memory_gib']:.1f}"]
+            for name, r in runs.items() if not r.get("out_of_memory") and not r.get("error")]
     print(markdown_table(["run", what, "batch", "wall s", f"{what}/s end to end", f"{what}/s in loop", "start s",
                           "first caption s after load", "input wait % of loop", "peak GPU GiB",
                           "peak host GiB (process tree)"], rows))
+    if any(r.get("gpu_memory_is_card_use") for r in runs.values()):
+        print("* the card's use at the end, not the run's peak: vLLM reserves --gpu-memory-utilization of it")
     for name, r in runs.items():
+        if r.get("error"):
+            print(f"{name}: did not run: {r['error'].strip().splitlines()[-1] if r['error'].strip() else '?'}")
+            continue
         if r.get("out_of_memory"):
             print(f"{name}: out of GPU memory at batch {r['batch_size']} ({r['out_of_memory']})")
             continue
@@ -321,6 +334,10 @@ def report(args: argparse.Namespace, runs: dict[str, dict], written: dict) -> No
     if any(name == "stock" or name.startswith("stock_batch_") for name in runs) and "defaults" in runs:
         result.update(over_stock(runs))
         print(f"{result['speedup_of']} over {result['stock_baseline']}: {result['speedup_over_stock'] or result['no_speedup']}")
+    peers = [name for name in PEER_RUNS if name in runs and not runs[name].get("error")]
+    if peers and "defaults" in runs:
+        result["speedup_over_peer"] = {name: speedup(runs["defaults"], runs[name]) for name in peers}
+        print(f"defaults over {', '.join(peers)}: {result['speedup_over_peer']}")
     write_json(args.json, result)
     failures = {name: r["capture_failures"] for name, r in runs.items() if r.get("capture_failures")}
     if failures:

@@ -154,6 +154,7 @@ def main() -> None:
         # In use on the device at the end (vLLM reserves --gpu-memory-utilization of the card for
         # its cache by design): not comparable to the others' peaks, which are their own.
         "peak_gpu_memory_bytes": total - free,
+        "gpu_memory_is_card_use": True,
         "settings": {"max_pixels": max_pixels, "max_model_len": args.max_model_len, "enforce_eager": args.enforce_eager,
                      "gpu_memory_utilization": args.gpu_memory_utilization, "vllm": vllm.__version__},
         "device_refused": None,

@@ -107,7 +107,9 @@ def enable_cuda_graphs(model: nn.Module, options: GraphOptions | None = None, **
     if getattr(model, "_encoder_graphs", None) is not None:
         raise RuntimeError("encoder graphs are already enabled on this model; disable() them first")
     check_version()
-    options = replace(options or GraphOptions(), **settings)
+    if options is not None and not isinstance(options, GraphOptions):
+        raise TypeError(f"options must be a GraphOptions, got {type(options).__name__}")
+    options = replace(GraphOptions() if options is None else options, **settings)
     adapter = adapter_for(model, attn_backend=options.attn_backend)
     # Every change to the model and every resource holding graphs, undone last first by
     # disable(), or here if anything raises before the handle is returned.

@@ -5,6 +5,28 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 
+class PathBudgets(Mapping):
+    """Budgets per encoder path, read-only and hashable, as the options object holding them is."""
+
+    def __init__(self, budgets: Mapping[str, tuple[int, ...]]) -> None:
+        self._budgets = dict(budgets)
+
+    def __getitem__(self, path: str) -> tuple[int, ...]:
+        return self._budgets[path]
+
+    def __iter__(self):
+        return iter(self._budgets)
+
+    def __len__(self) -> int:
+        return len(self._budgets)
+
+    def __hash__(self) -> int:
+        return hash(frozenset(self._budgets.items()))
+
+    def __repr__(self) -> str:
+        return repr(self._budgets)
+
+
 @dataclass(frozen=True)
 class GraphOptions:
     """The encoder's and the decoder's graph settings.
@@ -55,3 +77,12 @@ class GraphOptions:
     encoder_capture_from_call: int = 1
     log_interval_s: float = 60.0
     poison_pool_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        # Sequences as tuples: an options object hashes, and [64] and (64,) are the same setting.
+        for name in ("budgets", "decoder_batch_sizes", "decoder_length_tiers"):
+            value = getattr(self, name)
+            if isinstance(value, Mapping):
+                object.__setattr__(self, name, PathBudgets({path: tuple(v) for path, v in value.items()}))
+            elif value is not None:
+                object.__setattr__(self, name, tuple(value))

@@ -3,6 +3,8 @@ the same step function the graphs hold): tokens equal to the stock `generate`, u
 settings sent back to the stock `generate` and counted, `disable()` restores it. Tiny models, fp32,
 saved and reloaded for real."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 from test_decoder import make_batch
@@ -124,6 +126,12 @@ def test_decoder_false_leaves_generate_alone_and_options_are_one_object(model):
     options = GraphOptions(budgets=[64], decoder=True, lazy=True)
     with pytest.raises(TypeError, match="decoder_cache_len"):
         enable_cuda_graphs(model, options, decoder_cache_len=64)  # no such setting: nothing enabled
+    with pytest.raises(TypeError, match="options must be a GraphOptions, got dict"):
+        enable_cuda_graphs(model, {"budgets": [64]})
+    # Sequences become tuples: one setting compares and hashes the same however it was written.
+    assert GraphOptions(budgets=(64,)) == GraphOptions(budgets=[64]) and len({options, replace(options)}) == 1
+    per_path = GraphOptions(budgets={"global": [64, 128]})
+    assert per_path == GraphOptions(budgets={"global": (64, 128)}) and hash(per_path) == hash(replace(per_path))
     handle = enable_cuda_graphs(model, options, decoder=False)
     try:
         assert handle.options == GraphOptions(budgets=[64], decoder=False, lazy=True)
