@@ -15,9 +15,10 @@ README = (ROOT / "README.md").read_text()
 # Each row's label and file count -> its run in the JSON (bench_cli.py's names).
 RUNS = {
     ("`encoder-graphs caption` (defaults)", "256"): "defaults",
+    ("the same, a fresh machine's first run (`cold`: empty kernel caches)", "256"): "cold",
     ("the same, `--no-graphs`", "256"): "no_graphs",
     **{(f"a stock script: processor + `generate`, batch {batch}", "256"): f"stock_batch_{batch}"
-       for batch in (8, 16, 32, 64)},
+       for batch in (32, 64, 128)},
 }
 
 
@@ -73,7 +74,7 @@ def test_speedup_refuses_runs_of_different_counts():
 def test_bench_cli_pairs_the_stock_script_with_ours_on_as_many_files():
     """`timing.over_stock`, what bench_cli.py records: the stock script's best batch against the
     run of ours of its file count, or no ratio where ours ran none."""
-    runs = headline()[0]["runs"]
+    runs = json.loads((ROOT / "benchmarks/bench_cli_photos_256_sweep_h200.json").read_text())["runs"]  # 8 to 64
     paired = over_stock(runs)
     assert (paired["stock_baseline"], paired["speedup_of"]) == ("stock_batch_64", "defaults")
     assert paired["speedup_over_stock"] == speedup(runs["defaults"], runs["stock_batch_64"])
@@ -87,3 +88,22 @@ def test_bench_cli_pairs_the_stock_script_with_ours_on_as_many_files():
     assert over_stock(only)["speedup_over_stock"] is None and "out of memory" in over_stock(only)["no_speedup"]
     alone = {name: run for name, run in older.items() if name in ("defaults", "stock")}
     assert over_stock(alone)["speedup_over_stock"] is None and "1024 and 256" in over_stock(alone)["no_speedup"]
+
+
+def test_the_vllm_paragraph_is_its_jsons():
+    """Every number of the README's vLLM paragraph is the run its JSON holds, at the precision shown."""
+    start = README.index("**Against vLLM**")
+    text = README[start:README.index("\n\n", start)]
+    (name,) = re.findall(r"`(benchmarks/[\w.]+\.json)`", text)
+    runs = json.loads((ROOT / name).read_text())["runs"]
+    cold, warm, ours = runs["vllm"], runs["vllm_warm"], runs["defaults"]
+    said = " ".join(text.split())
+    for phrase in (f"ran {cold['images_per_s_end_to_end']:.1f} images/s end to end on its first start",
+                   f"({cold['start_s']:.1f} s to its first generate",
+                   f"and {warm['images_per_s_end_to_end']:.1f} on a second start ({warm['start_s']:.1f} s)",
+                   f"where the defaults ran {ours['images_per_s_end_to_end']:.1f}",
+                   f"vLLM ran {warm['images_per_s_in_loop']:.1f} images/s and the defaults {ours['images_per_s_in_loop']:.1f}",
+                   f"{warm['input_wait_pct']:.0f}% of vLLM's loop",
+                   f"(ours {ours['start_s']:.1f} s in that call)",
+                   f"vLLM** {cold['settings']['vllm']}"):
+        assert phrase in said, phrase
