@@ -501,7 +501,7 @@ def test_cuda_run_uses_encoder_graphs_and_matches_no_graphs(tmp_path):
 
 def test_compile_defaults_on_only_for_gpu_runs_that_pay_for_it():
     from encoder_graphs.app.cli import build_parser
-    from encoder_graphs.app.command import wants_compile
+    from encoder_graphs.app.job import wants_compile
     from encoder_graphs.app.config import COMPILE_FROM_FILES
     from encoder_graphs.app.distributed import Job
     from encoder_graphs.app.plan import Plan

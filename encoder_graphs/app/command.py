@@ -9,28 +9,22 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from encoder_graphs.app.config import COMPILE_FROM_FILES
 from encoder_graphs.app.distributed import job_from_env
 from encoder_graphs.app.errors import EXIT_FAILURES, EXIT_INTERRUPTED, EXIT_OK, OutputError, UsageError, printable
-from encoder_graphs.app.model_checks import check_length, check_resolution_flags, check_seeded_sampling, load_limits
 from encoder_graphs.app.outputs import METADATA_FILE
 from encoder_graphs.app.plan import Plan, describe, make_plan, report_sidecar_errors
 from encoder_graphs.app.settings import Settings
 from encoder_graphs.app.summary import outcome, said_by_flag, show_samples
 
 if TYPE_CHECKING:
-    import torch
     from transformers import PreTrainedModel
 
-    from encoder_graphs.app.config import CaptionConfig
     from encoder_graphs.app.decoders import VideoDecoders
-    from encoder_graphs.app.loading import ModelSource
-    from encoder_graphs.app.media import LoadLimits
+    from encoder_graphs.app.job import CaptionJob
     from encoder_graphs.protocols import CaptionInputs
 
 RESUME_HINT = "rerun the same command to resume"
@@ -103,29 +97,25 @@ def write_output(path: Path, text: str) -> None:
 
 def run(plan: Plan) -> int:
     settings = plan.settings
+    from encoder_graphs.app.job import open_job
     from encoder_graphs.app.loading import load_model, open_model, pick_device
     from encoder_graphs.report import format_graph_stats, format_run_stats
 
-    device = pick_device(settings.device, plan.job.local_rank)
     source = open_model(
         settings.model,
         max_tiles=settings.max_tiles,
         max_image_tokens=settings.max_image_tokens,
         max_frame_tokens=settings.max_frame_tokens,
     )
-    check_resolution_flags(settings, source.inputs)
-    plan.config = plan.config.with_prompt_of(source.inputs.default_prompt)  # e.g. an OCR model's
-    limits = load_limits(settings, source, plan.config.load_workers)
-    longest = check_length(plan, source, limits)  # before the weights: GBs for a real model
-    check_seeded_sampling(settings, source)
+    job = open_job(plan, source, pick_device(settings.device, plan.job.local_rank))  # before the weights: GBs
     name = printable(settings.model) if settings.model else "(embedded tiny default)"
-    videos = start_video_decoders(plan, source, limits)  # they decode the first clips while the model loads
+    videos = start_video_decoders(plan, job, source.inputs)  # they decode the first clips while the model loads
     try:
         meanwhile = f" (decoding the first {videos.prefetched} videos meanwhile)" if videos and videos.prefetched else ""
-        print(f"encoder-graphs: loading model {name} on {device} ...{meanwhile}", file=sys.stderr)
-        model = load_model(source, device)
+        print(f"encoder-graphs: loading model {name} on {job.device} ...{meanwhile}", file=sys.stderr)
+        model = load_model(source, job.device)
         loaded = time.perf_counter()  # the weights are on the device
-        summary, graph_stats = caption_files(plan, model, source.inputs, device, limits, longest, videos)
+        summary, graph_stats = caption_files(plan, job, model, source.inputs, videos)
     finally:
         if videos is not None:
             videos.close()
@@ -143,7 +133,7 @@ def run(plan: Plan) -> int:
     print(format_graph_stats(graph_stats))
     print(outcome(plan))
     write_metadata(plan)
-    write_stats_json(settings, {"pipeline": summary, **graph_stats, "device": str(device)})
+    write_stats_json(settings, {"pipeline": summary, **graph_stats, "device": str(job.device)})
     if summary["interrupted"]:
         print(f"interrupted: {RESUME_HINT}", file=sys.stderr)
         return EXIT_INTERRUPTED
@@ -199,20 +189,15 @@ def write_stats_json(settings: Settings, payload: dict) -> None:
 
 
 def caption_files(
-    plan: Plan,
-    model: "PreTrainedModel",
-    inputs: "CaptionInputs",
-    device: "torch.device",
-    limits: "LoadLimits",
-    longest: int,
+    plan: Plan, job: "CaptionJob", model: "PreTrainedModel", inputs: "CaptionInputs",
     videos: "VideoDecoders | None" = None,
 ) -> tuple[dict, dict]:
-    """Enable the graphs, caption the files still to do, disable them: the run's and the graphs'
-    statistics. `longest`: the longest sequence (`check_length`), which sizes the decoder's
-    cache, its length tiers and the batch; `videos`: the video decoders, already started."""
+    """Size the job (`sized_job`), enable the graphs, caption the files still to do, disable
+    them: the run's and the graphs' statistics. `videos`: the video decoders, already started."""
     settings = plan.settings
-    from encoder_graphs import GraphOptions, enable_cuda_graphs
+    from encoder_graphs import enable_cuda_graphs
     from encoder_graphs.app.distributed import by_cost, claim_chunk, claimed, part_path
+    from encoder_graphs.app.job import sized_job
     from encoder_graphs.app.outputs import Outputs
     from encoder_graphs.app.pipeline import Captioner
     from encoder_graphs.app.results import ResultsFile
@@ -220,38 +205,28 @@ def caption_files(
     from encoder_graphs.decoder.layers.stack import warm_up_language_model
 
     setup_started = time.perf_counter()
-    config = batched_config(plan, model, inputs, limits, longest, device)
+    job = sized_job(job, plan, model)
+    config = job.config
     try:
-        options = GraphOptions(
-            budgets=settings.budgets,
-            attn_backend=settings.attn_backend,
-            enabled=not settings.no_graphs,
-            compile=wants_compile(plan, device),
-            max_frames_per_item=settings.max_frames,
-            decoder_max_batch_size=config.largest_batch,
-            decoder_max_cache_len=longest,
-            lazy=True,  # each graph at its first use: a job captures only what it needs
-            encoder_capture_from_call=2,  # and an encoder budget only once a second batch wants it
-        )
-        handle = enable_cuda_graphs(model, options)
+        handle = enable_cuda_graphs(model, job.options)
     except ValueError as error:  # an architecture without an adapter, a bad backend or budgets
         raise UsageError(f"cannot enable graphs on this model: {error}") from error
     setup_s = time.perf_counter() - setup_started
-    job = plan.job
+    ranks = plan.job
     # Under torchrun each rank writes its own part file and claims chunks of the costliest first.
-    writer = ResultsFile(part_path(plan.results.path, job.rank)) if job.distributed else plan.results
-    files = claimed(job, by_cost(plan.todo), claim_chunk(config.largest_batch)) if job.distributed else plan.todo
-    progress = None if settings.quiet or job.distributed else progress_bar(len(plan.todo))
+    writer = ResultsFile(part_path(plan.results.path, ranks.rank)) if ranks.distributed else plan.results
+    files = claimed(ranks, by_cost(plan.todo), claim_chunk(config.largest_batch)) if ranks.distributed else plan.todo
+    progress = None if settings.quiet or ranks.distributed else progress_bar(len(plan.todo))
     aliases = {str(f.path): f.aliases for f in plan.todo if f.aliases}
     outputs = Outputs(writer, plan.sidecars, progress.update if progress else None, aliases)
-    warm_up = partial(warm_up_language_model, model) if device.type == "cuda" else None
+    warm_up = partial(warm_up_language_model, model) if job.device.type == "cuda" else None
     captioner = Captioner(
-        model, inputs, config, limits, roots=plan.roots, model_name=settings.model or "default",
+        model, inputs, config, job.limits, roots=plan.roots, model_name=job.model_name,
         run_settings=plan.identity, warm_up=warm_up, videos=videos,
     )
     try:
-        if job.distributed:  # ranks start claiming together: one whose capture ends first would claim ahead
-            job.barrier("ready")
+        if ranks.distributed:  # ranks start claiming together: one whose capture ends first would claim ahead
+            ranks.barrier("ready")
         with stop_on_interrupt() as stop:
             stats = captioner.run(files, outputs, stop)
     finally:
@@ -274,76 +249,27 @@ def caption_files(
         "setup_s": setup_s,
         "max_image_tokens": settings.max_image_tokens,
         "max_tiles": settings.max_tiles,
-        "longest_sequence": longest,
+        "longest_sequence": job.longest,
     }
-    if device.type == "cuda":
+    if job.device.type == "cuda":
         import torch
 
-        summary["peak_gpu_memory_bytes"] = torch.cuda.max_memory_allocated(device)
+        summary["peak_gpu_memory_bytes"] = torch.cuda.max_memory_allocated(job.device)
     return summary, graph_stats
 
 
-def start_video_decoders(plan: Plan, source: "ModelSource", limits: "LoadLimits") -> "VideoDecoders | None":
+def start_video_decoders(plan: Plan, job: "CaptionJob", inputs: "CaptionInputs") -> "VideoDecoders | None":
     """The video decoder processes, started now where the job has videos the model reads (the
     run stops them), decoding the first videos the run will ask for (in its order: a torchrun
     rank's files are claimed later, so it starts none)."""
     from encoder_graphs.app.decoders import VideoDecoders, video_workers
 
-    if not source.inputs.reads_videos or not any(f.kind == "video" for f in plan.todo):
+    if not inputs.reads_videos or not any(f.kind == "video" for f in plan.todo):
         return None
-    videos = VideoDecoders(video_workers(plan.config.load_workers), limits).start()
+    videos = VideoDecoders(video_workers(job.config.load_workers), job.limits).start()
     if not plan.job.distributed:
         videos.prefetch(f.path for f in plan.todo if f.kind == "video" and not f.reason)  # not what the walk refused
     return videos
-
-
-def batched_config(
-    plan: Plan, model: "PreTrainedModel", inputs: "CaptionInputs", limits: "LoadLimits", longest: int,
-    device: "torch.device",
-) -> "CaptionConfig":
-    """The run's CaptionConfig with its batches: per kind of file, at most what the GPU memory free
-    holds beside the one cache `longest` sizes, and never more than the job's files of that kind
-    (the decoder then captures no larger bucket). Images and videos batch apart: a video's
-    prompt does not shrink the photos' batches."""
-    from encoder_graphs.app.pipeline import longest_sequence
-    from encoder_graphs.app.sizing import fitting_batch_sizes
-
-    settings, new_tokens = plan.settings, plan.config.max_new_tokens
-    counts = {kind: sum(f.kind == kind for f in plan.todo) for kind in ("image", "video")}
-    prompts = {"image": longest_sequence(inputs, plan.config, limits, videos=False) - new_tokens}
-    if counts["video"]:
-        prompts["video"] = longest - new_tokens
-        if not counts["image"]:
-            del prompts["image"]  # no photo rows in the cache
-    requested = settings.batch_size
-    most = {kind: max(1, counts[kind]) for kind in prompts}
-    sizes = fitting_batch_sizes(requested, model, longest, prompts, most, device)
-    for kind, size in sizes.items():
-        if requested is not None and size < min(requested, most[kind]):
-            print(f"encoder-graphs: --batch-size {requested} capped to {size} for {kind}s: the GPU memory free holds "
-                  f"{size} sequences of up to {prompts[kind] + new_tokens} tokens beside the cache", file=sys.stderr)
-    # Unless given, the vision-token cap lets a batch of the largest items through: the batch
-    # size already counts their memory.
-    tokens = {kind: settings.max_batch_tokens or prompts[kind] * size for kind, size in sizes.items()}
-    return replace(
-        plan.config,
-        batch_size=sizes.get("image", 1),
-        max_batch_tokens=tokens.get("image", plan.config.max_batch_tokens),
-        video_batch_size=sizes.get("video"),
-        video_max_batch_tokens=tokens.get("video"),
-        prefetch_batches=1 if plan.job.distributed else plan.config.prefetch_batches,
-    )
-
-
-def wants_compile(plan: Plan, device: "torch.device") -> bool:
-    """`--compile` / `--no-compile`, else on a GPU with enough files to pay for it: compiling the
-    encoder blocks adds seconds to the start and saves a few ms an image, so it pays only from
-    well over a thousand files a GPU (COMPILE_FROM_FILES keeps a margin for smaller towers;
-    measured: benchmarks/HISTORY.md). With `--no-graphs` too: the compiled blocks speed the eager
-    path as much."""
-    if plan.settings.compile is not None:
-        return plan.settings.compile
-    return device.type == "cuda" and len(plan.todo) >= COMPILE_FROM_FILES * plan.job.world_size
 
 
 @contextmanager

@@ -11,6 +11,7 @@ from encoder_graphs.app.plan import Plan
 from encoder_graphs.app.settings import Settings
 
 if TYPE_CHECKING:
+    from encoder_graphs.app.config import CaptionConfig
     from encoder_graphs.app.loading import ModelSource
     from encoder_graphs.app.media import LoadLimits
     from encoder_graphs.protocols import CaptionInputs
@@ -51,23 +52,25 @@ def load_limits(settings: Settings, source: "ModelSource", load_workers: int) ->
     )
 
 
-def check_length(plan: Plan, source: "ModelSource", limits: "LoadLimits") -> int:
-    """The job's longest sequence (`longest_sequence`); past the model's positions, a usage error
-    naming the flag that makes it so: the caption's length, the frames of a video, the prompt, or
-    the images' resolution."""
+def check_length(plan: Plan, config: "CaptionConfig", source: "ModelSource", limits: "LoadLimits") -> tuple[int, int]:
+    """The job's longest sequence and its images' (`longest_sequence`, with `config`'s prompt);
+    past the model's positions, a usage error naming the flag that makes it so: the caption's
+    length, the frames of a video, the prompt, or the images' resolution."""
     from encoder_graphs.app.pipeline import longest_sequence
 
-    inputs, config = source.inputs, plan.config
+    inputs = source.inputs
     flag = "--prompt" if plan.settings.prompt_file is None else f"--prompt-file {plan.settings.prompt_file}"
     try:
-        longest = longest_sequence(inputs, config, limits, videos=any(f.kind == "video" for f in plan.todo))
+        longest_image = longest_sequence(inputs, config, limits, videos=False)
+        longest = longest_sequence(inputs, config, limits, videos=True) if any(f.kind == "video" for f in plan.todo) \
+            else longest_image
     except ValueError as error:  # a prompt the model's inputs refuse (DeepSeek-OCR's with its own <image>)
         raise UsageError(f"{flag}: {error}") from error
     positions = getattr(source.config.get_text_config(), "max_position_embeddings", None)
     if positions is None or longest <= positions:
-        return longest
+        return longest, longest_image
     prompt = longest - config.max_new_tokens
-    image_prompt = longest_sequence(inputs, config, limits, videos=False) - config.max_new_tokens
+    image_prompt = longest_image - config.max_new_tokens
     past = f"past the model's {positions} positions"
     if prompt < positions:
         raise UsageError(f"--max-new-tokens {config.max_new_tokens}: the longest prompt ({prompt} tokens) plus the "
@@ -87,7 +90,7 @@ def check_seeded_sampling(settings: Settings, source: "ModelSource") -> None:
     `generate`, which takes none. A usage error before the weights load, not a failed file each."""
     from encoder_graphs.decoder.runner import DecoderGraphRunner
 
-    if settings.seed is not None and settings.temperature > 0:
-        if (reason := DecoderGraphRunner.unsupported(source.config)) is not None:
-            raise UsageError(f"--seed: this model's language model decodes through stock generate ({reason}), "
-                             "which takes no seed a file; sample without --seed")
+    sampled = settings.seed is not None and settings.temperature > 0
+    if sampled and (reason := DecoderGraphRunner.unsupported(source.config)) is not None:
+        raise UsageError(f"--seed: this model's language model decodes through stock generate ({reason}), "
+                         "which takes no seed a file; sample without --seed")

@@ -28,9 +28,10 @@ if TYPE_CHECKING:
     from encoder_graphs.app.walk import MediaFile
 
 
-@dataclass
+@dataclass(frozen=True)
 class Plan:
-    """What a run will do, settled before any model loads."""
+    """What a run will do, settled before any model loads (frozen: what the model decides is the
+    job's, `app/job.py`)."""
 
     settings: Settings
     roots: list[Path]
@@ -72,7 +73,6 @@ def make_plan(settings: Settings, job: Job) -> Plan:
         config = CaptionConfig(
             prompt=read_prompt(settings),
             max_new_tokens=settings.max_new_tokens,
-            max_batch_tokens=settings.max_batch_tokens or CaptionConfig.max_batch_tokens,
             prefix=settings.prefix,
             suffix=settings.suffix,
             temperature=settings.temperature,
