@@ -250,9 +250,11 @@ def main() -> None:
             elif name in PEER_RUNS:
                 try:  # a peer that cannot start (not installed, an engine error) costs its row only
                     runs[name] = run_peer(folder, work, args)
-                except (RuntimeError, OSError, ValueError) as error:
-                    runs[name] = {"error": str(error)[-2000:]}
+                except Exception as error:  # noqa: BLE001 (its row says why; the others stand)
+                    runs[name] = {"error": f"{type(error).__name__}: {error}"[-2000:]}
                     print(f"{name}: did not run; its error is in the JSON", file=sys.stderr)
+                if name == "vllm_warm" and "error" in runs.get("vllm", {}):
+                    runs[name]["first_start"] = True  # the run before it failed: nothing was warm
             else:
                 runs[name] = run_ours(folder, work, name, args, OUR_RUNS[name])
         for count in [int(n) for n in args.sizes.split(",") if n]:
@@ -303,16 +305,18 @@ def report(args: argparse.Namespace, runs: dict[str, dict], written: dict) -> No
              f"{r['items_per_s_in_loop']:.2f}", f"{r['start_s']:.1f}", f"{r['first_caption_after_load_s']:.1f}",
              f"{r['input_wait_pct']:.1f}", f"{r['peak_gpu_memory_gib']:.1f}" + ("*" if r.get("gpu_memory_is_card_use") else ""),
              f"{r['peak_host_memory_gib']:.1f}"]
-            for name, r in runs.items() if not r.get("out_of_memory") and not r.get("error")]
+            for name, r in runs.items() if not r.get("out_of_memory") and "error" not in r]
     print(markdown_table(["run", what, "batch", "wall s", f"{what}/s end to end", f"{what}/s in loop", "start s",
                           "first caption s after load", "input wait % of loop", "peak GPU GiB",
                           "peak host GiB (process tree)"], rows))
     if any(r.get("gpu_memory_is_card_use") for r in runs.values()):
         print("* the card's use at the end, not the run's peak: vLLM reserves --gpu-memory-utilization of it")
     for name, r in runs.items():
-        if r.get("error"):
-            print(f"{name}: did not run: {r['error'].strip().splitlines()[-1] if r['error'].strip() else '?'}")
+        if "error" in r:
+            print(f"{name}: did not run: {(r['error'].strip().splitlines() or ['?'])[-1]}")
             continue
+        if r.get("first_start"):
+            print(f"{name}: the vLLM run before it failed, so this was vLLM's first start on the machine")
         if r.get("out_of_memory"):
             print(f"{name}: out of GPU memory at batch {r['batch_size']} ({r['out_of_memory']})")
             continue
@@ -334,7 +338,7 @@ def report(args: argparse.Namespace, runs: dict[str, dict], written: dict) -> No
     if any(name == "stock" or name.startswith("stock_batch_") for name in runs) and "defaults" in runs:
         result.update(over_stock(runs))
         print(f"{result['speedup_of']} over {result['stock_baseline']}: {result['speedup_over_stock'] or result['no_speedup']}")
-    peers = [name for name in PEER_RUNS if name in runs and not runs[name].get("error")]
+    peers = [name for name in PEER_RUNS if name in runs and "error" not in runs[name]]
     if peers and "defaults" in runs:
         result["speedup_over_peer"] = {name: speedup(runs["defaults"], runs[name]) for name in peers}
         print(f"defaults over {', '.join(peers)}: {result['speedup_over_peer']}")

@@ -101,13 +101,14 @@ def run(plan: Plan) -> int:
     from encoder_graphs.app.loading import load_model, open_model, pick_device
     from encoder_graphs.report import format_graph_stats, format_run_stats
 
+    device = pick_device(settings.device, plan.job.local_rank)  # before any file is read: a usage error
     source = open_model(
         settings.model,
         max_tiles=settings.max_tiles,
         max_image_tokens=settings.max_image_tokens,
         max_frame_tokens=settings.max_frame_tokens,
     )
-    job = open_job(plan, source, pick_device(settings.device, plan.job.local_rank))  # before the weights: GBs
+    job = open_job(plan, source, device)  # before the weights: GBs
     name = printable(settings.model) if settings.model else "(embedded tiny default)"
     videos = start_video_decoders(plan, job, source.inputs)  # they decode the first clips while the model loads
     try:

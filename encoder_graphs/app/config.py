@@ -17,7 +17,7 @@ PROMPT_FIELDS = ("name", "folder", "width", "height")
 # arguments are checked, before a model loads (a 100 MB prompt file took a minute to fail).
 MAX_PROMPT_BYTES = 64 << 10
 MAX_FIELD_WIDTH = 256  # the widths and precisions a prompt's format specs may ask for
-COMPILE_FROM_FILES = 2000  # files a GPU from which the command compiles the encoder blocks (command.wants_compile)
+COMPILE_FROM_FILES = 2000  # files a GPU from which the command compiles the encoder blocks (job.wants_compile)
 # The resolution policy's default: vision tokens an image (or a video frame) may become, the top
 # of the Qwen team's 256-1280 guidance; 1,003,520 pixels for 28-pixel tokens (Qwen2/2.5-VL),
 # 1,310,720 for 32-pixel ones (Qwen3-VL). A token cap rather than a pixel one: the encoder's and

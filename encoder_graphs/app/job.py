@@ -116,7 +116,7 @@ def batched_config(job: CaptionJob, plan: Plan, model: "PreTrainedModel") -> Cap
     return replace(
         job.config,
         batch_size=sizes.get("image", 1),
-        max_batch_tokens=tokens.get("image", job.config.max_batch_tokens),
+        max_batch_tokens=tokens.get("image", settings.max_batch_tokens or job.config.max_batch_tokens),
         video_batch_size=sizes.get("video"),
         video_max_batch_tokens=tokens.get("video"),
         prefetch_batches=1 if plan.job.distributed else job.config.prefetch_batches,

@@ -56,7 +56,7 @@ class Settings:
     budgets: tuple[int, ...] | None = None
     attn_backend: str | None = None
     no_graphs: bool = False
-    compile: bool | None = None  # None: by the job's size (`command.wants_compile`)
+    compile: bool | None = None  # None: by the job's size (`job.wants_compile`)
     # Across machines (`shards.shard_of`); None: from a Slurm job array where one runs, else one shard.
     num_shards: int | None = None
     shard_index: int | None = None
