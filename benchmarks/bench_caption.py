@@ -397,7 +397,7 @@ def main() -> None:
     weight_bytes = weight_bytes_per_step(model)
     try:
         ours, our_tokens = caption_run(model, batches, args.new_tokens, device)
-        graph_stats = handle.stats()
+        graph_stats = handle.stats().to_json()  # plain data: the results JSON takes it as is
         ours_decode = {  # ours takes seconds where stock takes minutes: three times the repetitions
             b: decode_ms_per_token(model, decode_inputs[b], args.new_tokens, 3 * reps, device) for b in DECODE_BATCHES
         }

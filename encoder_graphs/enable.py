@@ -32,6 +32,7 @@ from encoder_graphs.decoder.layers.stack import pointwise_parts, warm_up_parts
 from encoder_graphs.decoder.runner import DecoderGraphRunner
 from encoder_graphs.engine.compile import CompiledBlocks, compile_blocks
 from encoder_graphs.engine.manager import EncoderCudaGraphManager
+from encoder_graphs.engine.statistics import GraphStats
 from encoder_graphs.models.registry import adapter_for
 from encoder_graphs.options import GraphOptions
 from encoder_graphs.protocols import ModelFamily
@@ -65,13 +66,16 @@ class EncoderGraphsHandle:
         self.generate_fallbacks: Counter = Counter()  # reason -> generate calls sent to the original
         self._rewrites = rewrites
 
-    def stats(self) -> dict:
-        return {
-            "encoder": {**self.manager.stats(), "compile": self.compiled.stats() if self.compiled else None},
-            "decoder": self.decoder.stats() if self.decoder is not None else None,
-            "decoder_off": self.decoder_off,
-            "generate_fallbacks": dict(self.generate_fallbacks),
-        }
+    def stats(self) -> GraphStats:
+        """Typed and frozen; it reads like the dict it was (`stats()["encoder"]["items"]`), and
+        `to_json()` is that dict (`engine/statistics.py`)."""
+        compiled = self.compiled.typed_stats() if self.compiled else None
+        return GraphStats(
+            encoder=replace(self.manager.typed_stats(), compile=compiled),
+            decoder=self.decoder.typed_stats() if self.decoder is not None else None,
+            decoder_off=self.decoder_off,
+            generate_fallbacks=dict(self.generate_fallbacks),
+        )
 
     def format_stats(self) -> str:
         return format_graph_stats(self.stats())

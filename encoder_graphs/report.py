@@ -1,82 +1,88 @@
 """Readable tables of the statistics: encoder graphs, decoder graphs, and a captioning run.
 
-Each function takes the plain dict its owner's `stats()` returns, so reports can also be made from
-a saved `--stats-json`. Graphs that are off get one line saying so and why.
+The graphs' tables take the typed records (`engine/statistics.py`); a saved `--stats-json` gives
+them back with `GraphStats.from_json` (less its "pipeline" and "device"). A run's table takes the
+plain dict of `RunStats.as_dict()`. Graphs that are off get one line saying so and why.
 """
 
+from typing import TYPE_CHECKING
 
-def format_encoder_stats(stats: dict) -> str:
-    """`EncoderCudaGraphManager.stats()` as a table."""
+if TYPE_CHECKING:
+    from encoder_graphs.engine.statistics import CompileStats, DecoderStats, EncoderStats, GraphStats
+
+
+def format_encoder_stats(stats: "EncoderStats") -> str:
+    """`EncoderCudaGraphManager.typed_stats()` as a table."""
     # An encoder item is what it packs as one (Qwen: an image or a video; InternVL: a tile; DeepSeek-OCR: a page).
-    calls = f"calls {stats['calls']}, encoder items {stats['items']}"
-    if not stats["enabled"]:
-        return _off("encoder", stats, calls) + _compiled(stats.get("compile"))
-    latency = stats["latency_ms"]
+    calls = f"calls {stats.calls}, encoder items {stats.items}"
+    if not stats.enabled:
+        return _off("encoder", stats.disabled_reason, calls) + _compiled(stats.compile)
+    latency = stats.latency_ms
     lines = [
         "encoder graphs: on",
-        f"  {calls}, graph items {stats['graph_items']}, eager items {stats['eager_items']}, "
-        f"hit rate {stats['hit_rate_pct']:.1f}%",
-        f"  capture {stats['capture_seconds']:.2f} s, graph memory {stats['graph_memory_bytes'] / 2**20:.1f} MiB"
-        + _compiled(stats.get("compile")),
-        f"  latency ms: mean {latency['mean']:.2f}  p50 {latency['p50']:.2f}  p99 {latency['p99']:.2f}",
+        (f"  {calls}, graph items {stats.graph_items}, eager items {stats.eager_items}, "
+        f"hit rate {stats.hit_rate_pct:.1f}%"),
+        f"  capture {stats.capture_seconds:.2f} s, graph memory {stats.graph_memory_bytes / 2**20:.1f} MiB"
+        + _compiled(stats.compile),
+        f"  latency ms: mean {latency.mean:.2f}  p50 {latency.p50:.2f}  p99 {latency.p99:.2f}",
         f"  {'path':<10}{'hits':>8}{'misses':>8}{'waste %':>9}  budgets (replays)",
     ]
-    for name, path in stats["paths"].items():
-        replays = ", ".join(f"{b} ({n})" for b, n in path["replays_per_budget"].items()) or "-"
-        lines.append(f"  {name:<10}{path['hits']:>8}{path['misses']:>8}{path['waste_pct']:>9.1f}  {replays}")
-        lines += [f"  {'':<10}miss: {reason} x{count}" for reason, count in path["miss_reasons"].items()]
-        failed = stats["failed_budgets"].get(name, {})
+    for name, path in stats.paths.items():
+        replays = ", ".join(f"{b} ({n})" for b, n in path.replays_per_budget.items()) or "-"
+        lines.append(f"  {name:<10}{path.hits:>8}{path.misses:>8}{path.waste_pct:>9.1f}  {replays}")
+        lines += [f"  {'':<10}miss: {reason} x{count}" for reason, count in path.miss_reasons.items()]
+        failed = stats.failed_budgets.get(name, {})
         lines += [f"  {'':<10}capture of {budget} failed: {reason}" for budget, reason in failed.items()]
     return "\n".join(lines)
 
 
-def _compiled(compile: dict | None) -> str:
+def _compiled(compile: "CompileStats | None") -> str:
     """The capture line's note on torch.compile of the encoder blocks (nothing when not asked)."""
     if compile is None:
         return ""
-    if compile["error"]:
-        return f", torch.compile failed (uncompiled): {compile['error']}"
-    return f", {compile['blocks']} blocks compiled in {compile['seconds']:.1f} s"
+    if compile.error:
+        return f", torch.compile failed (uncompiled): {compile.error}"
+    return f", {compile.blocks} blocks compiled in {compile.seconds:.1f} s"
 
 
-def format_decoder_stats(stats: dict | None, off: str | None = None) -> str:
-    """`DecoderGraphRunner.stats()` as a table (None: the decoder was not graphed, for `off`)."""
+def format_decoder_stats(stats: "DecoderStats | None", off: str | None = None) -> str:
+    """`DecoderGraphRunner.typed_stats()` as a table (None: the decoder was not graphed, for `off`)."""
     if stats is None:
         return f"decoder graphs: off ({off}); generate runs stock"
-    steps = f"sequences {stats['sequences']}, decode steps {stats['steps']}"
-    if not stats["enabled"]:
-        return _off("decoder", stats, steps)
-    timing = stats["decode_ms_per_step"]
+    steps = f"sequences {stats.sequences}, decode steps {stats.steps}"
+    if not stats.enabled:
+        return _off("decoder", stats.disabled_reason, steps)
+    timing = stats.decode_ms_per_step
     lines = [
-        f"decoder graphs: on (step: {stats['step']}, prefill: {stats['prefill']})",
-        f"  {steps}, graph steps {stats['graph_steps']}, eager steps {stats['eager_steps']}, "
-        f"lane waste {stats['lane_waste_pct']:.1f}%",
-        f"  capture {stats['capture_seconds']:.2f} s, graph memory {stats['graph_memory_bytes'] / 2**20:.1f} MiB, "
-        f"static buffers {stats['static_buffer_bytes'] / 2**20:.1f} MiB",
-        f"  decode ms/step: mean {timing['mean']:.2f}  p50 {timing['p50']:.2f}",
-        "  replays per bucket: " + (", ".join(f"{b} x{n}" for b, n in stats["replays_per_bucket"].items()) or "-"),
-        f"  length tiers {stats['length_tiers']}; steps per tier: "
-        + (", ".join(f"{t} x{n}" for t, n in stats["steps_per_tier"].items()) or "-"),
+        f"decoder graphs: on (step: {stats.step}, prefill: {stats.prefill})",
+        (f"  {steps}, graph steps {stats.graph_steps}, eager steps {stats.eager_steps}, "
+        f"lane waste {stats.lane_waste_pct:.1f}%"),
+        (f"  capture {stats.capture_seconds:.2f} s, graph memory {stats.graph_memory_bytes / 2**20:.1f} MiB, "
+        f"static buffers {stats.static_buffer_bytes / 2**20:.1f} MiB"),
+        f"  decode ms/step: mean {timing.mean:.2f}  p50 {timing.p50:.2f}",
+        "  replays per bucket: " + (", ".join(f"{b} x{n}" for b, n in stats.replays_per_bucket.items()) or "-"),
+        f"  length tiers {stats.length_tiers}; steps per tier: "
+        + (", ".join(f"{t} x{n}" for t, n in stats.steps_per_tier.items()) or "-"),
     ]
-    lines += [f"  eager: {reason} x{count}" for reason, count in stats["eager_reasons"].items()]
-    lines += [f"  capture of {graph} failed: {reason}" for graph, reason in stats["failed_graphs"].items()]
+    lines += [f"  eager: {reason} x{count}" for reason, count in stats.eager_reasons.items()]
+    lines += [f"  capture of {graph} failed: {reason}" for graph, reason in stats.failed_graphs.items()]
     return "\n".join(lines)
 
 
-def _off(what: str, stats: dict, counts: str) -> str:
-    """The one line for graphs that are off: why, and what ran eagerly instead."""
-    return f"{what} graphs: off ({stats['disabled_reason']}); {counts}, all eager"
+def _off(what: str, reason: object, counts: str) -> str:
+    """The one line for graphs that are off: why (a reason's text), and what ran eagerly instead."""
+    return f"{what} graphs: off ({reason}); {counts}, all eager"
 
 
-def format_graph_stats(stats: dict) -> str:
+def format_graph_stats(stats: "GraphStats") -> str:
     """`EncoderGraphsHandle.stats()`: encoder, decoder, and the generate calls sent to stock."""
-    fallbacks = sorted(stats["generate_fallbacks"].items(), key=lambda item: -item[1])
+    fallbacks = sorted(stats.generate_fallbacks.items(), key=lambda item: -item[1])
     return "\n".join(
         [
-            format_encoder_stats(stats["encoder"]),
-            format_decoder_stats(stats["decoder"], stats["decoder_off"]),
+            format_encoder_stats(stats.encoder),
+            format_decoder_stats(stats.decoder, stats.decoder_off),
             "generate calls sent to stock generate: "
-            + ("all (decoder graphs off)" if stats["decoder_off"] else
+            + ("all (decoder graphs off)" if stats.decoder_off else
                ", ".join(f"{reason} x{n}" for reason, n in fallbacks) or "none"),
         ]
     )

@@ -287,7 +287,7 @@ def measure(model: torch.nn.Module, inputs, workload: Workload, ours: dict[str, 
         try:
             features[name] = item_features(model, batch, items)
             tokens[name] = generate_tokens(model, batch, workload.new_tokens)
-            graphs[name] = _graph_summary(handle.stats())
+            graphs[name] = _graph_summary(handle.stats().to_json())
         finally:
             handle.disable()
         seconds[name] = time.perf_counter() - started

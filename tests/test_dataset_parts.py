@@ -21,7 +21,7 @@ from torch.distributed import HashStore
 
 from encoder_graphs.app.cli import main
 from encoder_graphs.app.distributed import Job, gather_stats, part_path
-from encoder_graphs.app.jobstats import combined_graph_stats
+from encoder_graphs.engine.statistics import GraphStats
 
 
 def split_into_stale_parts(out: Path) -> None:
@@ -190,24 +190,29 @@ def test_backfilled_sidecars_take_this_runs_prefix_and_overwrite(tmp_path):
 
 
 def test_graph_statistics_of_a_job_whose_rank_0_got_no_file():
-    def rank(calls: int, items: int, sequences: int, steps: int) -> dict:
+    def rank(calls: int, items: int, sequences: int, steps: int) -> GraphStats:
         latency = {"calls": calls, "mean": 2.0 * calls, "p50": 1.0, "p99": 3.0}
-        return {
+        once = {"capture_seconds": 0.5, "graph_memory_bytes": 10}  # each rank's own
+        return GraphStats.from_json({  # as the ranks send them: JSON
             "encoder": {"enabled": False, "disabled_reason": "no CUDA device", "calls": calls, "items": items,
-                        "graph_items": 0, "eager_items": items, "hit_rate_pct": 0.0, "capture_seconds": 0.5,
-                        "graph_memory_bytes": 10, "latency_ms": latency, "budgets": {"default": [64, 128]},
-                        "captured_budgets": {"default": [64] if calls else []}, "failed_budgets": {},
+                        "graph_items": 0, "eager_items": items, "hit_rate_pct": 0.0, **once, "max_items": 4, "max_frames": None,
+                        "latency_ms": latency, "budgets": {"default": [64, 128]}, "budget_costs_ms": {"default": {}},
+                        "captured_budgets": {"default": [64] if calls else []}, "failed_budgets": {}, "compile": None,
                         "paths": {"default": {"hits": 0, "misses": items, "miss_reasons": {"no CUDA device": items},
                                               "replays_per_budget": {}, "real_tokens": 8 * items,
                                               "padded_tokens": 10 * items, "waste_pct": 20.0}}},
-            "decoder": {"enabled": False, "calls": calls, "sequences": sequences, "steps": steps, "graph_steps": 0,
-                        "eager_steps": steps, "real_lanes": sequences, "padded_lanes": 2 * sequences,
+            "decoder": {"enabled": False, "disabled_reason": "no CUDA device", "step": "model forward",
+                        "prefill": "left-padded", "calls": calls, "sequences": sequences, "steps": steps,
+                        "graph_steps": 0, "eager_steps": steps, "real_lanes": sequences, "padded_lanes": 2 * sequences,
                         "lane_waste_pct": 50.0, "decode_ms_per_step": latency, "captured_graphs": [[1, 64]],
-                        "eager_reasons": {"no CUDA device": steps}},
+                        "eager_reasons": {"no CUDA device": steps}, "replays_per_bucket": {}, "replays_per_tier": {},
+                        "steps_per_tier": {"64": steps}, "buckets": [1], "length_tiers": [64], "failed_graphs": {},
+                        "max_cache_len": 64, **once, "static_buffer_bytes": 10},
+            "decoder_off": None,
             "generate_fallbacks": {},
-        }
+        })
 
-    job = combined_graph_stats([rank(0, 0, 0, 0), rank(3, 7, 7, 9), rank(1, 2, 2, 4)])
+    job = GraphStats.merge([rank(0, 0, 0, 0), rank(3, 7, 7, 9), rank(1, 2, 2, 4)])
     encoder, decoder = job["encoder"], job["decoder"]
     assert (encoder["calls"], encoder["items"], encoder["eager_items"]) == (4, 9, 9)
     assert encoder["paths"]["default"]["miss_reasons"] == {"no CUDA device": 9}
@@ -215,6 +220,7 @@ def test_graph_statistics_of_a_job_whose_rank_0_got_no_file():
     assert encoder["latency_ms"]["calls"] == 4 and encoder["latency_ms"]["mean"] == pytest.approx(5.0)
     assert encoder["capture_seconds"] == 0.5 and encoder["captured_budgets"] == {"default": [64]}
     assert (decoder["sequences"], decoder["steps"], decoder["lane_waste_pct"]) == (9, 13, 50.0)
+    assert decoder["steps_per_tier"] == {"64": 13} and decoder["max_cache_len"] == 64
     assert decoder["eager_reasons"] == {"no CUDA device": 13} and decoder["captured_graphs"] == [[1, 64]]
 
 
@@ -259,10 +265,12 @@ def test_every_graph_statistic_has_a_merge_rule():
 
     handle = enable_cuda_graphs(build_model("tiny-qwen2.5-vl"), budgets=[64])
     try:
-        stats = json.loads(json.dumps(handle.stats(), default=str))  # as the ranks send them
+        stats = json.loads(json.dumps(handle.stats().to_json()))  # as the ranks send them
     finally:
         handle.disable()
-    assert combined_graph_stats([stats, stats]).keys() == stats.keys()
+    job = GraphStats.merge([GraphStats.from_json(stats), GraphStats.from_json(stats)]).to_json()
+    assert job.keys() == stats.keys() and job["encoder"].keys() == stats["encoder"].keys()
+    assert job["decoder"].keys() == stats["decoder"].keys()
     stats["encoder"]["new_counter"] = 1
     with pytest.raises(KeyError, match="no merge rule for the statistics \\['new_counter'\\]"):
-        combined_graph_stats([stats, stats])
+        GraphStats.from_json(stats)

@@ -4,6 +4,7 @@ reloaded for real."""
 
 import copy
 import warnings
+from dataclasses import replace
 
 import pytest
 import torch
@@ -171,7 +172,7 @@ def test_generation_crossing_length_tiers_matches_generate(model):
     assert stats["eager_reasons"] == {"no CUDA device": 29} and stats["replays_per_tier"] == {}
     assert runner.format_stats() == "decoder graphs: off (no CUDA device); sequences 2, decode steps 29, all eager"
     # The full table (what a GPU run prints) from the same counters.
-    assert "steps per tier: 32 x12, 64 x17" in format_decoder_stats({**stats, "enabled": True})
+    assert "steps per tier: 32 x12, 64 x17" in format_decoder_stats(replace(runner.typed_stats(), enabled=True))
 
 
 def test_decode_steps_read_only_their_length_tier(model):

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
     from encoder_graphs.app.decoders import VideoDecoders
     from encoder_graphs.app.job import CaptionJob
+    from encoder_graphs.engine.statistics import GraphStats
     from encoder_graphs.protocols import CaptionInputs
 
 RESUME_HINT = "rerun the same command to resume"
@@ -134,30 +135,31 @@ def run(plan: Plan) -> int:
     print(format_graph_stats(graph_stats))
     print(outcome(plan))
     write_metadata(plan)
-    write_stats_json(settings, {"pipeline": summary, **graph_stats, "device": str(job.device)})
+    write_stats_json(settings, {"pipeline": summary, **graph_stats.to_json(), "device": str(job.device)})
     if summary["interrupted"]:
         print(f"interrupted: {RESUME_HINT}", file=sys.stderr)
         return EXIT_INTERRUPTED
     return exit_status(plan)
 
 
-def finish_job(plan: Plan, summary: dict, graph_stats: dict) -> tuple[dict, dict] | None:
+def finish_job(plan: Plan, summary: dict, graph_stats: "GraphStats") -> "tuple[dict, GraphStats] | None":
     """Every rank's statistics to rank 0, which merges the part files into `--out` (each path
     once: the ranks claimed disjoint chunks) and returns the job's run and graph statistics; None
     elsewhere. Interrupted, rank 0 waits a while only: the other ranks stop after their batch, and
     torchrun kills what is left 30 s after a Ctrl-C. The parts of ranks that did not report wait for
     the next run to merge them."""
     from encoder_graphs.app.distributed import gather_stats, part_path
-    from encoder_graphs.app.jobstats import combined_graph_stats, combined_stats
+    from encoder_graphs.app.jobstats import combined_stats
+    from encoder_graphs.engine.statistics import GraphStats
 
     patience_s = INTERRUPTED_WAIT_S if summary["interrupted"] else None
-    ranks = gather_stats(plan.job, {"run": summary, "graphs": graph_stats}, patience_s)
+    ranks = gather_stats(plan.job, {"run": summary, "graphs": graph_stats.to_json()}, patience_s)
     if ranks is None:
         return None
     parts = [part_path(plan.results.path, rank) for rank in ranks]
     plan.results.merge([part for part in parts if part.exists()])
     job_summary = combined_stats({rank: stats["run"] for rank, stats in ranks.items()})
-    return job_summary, combined_graph_stats([stats["graphs"] for stats in ranks.values()])
+    return job_summary, GraphStats.merge([GraphStats.from_json(stats["graphs"]) for stats in ranks.values()])
 
 
 def write_metadata(plan: Plan) -> None:
@@ -192,7 +194,7 @@ def write_stats_json(settings: Settings, payload: dict) -> None:
 def caption_files(
     plan: Plan, job: "CaptionJob", model: "PreTrainedModel", inputs: "CaptionInputs",
     videos: "VideoDecoders | None" = None,
-) -> tuple[dict, dict]:
+) -> "tuple[dict, GraphStats]":
     """Size the job (`sized_job`), enable the graphs, caption the files still to do, disable
     them: the run's and the graphs' statistics. `videos`: the video decoders, already started."""
     settings = plan.settings

@@ -10,16 +10,21 @@ from encoder_graphs.app.errors import printable
 
 if TYPE_CHECKING:
     from encoder_graphs.app.plan import Plan
+    from encoder_graphs.engine.statistics import GraphStats
 
 
-def said_by_flag(graph_stats: dict) -> dict:
+def said_by_flag(graph_stats: "GraphStats") -> "GraphStats":
     """The graphs' statistics with their "turned off" reason (the API's `enabled=False`) said as
     the flag that turned them off here, --no-graphs (a key of the miss reasons too)."""
+    return type(graph_stats).from_json(_said_by_flag(graph_stats.to_json()))
+
+
+def _said_by_flag(data: object) -> object:
     from encoder_graphs.packing.reasons import EagerReason
 
-    if isinstance(graph_stats, dict):
-        return {("--no-graphs" if key == EagerReason.TURNED_OFF else key): said_by_flag(value) for key, value in graph_stats.items()}
-    return "--no-graphs" if graph_stats == EagerReason.TURNED_OFF else graph_stats
+    if isinstance(data, dict):
+        return {("--no-graphs" if key == EagerReason.TURNED_OFF else key): _said_by_flag(value) for key, value in data.items()}
+    return "--no-graphs" if data == EagerReason.TURNED_OFF else data
 
 
 SHOWN_FAILURES = 5  # failed files the report names

@@ -30,6 +30,7 @@ from encoder_graphs.decoder.stats import DecodeCounters
 from encoder_graphs.decoder.step import decode_step, packed_prefill, prefill
 from encoder_graphs.decoder.tokens import NewTokens
 from encoder_graphs.engine.capture import GraphCache, unavailable_reason
+from encoder_graphs.engine.statistics import DecoderStats
 from encoder_graphs.models.registry import family_class
 from encoder_graphs.packing import smallest_fitting_budget
 from encoder_graphs.packing.reasons import EagerReason
@@ -366,24 +367,27 @@ class DecoderGraphRunner:
         self.counters = DecodeCounters()
 
     def stats(self) -> dict:
-        return {
-            "enabled": self.disabled_reason is None,
-            "disabled_reason": None if self.disabled_reason is None else str(self.disabled_reason),
-            "step": "fused layers" if self.stack is not None else "model forward",
-            "prefill": "packed" if self.packed_prefill else "left-padded",
-            **self.counters.as_dict(),
-            "buckets": list(self.config.buckets),
-            "length_tiers": list(self.config.length_tiers),
-            "captured_graphs": [list(key) for key in sorted(self.graphs)],
-            "failed_graphs": {f"batch {b}, tier {t}": reason for (b, t), reason in sorted(self._graphs.failed.items())},
-            "max_cache_len": self.config.max_cache_len,
-            "capture_seconds": self._graphs.seconds,
-            "graph_memory_bytes": self._graphs.memory_bytes,
-            "static_buffer_bytes": self._static.nbytes if self._static is not None else 0,
-        }
+        return self.typed_stats().to_json()  # the JSON's keys: engine/statistics.py
+
+    def typed_stats(self) -> DecoderStats:
+        return DecoderStats(
+            enabled=self.disabled_reason is None,
+            disabled_reason=self.disabled_reason,
+            step="fused layers" if self.stack is not None else "model forward",
+            prefill="packed" if self.packed_prefill else "left-padded",
+            **self.counters.counts(),
+            buckets=list(self.config.buckets),
+            length_tiers=list(self.config.length_tiers),
+            captured_graphs=[list(key) for key in sorted(self.graphs)],
+            failed_graphs={f"batch {b}, tier {t}": reason for (b, t), reason in sorted(self._graphs.failed.items())},
+            max_cache_len=self.config.max_cache_len,
+            capture_seconds=self._graphs.seconds,
+            graph_memory_bytes=self._graphs.memory_bytes,
+            static_buffer_bytes=self._static.nbytes if self._static is not None else 0,
+        )
 
     def format_stats(self) -> str:
-        return format_decoder_stats(self.stats())
+        return format_decoder_stats(self.typed_stats())
 
     def close(self) -> None:
         """Free the graphs, their pool and the static buffers; give the stacked projections of the

@@ -3,6 +3,7 @@
 from collections import Counter
 from dataclasses import dataclass, field
 
+from encoder_graphs.engine.statistics import Latency
 from encoder_graphs.engine.stats import LatencyRecorder
 from encoder_graphs.packing.reasons import EagerReason, counts_by_text
 
@@ -34,7 +35,8 @@ class DecodeCounters:
         else:
             self.eager_reasons[eager_reason] += 1
 
-    def as_dict(self) -> dict:
+    def counts(self) -> dict:
+        """The fields of `DecoderStats` that these counters fill (its rates it computes itself)."""
         return {
             "calls": self.calls,
             "sequences": self.sequences,
@@ -47,6 +49,5 @@ class DecodeCounters:
             "steps_per_tier": dict(sorted(self.steps_per_tier.items())),
             "real_lanes": self.real_lanes,
             "padded_lanes": self.padded_lanes,
-            "lane_waste_pct": 100.0 * (1 - self.real_lanes / self.padded_lanes) if self.padded_lanes else 0.0,
-            "decode_ms_per_step": self.timer.summary(),
+            "decode_ms_per_step": Latency.from_json(self.timer.summary()),
         }

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from encoder_graphs.engine.statistics import CompileStats
 from encoder_graphs.rewrites import Rewrites
 
 
@@ -31,7 +32,10 @@ class CompiledBlocks:
     error: str | None = None
 
     def stats(self) -> dict:
-        return {"blocks": self.blocks, "seconds": self.seconds, "error": self.error}
+        return self.typed_stats().to_json()
+
+    def typed_stats(self) -> CompileStats:
+        return CompileStats(blocks=self.blocks, seconds=self.seconds, error=self.error)
 
 
 def compile_blocks(blocks: Sequence[nn.Module], warm_up: Callable[[], None], rewrites: Rewrites) -> CompiledBlocks:

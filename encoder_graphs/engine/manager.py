@@ -15,6 +15,7 @@ import torch
 
 from encoder_graphs.engine.buffers import BudgetGraph, SharedBuffers, fill_buffers
 from encoder_graphs.engine.capture import GraphCache, unavailable_reason
+from encoder_graphs.engine.statistics import EncoderStats
 from encoder_graphs.engine.stats import EncoderCounters, elapsed_ms
 from encoder_graphs.packing import BudgetCosts, SubBatch, generate_budgets, greedy_pack, merge_eager
 from encoder_graphs.packing.reasons import EagerReason
@@ -335,24 +336,27 @@ class EncoderCudaGraphManager:
 
     # ----- statistics ----------------------------------------------------------------------
     def stats(self) -> dict:
-        return {
-            "enabled": self.disabled_reason is None,
-            "disabled_reason": None if self.disabled_reason is None else str(self.disabled_reason),
-            **self.counters.as_dict(),
-            "budgets": {path: list(values) for path, values in self.budgets.items()},
-            "captured_budgets": {path: sorted(graphs) for path, graphs in self.graphs.items()},
-            "failed_budgets": self._failed_budgets(),
-            "max_items": self.max_items,
-            "max_frames": self.max_frames,
-            "capture_seconds": self._graphs.seconds,
-            "graph_memory_bytes": self._graphs.memory_bytes,
-            "budget_costs_ms": {
+        """`typed_stats()` as plain data (the JSON's keys, `engine/statistics.py`)."""
+        return self.typed_stats().to_json()
+
+    def typed_stats(self) -> EncoderStats:
+        return EncoderStats(
+            enabled=self.disabled_reason is None,
+            disabled_reason=self.disabled_reason,
+            **self.counters.counts(),
+            budgets={path: list(values) for path, values in self.budgets.items()},
+            captured_budgets={path: sorted(graphs) for path, graphs in self.graphs.items()},
+            failed_budgets=self._failed_budgets(),
+            max_items=self.max_items,
+            max_frames=self.max_frames,
+            capture_seconds=self._graphs.seconds,
+            graph_memory_bytes=self._graphs.memory_bytes,
+            budget_costs_ms={
                 path: {budget: {"replay": costs.replay_ms.get(budget), "eager": costs.eager_ms[budget]}
                        for budget in sorted(costs.eager_ms)}
                 for path, costs in self.costs.items()
             },
-            "latency_ms": self.counters.latency.summary(),
-        }
+        )
 
     def _failed_budgets(self) -> dict[str, dict[int, str]]:
         failed: dict[str, dict[int, str]] = {}
@@ -361,7 +365,7 @@ class EncoderCudaGraphManager:
         return failed
 
     def format_stats(self) -> str:
-        return format_encoder_stats(self.stats())
+        return format_encoder_stats(self.typed_stats())
 
     def reset_stats(self) -> None:
         self._reset_counters()

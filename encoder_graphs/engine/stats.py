@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from encoder_graphs.engine.statistics import Latency, PathStats
 from encoder_graphs.packing import SubBatch
 from encoder_graphs.packing.reasons import EagerReason, counts_by_text
 from encoder_graphs.protocols import EncoderItemSpec
@@ -15,7 +16,9 @@ LATENCY_WINDOW = 10_000
 
 
 @dataclass
-class PathStats:
+class PathCounters:
+    """One path's counts while the manager runs; `typed()` is what its statistics report."""
+
     hits: int = 0
     misses: int = 0
     miss_reasons: Counter = field(default_factory=Counter)
@@ -23,17 +26,15 @@ class PathStats:
     real_tokens: int = 0
     padded_tokens: int = 0
 
-    def as_dict(self) -> dict:
-        waste = self.padded_tokens - self.real_tokens
-        return {
-            "hits": self.hits,
-            "misses": self.misses,
-            "miss_reasons": counts_by_text(self.miss_reasons),
-            "replays_per_budget": dict(sorted(self.replays.items())),
-            "real_tokens": self.real_tokens,
-            "padded_tokens": self.padded_tokens,
-            "waste_pct": 100.0 * waste / self.padded_tokens if self.padded_tokens else 0.0,
-        }
+    def typed(self) -> PathStats:
+        return PathStats(
+            hits=self.hits,
+            misses=self.misses,
+            miss_reasons=counts_by_text(self.miss_reasons),
+            replays_per_budget=dict(sorted(self.replays.items())),
+            real_tokens=self.real_tokens,
+            padded_tokens=self.padded_tokens,
+        )
 
 
 class EncoderCounters:
@@ -43,7 +44,7 @@ class EncoderCounters:
 
     def __init__(self, paths: Sequence[str]) -> None:
         self.paths = list(paths)
-        self.path_stats = {path: PathStats() for path in self.paths}
+        self.path_stats = {path: PathCounters() for path in self.paths}
         self.calls = 0
         self.items = 0
         self.graph_items = 0
@@ -71,14 +72,15 @@ class EncoderCounters:
     def hit_rate_pct(self) -> float:
         return 100.0 * self.graph_items / self.items if self.items else 0.0
 
-    def as_dict(self) -> dict:
+    def counts(self) -> dict:
+        """The fields of `EncoderStats` that these counters fill (its rates it computes itself)."""
         return {
             "calls": self.calls,
             "items": self.items,
             "graph_items": self.graph_items,
             "eager_items": self.items - self.graph_items,
-            "hit_rate_pct": self.hit_rate_pct(),
-            "paths": {path: stats.as_dict() for path, stats in self.path_stats.items()},
+            "paths": {path: stats.typed() for path, stats in self.path_stats.items()},
+            "latency_ms": Latency.from_json(self.latency.summary()),
         }
 
     def miss_reasons(self) -> dict[str, int]:
