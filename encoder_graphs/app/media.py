@@ -143,30 +143,36 @@ warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning)
 
 
 def load_image(path: Path, limits: LoadLimits) -> Image.Image:
-    """Decoded as small as the limits allow: a JPEG reduced inside its decoder, other formats box
-    reduced right after decoding, before any conversion (a float copy of a 16-bit bitmap is four
-    times its size); turned upright by its EXIF orientation."""
+    """Decoded as small as the limits allow (`decode_image`), from a regular file only."""
     with open_regular(path) as handle:
-        try:
-            with Image.open(handle) as image:  # no DecompressionBombWarning: the filter above
-                check_size(path, *image.size, limits)
-                # JPEG can decode at 1/2, 1/4, 1/8 scale: a huge photo never becomes a huge bitmap.
-                scale = math.sqrt(limits.max_pixels / (image.width * image.height))
-                if scale < 1:
-                    image.draft("RGB", (max(1, int(image.width * scale)), max(1, int(image.height * scale))))
-                with DECODE_BUDGET.hold(image.width * image.height * DECODE_BYTES_PER_PIXEL):
-                    image.load()
-                    orientation = image.getexif().get(ORIENTATION_TAG, 1)  # a PNG's may follow its pixels
-                    rgb = _to_rgb(reduce(_narrow(image), limits.max_pixels))
-        except MediaError:
-            raise
-        except Image.DecompressionBombError as error:
-            raise MediaError(path, "too_large", str(error)) from error
-        except UnidentifiedImageError as error:
-            raise MediaError(path, "corrupt", "not a recognised image") from error
-        except (OSError, ValueError, SyntaxError, EOFError) as error:
-            # PIL reports truncated and malformed data as any of these.
-            raise MediaError(path, "corrupt", f"cannot decode image ({error})") from error
+        return decode_image(handle, path, limits)
+
+
+def decode_image(handle: BinaryIO, name: Path | str, limits: LoadLimits) -> Image.Image:
+    """The image `handle` holds (a file, or bytes of a dataset's row; `name` says which in an
+    error), decoded as small as the limits allow: a JPEG reduced inside its decoder, other
+    formats box reduced right after decoding, before any conversion (a float copy of a 16-bit
+    bitmap is four times its size); turned upright by its EXIF orientation."""
+    try:
+        with Image.open(handle) as image:  # no DecompressionBombWarning: the filter above
+            check_size(name, *image.size, limits)
+            # JPEG can decode at 1/2, 1/4, 1/8 scale: a huge photo never becomes a huge bitmap.
+            scale = math.sqrt(limits.max_pixels / (image.width * image.height))
+            if scale < 1:
+                image.draft("RGB", (max(1, int(image.width * scale)), max(1, int(image.height * scale))))
+            with DECODE_BUDGET.hold(image.width * image.height * DECODE_BYTES_PER_PIXEL):
+                image.load()
+                orientation = image.getexif().get(ORIENTATION_TAG, 1)  # a PNG's may follow its pixels
+                rgb = _to_rgb(reduce(_narrow(image), limits.max_pixels))
+    except MediaError:
+        raise
+    except Image.DecompressionBombError as error:
+        raise MediaError(name, "too_large", str(error)) from error
+    except UnidentifiedImageError as error:
+        raise MediaError(name, "corrupt", "not a recognised image") from error
+    except (OSError, ValueError, SyntaxError, EOFError) as error:
+        # PIL reports truncated and malformed data as any of these.
+        raise MediaError(name, "corrupt", f"cannot decode image ({error})") from error
     if orientation in UPRIGHT:  # phone photos: upright as seen
         rgb = rgb.transpose(UPRIGHT[orientation])
     return fit(rgb, None, limits.min_side)
@@ -180,7 +186,7 @@ def upright_size(path: Path) -> tuple[int, int]:
     return (height, width) if turned else (width, height)
 
 
-def check_size(path: Path, width: int, height: int, limits: LoadLimits, max_pixels: int | None = None) -> None:
+def check_size(path: Path | str, width: int, height: int, limits: LoadLimits, max_pixels: int | None = None) -> None:
     """From the header, before any pixel is decoded: too many pixels (`max_pixels`, default
     `limits.max_decode_pixels`), or too elongated a shape."""
     if width < 1 or height < 1:

@@ -1,0 +1,134 @@
+"""Captioning inside Ray Data: `RayCaptioner` is the class `Dataset.map_batches` takes, so that
+each actor holds one model with its graphs and captions the batches Ray streams to it, from
+`ray.data.read_parquet`, `read_webdataset` or any dataset with a column of image bytes (or of
+paths to images) and a key column:
+
+    ds = ray.data.read_parquet("shards/")
+    captions = ds.map_batches(RayCaptioner, fn_constructor_kwargs={"model": "qwen2.5-vl-3b"},
+                              batch_size=64, num_gpus=1, concurrency=4)
+    captions.write_parquet("captions/")
+
+A row's image is decoded and checked as a file of the caption command is (`media.decode_image`:
+the same limits), captioned by the same `Captioner` at the job the command would resolve for a
+batch of `batch_size` images (`app/job.py`), greedy. Each row comes back with its key, its
+caption or its error (`error_kind`, `error`: a bad image costs its row only), token counts and
+the prompt; every other column is carried through, the image column left out. Ray itself is an
+optional extra (`pip install "encoder-graphs[ray]"`): this module imports nothing of it."""
+
+import io
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from encoder_graphs.app.config import DEFAULT_IMAGE_TOKENS, CaptionConfig
+from encoder_graphs.app.media import MediaError, decode_image, load_image
+from encoder_graphs.app.pipeline import Captioner, Pending
+from encoder_graphs.app.plan import Plan
+from encoder_graphs.app.runstats import RunStats
+from encoder_graphs.app.settings import Settings
+from encoder_graphs.app.walk import MediaFile
+
+# The columns each row gains (a failed row: its error's; the others None).
+OUTPUT_COLUMNS = ("caption", "text", "tokens", "truncated", "prompt", "width", "height", "vision_tokens", "model",
+                  "error_kind", "error")
+
+
+class RowCaptioner(Captioner):
+    """A Captioner of a dataset's rows: a row is named by its key, not by a file."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._keys: dict[Path, str] = {}  # a row's stand-in path -> its key
+
+    def caption_rows(self, keys: list[str], images: list[Any]) -> list[dict]:
+        """One record per row, in order: its caption, or why it has none."""
+        outcomes: list[dict | Pending] = [self._prepare_row(index, key, image)
+                                          for index, (key, image) in enumerate(zip(keys, images))]
+        ready = [outcome for outcome in outcomes if isinstance(outcome, Pending)]
+        stats, captioned = RunStats(), {}
+        size = self.config.batch_size
+        for start in range(0, len(ready), size):
+            batch = ready[start : start + size]
+            for pending, record in zip(batch, self.caption_batch(batch, stats)):
+                captioned[pending.file.path] = record
+        return [captioned[outcome.file.path] if isinstance(outcome, Pending) else outcome for outcome in outcomes]
+
+    def _prepare_row(self, index: int, key: str, image: Any) -> "Pending | dict":
+        file = MediaFile(Path(f"row-{index}"), "image")  # rows are named by their keys (`_identity`)
+        self._keys[file.path] = key
+        started = time.perf_counter()
+        try:
+            picture = decode_row_image(image, key, self.limits)
+            item = self.inputs.encode_image(picture)
+        except MediaError as error:
+            return self._error_record(file, error.kind, str(error))
+        except Exception as error:  # noqa: BLE001 (a processor refusing one row costs that row only)
+            return self._error_record(file, "preprocess", f"{key}: {type(error).__name__}: {error}")
+        prompt = self.config.prompt_for(key, "", *picture.size)
+        return Pending(file, item, 1000.0 * (time.perf_counter() - started), prompt, picture.size)
+
+    def _identity(self, file: MediaFile) -> dict:
+        return {"key": self._keys[file.path], "kind": file.kind}
+
+    def _failure_record(self, file: MediaFile, error: Exception) -> dict:
+        record = super()._failure_record(file, error)
+        return {**record, "error": record["error"].replace(str(file.path), self._keys[file.path], 1)}
+
+
+def decode_row_image(value: Any, key: str, limits: Any) -> Any:
+    """A row's image: bytes, an HF image struct ({"bytes": ..., "path": ...}), or a path."""
+    if isinstance(value, dict):
+        value = value.get("bytes") or value.get("path")
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        if not value:
+            raise MediaError(key, "empty", "zero bytes")
+        return decode_image(io.BytesIO(bytes(value)), key, limits)
+    if isinstance(value, (str, os.PathLike)):
+        return load_image(Path(value), limits)
+    raise MediaError(key, "unreadable", f"the image column holds {type(value).__name__}, not bytes or a path")
+
+
+def one_batch_plan(settings: Settings, batch_size: int) -> Plan:
+    """The plan the caption command would make for `batch_size` images (no files, no outputs):
+    an actor's job is sized for the batches Ray hands it."""
+    todo = [MediaFile(Path(f"row-{index}"), "image") for index in range(batch_size)]
+    config = CaptionConfig(prompt=settings.prompt, max_new_tokens=settings.max_new_tokens)
+    return Plan(settings, [], todo, todo, config, sidecars=None, results=None)
+
+
+class RayCaptioner:
+    """For `Dataset.map_batches(RayCaptioner, fn_constructor_kwargs=..., batch_size=N, num_gpus=1,
+    concurrency=...)`: one model with its graphs per actor. `model`: a checkpoint directory, Hub
+    id or preset (None: the embedded tiny default); `batch_size`: rows a generate call takes at
+    most (give map_batches the same); `image_column`, `key_column`: the columns read."""
+
+    def __init__(self, model: str | None = None, *, prompt: str | None = None, max_new_tokens: int = 32,
+                 batch_size: int = 32, image_column: str = "image", key_column: str = "key",
+                 max_image_tokens: int | None = DEFAULT_IMAGE_TOKENS, max_tiles: int | None = None,
+                 no_graphs: bool = False, device: str = "auto") -> None:
+        from encoder_graphs import enable_cuda_graphs
+        from encoder_graphs.app.job import open_job, sized_job
+        from encoder_graphs.app.loading import load_model, open_model, pick_device
+
+        settings = Settings(model=model, prompt=prompt, max_new_tokens=max_new_tokens, batch_size=batch_size,
+                            max_image_tokens=max_image_tokens, max_tiles=max_tiles, no_graphs=no_graphs, device=device)
+        source = open_model(model, max_tiles=max_tiles, max_image_tokens=max_image_tokens)
+        plan = one_batch_plan(settings, batch_size)
+        job = open_job(plan, source, pick_device(device))
+        self.model = load_model(source, job.device)
+        self.job = sized_job(job, plan, self.model)
+        self.handle = enable_cuda_graphs(self.model, self.job.options)
+        self.captioner = RowCaptioner(self.model, source.inputs, self.job.config, self.job.limits,
+                                      model_name=self.job.model_name)
+        self.image_column, self.key_column = image_column, key_column
+
+    def __call__(self, batch: dict[str, Any]) -> dict[str, list]:
+        for column in (self.image_column, self.key_column):
+            if column not in batch:
+                raise KeyError(f"the dataset has no column {column!r} (columns: {', '.join(batch)}); "
+                               f"name it with {'image' if column == self.image_column else 'key'}_column=")
+        keys = [str(key) for key in batch[self.key_column]]
+        records = self.captioner.caption_rows(keys, list(batch[self.image_column]))
+        carried = {name: list(values) for name, values in batch.items() if name != self.image_column}
+        return {**carried, **{name: [record.get(name) for record in records] for name in OUTPUT_COLUMNS}}
