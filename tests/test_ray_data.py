@@ -1,5 +1,6 @@
 """Ray Data's `map_batches` with `RayCaptioner` (`app/ray_data.py`) on a local cluster of two
-CPU actors: Parquet rows of image bytes (and a corrupt row; elsewhere a path) come back with the
+CPU actors: Parquet rows of image bytes (a corrupt one amid them; elsewhere HF image structs, a
+missing image, paths) come back with the
 captions the caption command writes for the same images as files, the other columns carried
 through, a bad row its error. The embedded tiny model, fp32, greedy."""
 
@@ -40,35 +41,50 @@ def photos(folder):
     return sorted(folder.iterdir())
 
 
-def test_ray_data_gives_the_commands_captions(cluster, tmp_path, capsys):
+def test_ray_data_gives_the_commands_captions(cluster, tmp_path):
     from encoder_graphs.app.ray_data import RayCaptioner
 
     files = photos(tmp_path / "photos")
+    prompt = "Describe {name}, {width}x{height}."  # the fields a row fills as the command fills a file's
     assert main(["caption", str(tmp_path / "photos"), "--out", str(tmp_path / "c.jsonl"), "--max-new-tokens", "6",
-                 "--quiet", "--device", "cpu"]) == 0
-    expected = {json.loads(line)["relative_path"]: json.loads(line)["caption"]
-                for line in (tmp_path / "c.jsonl").read_text().splitlines()}
-    rows = {"key": [f.name for f in files] + ["broken.png"],
-            "image": [f.read_bytes() for f in files] + [b"\x89PNG not really"],
-            "shard": list(range(len(files) + 1))}
+                 "--quiet", "--device", "cpu", "--prompt", prompt]) == 0
+    expected = {record["relative_path"]: record for record in map(json.loads, (tmp_path / "c.jsonl").read_text().splitlines())}
+    keys = [f.name for f in files]
+    keys.insert(4, "broken.png")  # a failed row amid the others: the records after it stay aligned
+    images = [f.read_bytes() for f in files]
+    images.insert(4, b"\x89PNG not really")
+    rows = {"key": keys, "image": images, "shard": list(range(len(keys)))}
     pq.write_table(pa.table(rows), tmp_path / "rows.parquet")
-    settings = {"fn_constructor_kwargs": {"max_new_tokens": 6, "batch_size": 4, "device": "cpu"}, "batch_size": 4}
-    captioned = ray.data.read_parquet(str(tmp_path / "rows.parquet")).map_batches(
-        RayCaptioner, concurrency=2, **settings).take_all()
+    settings = {"fn_constructor_kwargs": {"max_new_tokens": 6, "batch_size": 4, "device": "cpu", "prompt": prompt},
+                "batch_size": 4}
+    dataset = ray.data.read_parquet(str(tmp_path / "rows.parquet"), override_num_blocks=3)  # both actors get rows
+    captioned = dataset.map_batches(RayCaptioner, concurrency=2, **settings).take_all()
     got = {row["key"]: row for row in captioned}
-    assert sorted(got) == sorted(rows["key"]) and len(captioned) == len(rows["key"])  # every row once
-    for name, caption in expected.items():
-        assert got[name]["caption"] == caption and got[name]["error"] is None, name
-        assert got[name]["tokens"] == 6 and got[name]["shard"] == rows["key"].index(name)
+    assert sorted(got) == sorted(keys) and len(captioned) == len(keys)  # every row once
+    for name, record in expected.items():
+        row = got[name]
+        assert row["error"] is None and row["shard"] == keys.index(name), name
+        assert [row[field] for field in ("caption", "prompt", "width", "height", "tokens", "vision_tokens")] == \
+            [record[field] for field in ("caption", "prompt", "width", "height", "tokens", "vision_tokens")], name
+    assert got["img3.jpg"]["height"] > got["img3.jpg"]["width"]  # as seen: its EXIF turns it
     assert got["broken.png"]["error_kind"] == "corrupt" and got["broken.png"]["caption"] is None
     assert "image" not in got["broken.png"]  # the bytes are not carried back
-    # A column of paths instead of bytes.
-    by_path = ray.data.from_items([{"key": "by-path", "image": str(files[0])}])
+    # An HF image struct, a missing image, and paths: read only when asked.
+    struct = [{"key": "struct", "image": {"bytes": files[0].read_bytes(), "path": None}},
+              {"key": "none", "image": None}]
+    rows = ray.data.from_items(struct).map_batches(RayCaptioner, concurrency=1, **settings).take_all()
+    by_key = {row["key"]: row for row in rows}
+    assert by_key["struct"]["caption"] == expected[files[0].name]["caption"]
+    assert by_key["none"]["error_kind"] == "missing"
+    by_path = ray.data.from_items([{"key": files[1].name, "image": str(files[1])}])
+    (refused,) = by_path.map_batches(RayCaptioner, concurrency=1, **settings).take_all()
+    assert refused["error_kind"] == "unreadable" and "read_paths=True" in refused["error"]
+    settings["fn_constructor_kwargs"]["read_paths"] = True
     (row,) = by_path.map_batches(RayCaptioner, concurrency=1, **settings).take_all()
-    assert row["caption"] == expected[files[0].name], row
+    assert row["caption"] == expected[files[1].name]["caption"], row
 
 
-def test_a_missing_column_is_named(cluster):
+def test_a_missing_or_clashing_column_is_named(cluster):
     from encoder_graphs.app.ray_data import RayCaptioner
 
     captioner = RayCaptioner(max_new_tokens=2, batch_size=2, device="cpu")
@@ -78,3 +94,5 @@ def test_a_missing_column_is_named(cluster):
     Image.new("RGB", (30, 30)).save(png, "PNG")
     out = captioner({"key": ["a", "b"], "image": [png.getvalue(), 7]})
     assert out["error"][0] is None and out["error_kind"][1] == "unreadable" and "holds int" in out["error"][1]
+    with pytest.raises(ValueError, match="columns named as RayCaptioner's outputs \\(caption\\)"):
+        captioner({"key": ["a"], "image": [png.getvalue()], "caption": ["an old one"]})

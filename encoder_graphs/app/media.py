@@ -178,8 +178,9 @@ def decode_image(handle: BinaryIO, name: Path | str, limits: LoadLimits) -> Imag
     return fit(rgb, None, limits.min_side)
 
 
-def upright_size(path: Path) -> tuple[int, int]:
-    """An image's width and height as seen (its EXIF orientation applied), from its header only."""
+def upright_size(path: Path | BinaryIO) -> tuple[int, int]:
+    """An image's width and height as seen (its EXIF orientation applied), from its header only
+    (`path`: a file, or a handle on an image's bytes)."""
     with Image.open(path) as image:  # sizes judged by `load` (the warnings filter above)
         width, height = image.size
         turned = UPRIGHT.get(image.getexif().get(ORIENTATION_TAG, 1)) in QUARTER_TURNS

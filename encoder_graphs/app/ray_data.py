@@ -12,8 +12,12 @@ A row's image is decoded and checked as a file of the caption command is (`media
 the same limits), captioned by the same `Captioner` at the job the command would resolve for a
 batch of `batch_size` images (`app/job.py`), greedy. Each row comes back with its key, its
 caption or its error (`error_kind`, `error`: a bad image costs its row only), token counts and
-the prompt; every other column is carried through, the image column left out. Ray itself is an
-optional extra (`pip install "encoder-graphs[ray]"`): this module imports nothing of it."""
+the prompt; every other column is carried through, the image column left out (a column named
+as one of the outputs is refused, not overwritten). A prompt template's `{name}` is the key's
+stem, `{folder}` empty, `{width}` and `{height}` the image's size as seen, as the command's. A
+column of paths is read only with `read_paths=True`: a dataset names files on the worker's host,
+which the command reads only where the user points it. Ray itself is an optional extra
+(`pip install "encoder-graphs[ray]"`): this module imports nothing of it."""
 
 import io
 import os
@@ -22,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from encoder_graphs.app.config import DEFAULT_IMAGE_TOKENS, CaptionConfig
-from encoder_graphs.app.media import MediaError, decode_image, load_image
+from encoder_graphs.app.media import LoadLimits, MediaError, decode_image, load_image, upright_size
 from encoder_graphs.app.pipeline import Captioner, Pending
 from encoder_graphs.app.plan import Plan
 from encoder_graphs.app.runstats import RunStats
@@ -37,9 +41,10 @@ OUTPUT_COLUMNS = ("caption", "text", "tokens", "truncated", "prompt", "width", "
 class RowCaptioner(Captioner):
     """A Captioner of a dataset's rows: a row is named by its key, not by a file."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, read_paths: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._keys: dict[Path, str] = {}  # a row's stand-in path -> its key
+        self.read_paths = read_paths
 
     def caption_rows(self, keys: list[str], images: list[Any]) -> list[dict]:
         """One record per row, in order: its caption, or why it has none."""
@@ -59,14 +64,14 @@ class RowCaptioner(Captioner):
         self._keys[file.path] = key
         started = time.perf_counter()
         try:
-            picture = decode_row_image(image, key, self.limits)
+            picture, size = decode_row_image(image, key, self.limits, self.read_paths)
             item = self.inputs.encode_image(picture)
         except MediaError as error:
             return self._error_record(file, error.kind, str(error))
         except Exception as error:  # noqa: BLE001 (a processor refusing one row costs that row only)
             return self._error_record(file, "preprocess", f"{key}: {type(error).__name__}: {error}")
-        prompt = self.config.prompt_for(key, "", *picture.size)
-        return Pending(file, item, 1000.0 * (time.perf_counter() - started), prompt, picture.size)
+        prompt = self.config.prompt_for(Path(key).stem, "", *size)
+        return Pending(file, item, 1000.0 * (time.perf_counter() - started), prompt, size)
 
     def _identity(self, file: MediaFile) -> dict:
         return {"key": self._keys[file.path], "kind": file.kind}
@@ -76,16 +81,24 @@ class RowCaptioner(Captioner):
         return {**record, "error": record["error"].replace(str(file.path), self._keys[file.path], 1)}
 
 
-def decode_row_image(value: Any, key: str, limits: Any) -> Any:
-    """A row's image: bytes, an HF image struct ({"bytes": ..., "path": ...}), or a path."""
+def decode_row_image(value: Any, key: str, limits: LoadLimits, read_paths: bool) -> tuple[Any, tuple[int, int]]:
+    """A row's image (bytes, an HF image struct {"bytes": ..., "path": ...}, or with `read_paths`
+    a path) decoded within `limits`, and its width and height as seen (its header's, upright)."""
     if isinstance(value, dict):
         value = value.get("bytes") or value.get("path")
+    if value is None:
+        raise MediaError(key, "missing", "the row has no image")
     if isinstance(value, (bytes, bytearray, memoryview)):
         if not value:
             raise MediaError(key, "empty", "zero bytes")
-        return decode_image(io.BytesIO(bytes(value)), key, limits)
+        data = bytes(value)
+        image = decode_image(io.BytesIO(data), key, limits)
+        return image, upright_size(io.BytesIO(data))
     if isinstance(value, (str, os.PathLike)):
-        return load_image(Path(value), limits)
+        if not read_paths:
+            raise MediaError(key, "unreadable", "the image column holds a path: give read_paths=True to read files "
+                             "the dataset names")
+        return load_image(Path(value), limits), upright_size(Path(value))
     raise MediaError(key, "unreadable", f"the image column holds {type(value).__name__}, not bytes or a path")
 
 
@@ -101,12 +114,13 @@ class RayCaptioner:
     """For `Dataset.map_batches(RayCaptioner, fn_constructor_kwargs=..., batch_size=N, num_gpus=1,
     concurrency=...)`: one model with its graphs per actor. `model`: a checkpoint directory, Hub
     id or preset (None: the embedded tiny default); `batch_size`: rows a generate call takes at
-    most (give map_batches the same); `image_column`, `key_column`: the columns read."""
+    most (give map_batches the same); `image_column`, `key_column`: the columns read; `read_paths`:
+    whether an image column of paths is read (the module's docstring says why not by default)."""
 
     def __init__(self, model: str | None = None, *, prompt: str | None = None, max_new_tokens: int = 32,
                  batch_size: int = 32, image_column: str = "image", key_column: str = "key",
                  max_image_tokens: int | None = DEFAULT_IMAGE_TOKENS, max_tiles: int | None = None,
-                 no_graphs: bool = False, device: str = "auto") -> None:
+                 no_graphs: bool = False, read_paths: bool = False, device: str = "auto") -> None:
         from encoder_graphs import enable_cuda_graphs
         from encoder_graphs.app.job import open_job, sized_job
         from encoder_graphs.app.loading import load_model, open_model, pick_device
@@ -120,7 +134,7 @@ class RayCaptioner:
         self.job = sized_job(job, plan, self.model)
         self.handle = enable_cuda_graphs(self.model, self.job.options)
         self.captioner = RowCaptioner(self.model, source.inputs, self.job.config, self.job.limits,
-                                      model_name=self.job.model_name)
+                                      model_name=self.job.model_name, read_paths=read_paths)
         self.image_column, self.key_column = image_column, key_column
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, list]:
@@ -128,6 +142,9 @@ class RayCaptioner:
             if column not in batch:
                 raise KeyError(f"the dataset has no column {column!r} (columns: {', '.join(batch)}); "
                                f"name it with {'image' if column == self.image_column else 'key'}_column=")
+        if clashes := sorted(set(batch) & set(OUTPUT_COLUMNS)):
+            raise ValueError(f"the dataset has columns named as RayCaptioner's outputs ({', '.join(clashes)}): "
+                             "rename them first (Dataset.rename_columns), or they would be overwritten")
         keys = [str(key) for key in batch[self.key_column]]
         records = self.captioner.caption_rows(keys, list(batch[self.image_column]))
         carried = {name: list(values) for name, values in batch.items() if name != self.image_column}

@@ -88,6 +88,12 @@ class Record:
     def __contains__(self, name: object) -> bool:
         return name in self.keys()
 
+    def __iter__(self):  # as a dict: its keys (`dict(record)`, `for name in record`)
+        return iter(self.keys())
+
+    def __len__(self) -> int:
+        return len(self.keys())
+
     def get(self, name: str, default: Any = None) -> Any:
         return getattr(self, name) if name in self.keys() else default
 
