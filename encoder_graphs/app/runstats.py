@@ -69,7 +69,9 @@ class RunStats:
 
 def padding_pct(tokens: int, padded: int) -> float:
     """The share of the prefill's prompt tokens that were left-padding."""
-    return 100.0 * (padded - tokens) / padded if padded else 0.0
+    from encoder_graphs.engine.statistics import pct
+
+    return pct(padded - tokens, padded)
 
 
 def progress_bar(total: int) -> "tqdm":

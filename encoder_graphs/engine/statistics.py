@@ -201,6 +201,7 @@ def _having(dicts: list[dict], key: Any) -> list:
 
 
 def pct(part: float, whole: float) -> float:
+    """`part` as a percentage of `whole` (0 of nothing): every rate of the statistics."""
     return 100.0 * part / whole if whole else 0.0
 
 
@@ -287,7 +288,7 @@ class DecoderStats(Record):
     steps_per_tier: dict[int, int] = field(metadata=rule(Merge.SUM))
     real_lanes: int = field(metadata=rule(Merge.SUM))
     padded_lanes: int = field(metadata=rule(Merge.SUM))
-    lane_waste_pct: float = field(init=False, metadata=rate(lambda s: 100.0 * (1 - s.real_lanes / s.padded_lanes) if s.padded_lanes else 0.0))
+    lane_waste_pct: float = field(init=False, metadata=rate(lambda s: pct(s.padded_lanes - s.real_lanes, s.padded_lanes)))
     decode_ms_per_step: Latency = field(metadata=rule(Merge.RECORD, record=Latency))
     buckets: list[int] = field(metadata=rule(Merge.BUSIEST))
     length_tiers: list[int] = field(metadata=rule(Merge.BUSIEST))

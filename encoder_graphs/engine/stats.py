@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from encoder_graphs.engine.statistics import Latency, PathStats
+from encoder_graphs.engine.statistics import Latency, PathStats, pct
 from encoder_graphs.packing import SubBatch
 from encoder_graphs.packing.reasons import EagerReason, counts_by_text
 from encoder_graphs.protocols import EncoderItemSpec
@@ -70,7 +70,7 @@ class EncoderCounters:
                 stats.padded_tokens += budget
 
     def hit_rate_pct(self) -> float:
-        return 100.0 * self.graph_items / self.items if self.items else 0.0
+        return pct(self.graph_items, self.items)
 
     def counts(self) -> dict:
         """The fields of `EncoderStats` that these counters fill (its rates it computes itself)."""
