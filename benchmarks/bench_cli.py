@@ -64,7 +64,8 @@ time.sleep(3600)
 """
 # The caption command's arguments of each run of ours that `--runs` may name.
 OUR_RUNS = {"defaults": [], "no_graphs": ["--no-graphs"], "frames_model": ["--max-frame-tokens", "model"],
-            "keyframes": ["--video-sampling", "keyframes"], "no_prefetch": [], "cold": []}
+            "keyframes": ["--video-sampling", "keyframes"], "no_prefetch": [], "cold": [],
+            "no_compile": ["--no-compile"]}
 # Runs that differ by the environment: no clips decoded while the model loads (`app/decoders.py`).
 OUR_RUN_ENV = {"no_prefetch": {"ENCODER_GRAPHS_VIDEO_PREFETCH_BYTES": "0"}}
 def caption_command(folder: Path, out: Path, stats: Path, args: argparse.Namespace, extra: list[str], gpus: int) -> list[str]:
