@@ -12,23 +12,20 @@ so the CPU path exercises the same logic.
 """
 
 import logging
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from functools import partial
 from itertools import product
 
 import torch
 from transformers import PretrainedConfig
 
 from encoder_graphs.decoder.buffers import DecodeBuffers, DecoderGraphConfig, TextDims
-from encoder_graphs.decoder.generation import token_id_list
+from encoder_graphs.decoder.calls import GenerateCalls
 from encoder_graphs.decoder.layers.decode import DecodeStack
 from encoder_graphs.decoder.layers.stack import fuse_text_kernels
-from encoder_graphs.decoder.sampling import Generators, SamplingParams, select_next_tokens
 from encoder_graphs.decoder.stats import DecodeCounters
-from encoder_graphs.decoder.step import decode_step, packed_prefill, prefill
-from encoder_graphs.decoder.tokens import NewTokens
+from encoder_graphs.decoder.step import decode_step
 from encoder_graphs.engine.capture import GraphCache, unavailable_reason
 from encoder_graphs.engine.statistics import DecoderStats
 from encoder_graphs.models.registry import family_class
@@ -63,7 +60,7 @@ class _Tier:
     eager_reason: EagerReason | None
 
 
-class DecoderGraphRunner:
+class DecoderGraphRunner(GenerateCalls):
     """`generate` for a Hugging Face vision-language model: the model's own prefill, then decode
     steps replayed from CUDA graphs per (batch bucket, length tier), or run eagerly over the same
     buffers. `family` checks the model inputs of a call (default: the registered family of
@@ -215,89 +212,6 @@ class DecoderGraphRunner:
     def _step(self, buffers: DecodeBuffers, rows: int, tier: int, cache: SlotCache) -> None:
         decode_step(self.model, self.stack, buffers, rows, tier, cache)
 
-    # ----- generate ------------------------------------------------------------------------
-    def generate(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        *,
-        max_new_tokens: int,
-        do_sample: bool = False,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        eos_token_id: int | Sequence[int] | None = None,
-        pad_token_id: int | None = None,
-        generator: Generators = None,
-        stop_check_interval: int = 8,
-        **model_inputs: torch.Tensor,
-    ) -> torch.Tensor:
-        """Prompt ids followed by new ids, [batch, prompt_len + new], as `generate` returns them:
-        left-padded prompts in, finished sequences padded with `pad_token_id` after their EOS.
-        `generator`: the sampling's, or one per row (each row draws one vocabulary of noise a
-        step from its own: its tokens do not depend on the other rows)."""
-        if max_new_tokens < 1 or stop_check_interval < 1:
-            raise ValueError(f"max_new_tokens ({max_new_tokens}) and stop_check_interval must be >= 1")
-        if not (generator is None or isinstance(generator, torch.Generator) or len(generator) == len(input_ids)):
-            raise ValueError(f"{len(generator)} generators for {len(input_ids)} rows")
-        params = SamplingParams(do_sample, temperature, top_p)
-        eos_ids = token_id_list(self.model.generation_config.eos_token_id if eos_token_id is None else eos_token_id)
-        input_ids = input_ids.to(self.device)
-        mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(self.device)
-        batch, prompt_len = input_ids.shape
-        if max_new_tokens > 1 and (unfit := self.unfit_reason(batch, prompt_len + max_new_tokens - 1)):
-            raise ValueError(f"the decoder's static cache cannot hold this call: {unfit}")
-        tokens = NewTokens(batch, max_new_tokens, eos_ids, self._pad_id(pad_token_id, eos_ids), self.device)
-        sample = partial(select_next_tokens, params=params, generator=generator)
-        with torch.inference_mode():
-            inputs = self._model_inputs(model_inputs)
-            # Packed only when left-padded: generate reads the last column's logits, a pad's elsewhere.
-            packed = self.packed_prefill and bool(mask[:, -1].all())
-            prefilled = (packed_prefill if packed else prefill)(self.model, input_ids, mask, inputs)
-            chosen = tokens.emit(0, sample(prefilled.logits))
-            if max_new_tokens > 1:
-                route = self._route(batch, prompt_len + max_new_tokens - 1)
-                self._capture_first_use(route, prompt_len + 1, prompt_len + max_new_tokens - 1)
-                route.buffers.store.load_prefill(prefilled.key_values, prefilled.slots)
-                positions = prefilled.next_positions
-                del prefilled
-                route.buffers.start(batch=batch, rows=route.rows, prompt_mask=mask, next_positions=positions)
-                self._decode(route, tokens, chosen, prompt_len, sample, stop_check_interval if eos_ids else 0)
-            new_ids = tokens.generated()
-        self.counters.sequences += batch
-        self.counters.calls += 1
-        return torch.cat([input_ids, new_ids], dim=1)
-
-    def _decode(
-        self,
-        route: _Route,
-        tokens: NewTokens,
-        chosen: torch.Tensor,
-        prompt_len: int,
-        sample: Callable[[torch.Tensor], torch.Tensor],
-        stop_check_interval: int,
-    ) -> None:
-        """Decode steps 1 .. max_new_tokens - 1, stopping early once every sequence has ended
-        (checked every `stop_check_interval` steps; 0: never, when there is no EOS)."""
-        batch, max_new_tokens = tokens.ids.shape
-        tier = None
-        started = self.counters.timer.start(self.device.type == "cuda")
-        steps = 0
-        for step in range(1, max_new_tokens):
-            if stop_check_interval and step % stop_check_interval == 0 and tokens.finished():
-                break
-            # This step writes slot prompt_len + step - 1 and attends over every slot up to it.
-            if tier is None or prompt_len + step > tier.tier:
-                tier = self._tier(route, prompt_len + step)
-            route.buffers.input_ids[:batch, 0].copy_(chosen)
-            if tier.graph is not None:
-                tier.graph.replay()
-            else:
-                self._step(route.buffers, route.rows, tier.tier, tier.cache)
-            chosen = tokens.emit(step, sample(route.buffers.logits[:batch]))
-            self.counters.count_step(route.rows, batch, tier.tier, tier.eager_reason)
-            steps += 1
-        self.counters.timer.stop(started, steps)
-
     def unfit_reason(self, batch: int, needed_slots: int) -> str | None:
         """Why a call of `batch` sequences that need `needed_slots` cache slots each does not fit
         the static cache (None: it fits). Such a call is refused, not given a cache of its own
@@ -348,19 +262,6 @@ class DecoderGraphRunner:
         if not self.captured:
             return EagerReason.NOT_CAPTURED
         return EagerReason.CAPTURE_FAILED
-
-    def _model_inputs(self, model_inputs: dict) -> dict:
-        inputs = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in model_inputs.items()}
-        if self.family is not None:
-            self.family.check_decoder_inputs(inputs)
-        return inputs
-
-    def _pad_id(self, pad_token_id: int | None, eos_ids: list[int]) -> int:
-        if pad_token_id is None:
-            pad_token_id = self.model.generation_config.pad_token_id
-        if pad_token_id is None:
-            pad_token_id = eos_ids[0] if eos_ids else 0  # what generate falls back to
-        return int(pad_token_id)
 
     # ----- statistics ----------------------------------------------------------------------
     def reset_stats(self) -> None:

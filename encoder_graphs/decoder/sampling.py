@@ -25,6 +25,25 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 
 
+@dataclass
+class Sampling:
+    """How a generate call picks its tokens: the params, the generators (one, or one a row), the
+    EOS and pad ids (None: the model's)."""
+
+    params: SamplingParams
+    generator: Generators = None
+    eos_token_id: int | Sequence[int] | None = None
+    pad_token_id: int | None = None
+
+    @classmethod
+    def split(cls, settings: dict) -> tuple["Sampling", dict]:
+        """`DecoderGraphRunner.generate`'s keyword arguments as (the sampling, the model inputs)."""
+        rest = dict(settings)
+        params = SamplingParams(rest.pop("do_sample", False), rest.pop("temperature", 1.0), rest.pop("top_p", 1.0))
+        sampling = cls(params, rest.pop("generator", None), rest.pop("eos_token_id", None), rest.pop("pad_token_id", None))
+        return sampling, rest
+
+
 def select_next_tokens(logits: torch.Tensor, params: SamplingParams, generator: Generators = None) -> torch.Tensor:
     """Token ids [batch] from float logits [batch, vocab]. `generator`: one for the batch, or one
     per row, so that a row's draws depend on neither its batch nor the other rows."""

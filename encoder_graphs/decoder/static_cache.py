@@ -83,6 +83,17 @@ class StaticKVStore:
         self.conv[:, start:].zero_()
         self.recurrent[:, start:].zero_()
 
+    def load_rows(self, layer_states: list[tuple[torch.Tensor, torch.Tensor]], rows: torch.Tensor, slots: torch.Tensor) -> None:
+        """Copy the per-layer (keys, values) [len(rows), heads, len(slots), dim] of some sequences
+        into `rows`, token t of each at slot `slots[t]`; linear layers' states into `rows`."""
+        for (kind, index), (first, second) in zip(self.layers, layer_states, strict=True):
+            if kind == "linear":
+                self.conv[index, rows] = first
+                self.recurrent[index, rows] = second
+            else:  # [rows, 1] and [1, slots] index the rows and slots around the heads: [rows, slots, heads, dim]
+                self.kv[0, index][rows[:, None], :, slots[None, :]] = first.transpose(1, 2)
+                self.kv[1, index][rows[:, None], :, slots[None, :]] = second.transpose(1, 2)
+
     def load_prefill(
         self, layer_states: list[tuple[torch.Tensor, torch.Tensor]], slots: tuple[torch.Tensor, torch.Tensor] | None = None
     ) -> None:

@@ -66,6 +66,28 @@ def layer_states(cache: Cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
     ]
 
 
+# 5.17.0: a dynamic layer appends a forward's keys to `keys` / `values` once `is_initialized`; a
+# linear-attention layer with `has_previous_state[0]` prepends `conv_states[0]` to the new tokens'
+# conv inputs and starts the chunked recurrence from `recurrent_states[0]` (updating both in
+# place), so a multi-token forward continues a prefill.
+def continued_cache(cache: Cache, states: list[tuple[torch.Tensor, torch.Tensor]]) -> Cache:
+    """`cache` (a fresh dynamic cache) holding `states` as `layer_states` gives them: a forward
+    over it continues the sequences they end. The tensors are taken, not copied: the forward
+    updates linear states in place."""
+    for layer, (first, second) in zip(cache.layers, states, strict=True):
+        if isinstance(layer, LinearAttentionCacheLayerMixin):
+            layer.conv_states[0], layer.recurrent_states[0] = first, second
+            layer.is_conv_states_initialized[0] = layer.is_recurrent_states_initialized[0] = True
+            layer.has_previous_state[0] = True
+            layer.conv_kernel_size[0] = first.shape[-1]
+            layer.dtype, layer.device = first.dtype, first.device
+        else:
+            layer.dtype, layer.device = first.dtype, first.device
+            layer.keys, layer.values = first, second
+            layer.is_initialized = True
+    return cache
+
+
 # 5.17.0, 5.23.0: Qwen3.5's Gated DeltaNet convolves q, k and v together (conv_dim channels
 # of `linear_conv_kernel_dim` taps) and keeps an fp32 state per value head (the torch fallback's
 # dtype, and fla's).
