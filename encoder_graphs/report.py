@@ -120,6 +120,8 @@ def format_run_stats(stats: dict) -> str:
         + (f"; sidecars written: {stats['sidecars']}" if stats.get("sidecars") or stats.get("sidecar_errors") else "")
         + (f", {stats['sidecar_errors']} could not be" if stats.get("sidecar_errors") else ""),
     ]
+    if stats.get("prompt_batches"):  # named prompts: say where an item's prompts did not share its prefill
+        lines.append("  named prompts: " + ", ".join(f"{way} {plural(n, 'batch')}" for way, n in stats["prompt_batches"].items()))
     if stats.get("first_caption_after_load_s") is not None:
         lines.append(
             f"  start: model loaded {stats['load_s']:.1f} s after the command started; graphs set up in "

@@ -19,7 +19,8 @@ from transformers import AutoTokenizer, Qwen2VLForConditionalGeneration
 from encoder_graphs.app.cli import build_parser, main
 from encoder_graphs.app.config import DEFAULT_IMAGE_TOKENS, CaptionConfig
 from encoder_graphs.app.media import SAMPLES_DIR, LoadLimits
-from encoder_graphs.app.pipeline import Captioner, Pending, RunStats, longest_sequence
+from encoder_graphs.app.model_checks import longest_sequence
+from encoder_graphs.app.pipeline import Captioner, Pending, RunStats
 from encoder_graphs.app.results import ResultsFile, read_records
 from encoder_graphs.app.walk import discover
 from encoder_graphs.models.qwen.inputs import QwenVLInputs

@@ -116,10 +116,18 @@ def _text_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("prompt and caption text")
     prompt = group.add_mutually_exclusive_group()
     prompt.add_argument(
-        "--prompt", default=None, help=f"the instruction given with each file; may use {fields} "
-        f"(default: {DEFAULT_PROMPT!r}; for DeepSeek-OCR its model card's plain OCR instruction)"
+        "--prompt", action="append", default=None, metavar="[NAME=]TEXT",
+        help=f"the instruction given with each file; may use {fields} "
+        f"(default: {DEFAULT_PROMPT!r}; for DeepSeek-OCR its model card's plain OCR instruction). Repeat as "
+        "NAME=TEXT for several captions per file in one pass (the image encoded and prefilled once): each record "
+        "then holds captions: {NAME: caption}, and its caption, text, sidecar and metadata row are the first "
+        "prompt's",
     )
-    prompt.add_argument("--prompt-file", type=Path, default=None, help="read the prompt (template) from this file")
+    prompt.add_argument(
+        "--prompt-file", type=Path, default=None,
+        help="read the prompt (template) from this file; a .json file: an object of NAME: prompt, as repeated "
+        "--prompt NAME=TEXT",
+    )
     group.add_argument("--prefix", default="", help="text put before each caption (trigger words), e.g. 'photo of sks, '")
     group.add_argument("--suffix", default="", help="text put after each caption")
     group.add_argument(

@@ -42,6 +42,9 @@ class CaptionConfig:
     # None: the model's own (`CaptionInputs.default_prompt`, else DEFAULT_PROMPT), which
     # `with_prompt_of` settles once the model's files are read.
     prompt: str | None = DEFAULT_PROMPT
+    # Named prompts, (name, template) in the order given: each file is captioned with each, in one
+    # pass (`decoder/shared.py`); `prompt` is then the first's. Empty: the one unnamed `prompt`.
+    named: tuple[tuple[str, str], ...] = ()
     max_new_tokens: int = 32
     batch_size: int = 8
     max_batch_tokens: int = 16384  # vision placeholder tokens in one generate call
@@ -73,8 +76,8 @@ class CaptionConfig:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.prompt is not None:
-            check_template(self.prompt)
+        for template in self.templates:
+            check_template(template)
         for flag, text in (("--prompt", self.prompt or ""), ("--prefix", self.prefix), ("--suffix", self.suffix)):
             if not is_text(text):  # bytes a shell passed that are not UTF-8: no file or model takes them
                 raise ValueError(f"{flag} is not valid UTF-8 text")
@@ -93,10 +96,20 @@ class CaptionConfig:
         """This config, its prompt the model's (`model_prompt`, else DEFAULT_PROMPT) where none was given."""
         return self if self.prompt is not None else replace(self, prompt=model_prompt or DEFAULT_PROMPT)
 
+    @property
+    def templates(self) -> list[str]:
+        """The prompt templates a file is captioned with: the named ones, else the one prompt."""
+        return [template for _, template in self.named] or ([self.prompt] if self.prompt is not None else [])
+
     def prompt_for(self, name: str, folder: str, width: int, height: int) -> str:
         """The prompt of one file: the template with its fields filled in (a name's bytes that are
         not UTF-8 as U+FFFD: the tokenizer takes text only; `shielded`)."""
-        return self.prompt.format(name=shielded(name), folder=shielded(folder), width=width, height=height)
+        return self.prompts_for(name, folder, width, height)[0]
+
+    def prompts_for(self, name: str, folder: str, width: int, height: int) -> list[str]:
+        """Each of `templates` for one file, as `prompt_for` fills them in."""
+        fields = {"name": shielded(name), "folder": shielded(folder), "width": width, "height": height}
+        return [template.format(**fields) for template in self.templates]
 
     def seed_for(self, name: str) -> int:
         """The sampling seed of the file at `name` (its path within its root): from the run's seed

@@ -81,7 +81,7 @@ def sized_job(job: CaptionJob, plan: Plan, model: "PreTrainedModel") -> CaptionJ
         enabled=not settings.no_graphs,
         compile=wants_compile(plan, job.device),
         max_frames_per_item=job.limits.max_frames,
-        decoder_max_batch_size=config.largest_batch,
+        decoder_max_batch_size=config.largest_batch * (len(config.named) or 1),  # a row a file's prompt
         decoder_max_cache_len=job.longest,
         lazy=True,  # each graph at its first use: a job captures only what it needs
         encoder_capture_from_call=2,  # and an encoder budget only once a second batch wants it
@@ -104,8 +104,12 @@ def batched_config(job: CaptionJob, plan: Plan, model: "PreTrainedModel") -> Cap
         if not counts["image"]:
             del prompts["image"]  # no photo rows in the cache
     requested = settings.batch_size
+    # With named prompts a file is a row a prompt: memory sizes rows, a batch counts files.
+    per = len(job.config.named) or 1
     most = {kind: max(1, counts[kind]) for kind in prompts}
-    sizes = fitting_batch_sizes(requested, model, job.longest, prompts, most, job.device)
+    rows = fitting_batch_sizes(requested and requested * per, model, job.longest, prompts,
+                               {kind: n * per for kind, n in most.items()}, job.device)
+    sizes = {kind: max(1, n // per) for kind, n in rows.items()}
     for kind, size in sizes.items():
         if requested is not None and size < min(requested, most[kind]):
             print(f"encoder-graphs: --batch-size {requested} capped to {size} for {kind}s: the GPU memory free holds "

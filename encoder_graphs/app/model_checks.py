@@ -56,7 +56,6 @@ def check_length(plan: Plan, config: "CaptionConfig", source: "ModelSource", lim
     """The job's longest sequence and its images' (`longest_sequence`, with `config`'s prompt);
     past the model's positions, a usage error naming the flag that makes it so: the caption's
     length, the frames of a video, the prompt, or the images' resolution."""
-    from encoder_graphs.app.pipeline import longest_sequence
 
     inputs = source.inputs
     flag = "--prompt" if plan.settings.prompt_file is None else f"--prompt-file {plan.settings.prompt_file}"
@@ -94,3 +93,14 @@ def check_seeded_sampling(settings: Settings, source: "ModelSource") -> None:
     if sampled and (reason := DecoderGraphRunner.unsupported(source.config)) is not None:
         raise UsageError(f"--seed: this model's language model decodes through stock generate ({reason}), "
                          "which takes no seed a file; sample without --seed")
+
+
+def longest_sequence(inputs: "CaptionInputs", config: "CaptionConfig", limits: "LoadLimits", videos: bool = True) -> int:
+    """The most tokens one sequence can reach here: the longest prompt plus `max_new_tokens`. It
+    sizes the decoder graphs' cache and the batch; a decode step reads only the smallest length
+    tier holding its batch's sequences, so the size costs memory, not per-step reads. A rare
+    longer one (an extreme aspect ratio) runs eagerly. A prompt template is measured with long
+    field values (a 64-character name and folder, 5-digit sizes). `videos=False` (a job of images
+    only) leaves out the videos, whose many frames would size everything."""
+    prompts = config.prompts_for("n" * 64, "f" * 64, 99999, 99999)
+    return max(inputs.longest_prompt(prompt, limits.max_frames if videos else 0) for prompt in prompts) + config.max_new_tokens

@@ -18,6 +18,7 @@ from encoder_graphs.app.config import CaptionConfig
 from encoder_graphs.app.decoders import VideoDecoders, video_workers
 from encoder_graphs.app.media import LoadLimits, MediaError, fingerprint, load_image, upright_size
 from encoder_graphs.app.outputs import Outputs, relative_path
+from encoder_graphs.app.prompt_batches import SHARED, collate_named
 from encoder_graphs.app.runstats import RunStats
 from encoder_graphs.app.video import DecodedVideo, decode_video
 from encoder_graphs.app.walk import MediaFile, list_folder, os_reason
@@ -33,6 +34,7 @@ class Pending:
     prompt: str
     size: tuple[int, int]  # the image's (a video frame's) width and height in pixels
     video: dict | None = None  # how a video's frames were taken (`DecodedVideo.record`)
+    prompts: tuple[str, ...] = ()  # with named prompts: each one's (`prompt`: the first)
 
 
 class Captioner:
@@ -166,13 +168,18 @@ class Captioner:
         image on the host, work that the GPU waited for while it ran on the model's thread:
         benchmarks/RESULTS.md); for a GPU in page-locked memory (copied here, on the worker thread),
         so `to_model`'s copies run asynchronously instead of stalling the model's thread."""
-        collated = self.inputs.collate([p.item for p in batch], [p.prompt for p in batch])
+        items = [p.item for p in batch]
+        if self.config.named:
+            collated = collate_named(self.model, self.inputs, items, [p.prompts for p in batch], self.config.max_new_tokens)
+        else:
+            collated = self.inputs.collate(items, [p.prompt for p in batch])
+        shared = {SHARED: collated.pop(SHARED)} if SHARED in collated else {}
         ids, mask = collated["input_ids"], collated["attention_mask"]
         others = {key: value for key, value in collated.items() if key not in ("input_ids", "attention_mask")}
         collated["position_ids"] = prompt_positions(self.model, ids, mask, others)
-        if self.device.type != "cuda":
-            return collated
-        return {key: value.pin_memory() for key, value in collated.items()}
+        if self.device.type == "cuda":
+            collated = {key: value.pin_memory() for key, value in collated.items()}
+        return {**collated, **shared}
 
     def _full(self, batch: list[Pending], coming: Pending) -> bool:
         most, most_tokens = self.config.batch_limits(coming.file.kind)
@@ -209,8 +216,9 @@ class Captioner:
         # must not stop the run: an exception escaping here would end it from `future.result()`.
         except Exception as error:  # noqa: BLE001
             return self._error_record(file, "preprocess", f"{file.path}: {type(error).__name__}: {error}")
-        prompt = self.config.prompt_for(file.path.stem, file.path.parent.name, *size)
-        return Pending(file, item, 1000.0 * (time.perf_counter() - started), prompt, size, video)
+        prompts = self.config.prompts_for(file.path.stem, file.path.parent.name, *size)
+        named = tuple(prompts) if self.config.named else ()
+        return Pending(file, item, 1000.0 * (time.perf_counter() - started), prompts[0], size, video, named)
 
     def _video_decoders(self, path: Path) -> VideoDecoders:
         """The run's video decoder processes, started by the first video a loader thread takes,
@@ -254,11 +262,23 @@ class Captioner:
         started = time.perf_counter()
         # Pixels normalised on the model's device into its dtype; ids, masks, grids and
         # Qwen2.5-VL's second_per_grid_ts (float32 as the processor gives it) as they are.
-        host = collated.result() if collated is not None else self._collate(batch)
+        host = dict(collated.result() if collated is not None else self._collate(batch))
+        shared = host.pop(SHARED, None)
         model_inputs = self.inputs.to_model(host, self.device, self.model.dtype)
         prompt_length = model_inputs["input_ids"].shape[1]
         stats.prompt_tokens += int(host["attention_mask"].sum())  # the host copy: no device sync
         stats.padded_prompt_tokens += host["attention_mask"].numel()
+        if self.config.named:
+            stats.prompt_batches["whole prompts" if shared is None else "shared prefix"] += 1
+        if shared is not None:
+            ids, mask = model_inputs.pop("input_ids"), model_inputs.pop("attention_mask")
+            sampling = {k: v for k, v in self.config.sampling.items() if k != "top_k"}  # the runner's: no top-k
+            new_ids = self.model._encoder_graphs.decoder.generate_shared(
+                ids, mask, shared, **model_inputs, **sampling, **self._generators(batch),
+                max_new_tokens=self.config.max_new_tokens, eos_token_id=self.inputs.eos_token_id,
+                pad_token_id=self.inputs.pad_token_id,
+            )
+            return self._records(batch, new_ids.tolist(), started, stats)
         with torch.inference_mode():
             # The decoder graphs' settings whatever the checkpoint's generation config says: Qwen's
             # repetition penalty (1.05) is not in them and would send every call to stock generate.
@@ -271,14 +291,20 @@ class Captioner:
                 eos_token_id=self.inputs.eos_token_id,
                 pad_token_id=self.inputs.pad_token_id,
             )
-        new_tokens = output[:, prompt_length:].tolist()  # the host copy waits for the device
+        return self._records(batch, output[:, prompt_length:].tolist(), started, stats)
+
+    def _records(self, batch: list[Pending], new_tokens: list[list[int]], started: float, stats: RunStats) -> list[dict]:
+        """The batch's records from its rows' new tokens (the host copy waits for the device): a
+        row a file, or with named prompts a row a file's prompt (file-major)."""
         batch_ms = 1000.0 * (time.perf_counter() - started)
         stats.batches += 1
         stats.batch_ms.append(batch_ms)
         kind = batch[0].file.kind  # a batch holds one kind (`_caption_window`)
         stats.batch_s_by_kind[kind] += batch_ms / 1000
         stats.captioned_by_kind[kind] += len(batch)
-        return [self._record(pending, tokens, batch_ms, len(batch), stats) for pending, tokens in zip(batch, new_tokens)]
+        per = len(self.config.named) or 1
+        return [self._record(pending, new_tokens[i * per:(i + 1) * per], batch_ms, len(batch), stats)
+                for i, pending in enumerate(batch)]
 
     def _generators(self, batch: list[Pending]) -> dict[str, list[torch.Generator]]:
         """With a seed, when sampling: `generate`'s `generator`, one per file seeded by the seed
@@ -286,26 +312,38 @@ class Captioner:
         if self.config.seed is None or self.config.temperature == 0:
             return {}
         names = [relative_path(pending.file.path, self.roots) for pending in batch]
-        return {"generator": [torch.Generator(self.device).manual_seed(self.config.seed_for(n)) for n in names]}
+        per = len(self.config.named) or 1  # a file's prompts draw as it would alone with each
+        return {"generator": [torch.Generator(self.device).manual_seed(self.config.seed_for(n)) for n in names
+                              for _ in range(per)]}
 
-    def _record(self, pending: Pending, tokens: list[int], batch_ms: float, batch_size: int, stats: RunStats) -> dict:
-        ended = self.inputs.eos_token_id in tokens
-        if ended:
-            tokens = tokens[: tokens.index(self.inputs.eos_token_id)]
-        caption = self.inputs.decode(tokens)
+    def _record(self, pending: Pending, rows: list[list[int]], batch_ms: float, batch_size: int, stats: RunStats) -> dict:
+        """A file's record from its rows' new tokens: one; with named prompts one a prompt, whose
+        captions, texts, token counts, truncations and prompts the record maps by name (its
+        `caption` and `text`, which sidecars and metadata take, are the first prompt's)."""
+        captions, counts, truncated = [], [], []
+        for tokens in rows:
+            ended = self.inputs.eos_token_id in tokens
+            if ended:
+                tokens = tokens[: tokens.index(self.inputs.eos_token_id)]
+            captions.append(self.inputs.decode(tokens))
+            counts.append(len(tokens))
+            truncated.append(not ended and len(tokens) >= self.config.max_new_tokens)
         stats.succeeded += 1
         stats.by_kind[pending.file.kind] += 1
-        stats.generated_tokens += len(tokens)
+        stats.generated_tokens += sum(counts)
         stats.item_ms.append(pending.load_ms + batch_ms / batch_size)
         width, height = pending.size
+        names = [name for name, _ in self.config.named]
+        by_name = (lambda values: dict(zip(names, values, strict=True))) if names else (lambda values: values[0])
         return {
             **self._identity(pending.file),
-            "caption": caption,
-            "text": self.config.text(caption),
-            "tokens": len(tokens),
-            "truncated": not ended and len(tokens) >= self.config.max_new_tokens,
+            "caption": captions[0],
+            "text": self.config.text(captions[0]),
+            **({"captions": by_name(captions), "texts": by_name([self.config.text(c) for c in captions])} if names else {}),
+            "tokens": by_name(counts),
+            "truncated": by_name(truncated),
             "model": self.model_name,
-            "prompt": pending.prompt,
+            "prompt": by_name(list(pending.prompts)) if names else pending.prompt,
             "width": width,
             "height": height,
             # What the model saw, by the resolution policy (a video: each frame; InternVL: the tiles' canvas).
@@ -358,14 +396,3 @@ def folder_reason(path: Path) -> str:
     except OSError as error:
         return os_reason(error)
     return "it could not be listed when the files were gathered"
-
-
-def longest_sequence(inputs: CaptionInputs, config: CaptionConfig, limits: LoadLimits, videos: bool = True) -> int:
-    """The most tokens one sequence can reach here: the longest prompt plus `max_new_tokens`. It
-    sizes the decoder graphs' cache and the batch; a decode step reads only the smallest length
-    tier holding its batch's sequences, so the size costs memory, not per-step reads. A rare
-    longer one (an extreme aspect ratio) runs eagerly. A prompt template is measured with long
-    field values (a 64-character name and folder, 5-digit sizes). `videos=False` (a job of images
-    only) leaves out the videos, whose many frames would size everything."""
-    prompt = config.prompt_for("n" * 64, "f" * 64, 99999, 99999)
-    return inputs.longest_prompt(prompt, limits.max_frames if videos else 0) + config.max_new_tokens

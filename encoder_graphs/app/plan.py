@@ -3,7 +3,6 @@ against them, every output checked (writable, our own, no sidecar clashes), the 
 opened (parts a killed torchrun job left merged) and tidied (temporaries gone, sidecars of
 captions already written backfilled), the files still to do."""
 
-import codecs
 import errno
 import json
 import os
@@ -15,12 +14,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from encoder_graphs.app.config import MAX_PROMPT_BYTES, CaptionConfig
+from encoder_graphs.app.config import CaptionConfig
 from encoder_graphs.app.distributed import Job
 from encoder_graphs.app.errors import OutputError, UsageError, printable
 from encoder_graphs.app.metadata import CSV_FILE, metadata_folders, metadata_path
 from encoder_graphs.app.output_checks import check_targets, foreign_link, not_our_stats, special_file
 from encoder_graphs.app.outputs import METADATA_FILE, SidecarPolicy, unwritable
+from encoder_graphs.app.prompts import read_prompts
 from encoder_graphs.app.settings import Settings, run_identity
 
 if TYPE_CHECKING:
@@ -69,9 +69,11 @@ def make_plan(settings: Settings, job: Job) -> Plan:
         roots.append(settings.manifest.resolve().parent)
     if not files:
         raise UsageError(f"no images or videos found under {' '.join(map(str, roots))}")
+    prompt, named = read_prompts(settings.prompt, settings.prompt_file)
     try:
         config = CaptionConfig(
-            prompt=read_prompt(settings),
+            prompt=named[0][1] if named else prompt,
+            named=named,
             max_new_tokens=settings.max_new_tokens,
             prefix=settings.prefix,
             suffix=settings.suffix,
@@ -89,7 +91,7 @@ def make_plan(settings: Settings, job: Job) -> Plan:
     settings, files = this_shard(settings, roots, files, say=job.rank == 0)
     check_outputs(settings, roots, files, sidecars)
     results = open_results(settings, job)
-    identity = run_identity(settings, config.prompt)
+    identity = run_identity(settings, dict(named) if named else config.prompt)
     if job.rank == 0 and not settings.dry_run:
         tidy_outputs(settings, roots, files, sidecars, results, config.text, identity)
     if job.distributed and job.rank == 0:  # the other ranks read --out once rank 0 is done writing it
@@ -234,21 +236,6 @@ def open_results(settings: Settings, job: Job) -> "ResultsFile":
         print(f"encoder-graphs: merged {merged} records from the {len(parts)} part files an earlier torchrun job "
               f"left beside {printable(settings.out)}", file=sys.stderr)
     return results
-
-
-def read_prompt(settings: Settings) -> str | None:
-    """`--prompt`, or `--prompt-file`'s text without its byte-order mark, read no further than a
-    prompt may be long; None without either (the model's, settled when its files are read)."""
-    if settings.prompt_file is None:
-        return settings.prompt
-    try:
-        with open(settings.prompt_file, "rb") as handle:
-            data = handle.read(MAX_PROMPT_BYTES + len(codecs.BOM_UTF8) + 1).removeprefix(codecs.BOM_UTF8)
-        if len(data) > MAX_PROMPT_BYTES:
-            raise UsageError(f"--prompt-file {settings.prompt_file}: more than the {MAX_PROMPT_BYTES} bytes a prompt may have")
-        return data.decode("utf-8").strip()
-    except (OSError, UnicodeDecodeError) as error:
-        raise UsageError(f"cannot read --prompt-file {settings.prompt_file}: {error}") from error
 
 
 # A disk or quota that is full, or a file at its size limit: an output that cannot be written (exit 3).

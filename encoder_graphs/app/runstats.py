@@ -35,6 +35,9 @@ class RunStats:
     # a mixed folder's photos can be timed against a photo-only folder's.
     batch_s_by_kind: Counter = field(default_factory=Counter)
     captioned_by_kind: Counter = field(default_factory=Counter)
+    # With named prompts: batches by how their prompts ran ("shared prefix": prefilled once an
+    # item; "whole prompts": each prompt an item whole, a row each, where nothing could be shared).
+    prompt_batches: Counter = field(default_factory=Counter)
 
     def as_dict(self) -> dict:
         done = self.succeeded + self.failed
@@ -64,6 +67,7 @@ class RunStats:
             },
             "batch_latency_ms": latency_summary(self.batch_ms),
             "item_latency_ms": latency_summary(self.item_ms),
+            **({"prompt_batches": dict(self.prompt_batches)} if self.prompt_batches else {}),
         }
 
 

@@ -28,7 +28,9 @@ class Settings:
     video_sampling: str = "exact"  # or "keyframes" (`LoadLimits.video_sampling`)
     video_timeout: float = 120.0
     # The text.
-    prompt: str | None = None  # None, without --prompt-file: the model's (`CaptionConfig.with_prompt_of`)
+    # None, without --prompt-file: the model's (`CaptionConfig.with_prompt_of`); several: named
+    # (NAME=TEXT each, `app/prompts.py`).
+    prompt: str | tuple[str, ...] | None = None
     prompt_file: Path | None = None
     prefix: str = ""
     suffix: str = ""
@@ -69,6 +71,8 @@ class Settings:
     def from_arguments(cls, args: argparse.Namespace) -> "Settings":
         values = {name: value for name, value in vars(args).items() if name != "command"}
         values["paths"] = tuple(values["paths"])
+        if values["prompt"] is not None:  # `--prompt` repeatable: one value stays the plain string it was
+            values["prompt"] = values["prompt"][0] if len(values["prompt"]) == 1 else tuple(values["prompt"])
         if values["budgets"] is not None:
             values["budgets"] = tuple(values["budgets"])
         return cls(**values)
@@ -81,9 +85,9 @@ IDENTITY = ("model", "prompt", "max_new_tokens", "temperature", "top_p", "seed",
             "max_frame_tokens", "max_frames", "video_fps", "video_sampling")
 
 
-def run_identity(settings: Settings, prompt: str | None) -> dict:
-    """This run's settings of `IDENTITY` (`prompt`: the prompt text, from --prompt or --prompt-file;
-    None: the model's own)."""
+def run_identity(settings: Settings, prompt: str | dict[str, str] | None) -> dict:
+    """This run's settings of `IDENTITY` (`prompt`: the prompt text, from --prompt or --prompt-file,
+    or the named prompts' {name: text}; None: the model's own)."""
     values = {name: getattr(settings, name) for name in IDENTITY if name not in ("model", "prompt")}
     return {"model": settings.model or "default", "prompt": prompt, **values}
 

@@ -1,0 +1,121 @@
+"""Several named prompts per file in one pass, end to end on the CPU with tiny random models:
+`--prompt NAME=TEXT` (repeatable) and a JSON `--prompt-file`, their usage errors, the records
+(`captions` by name; `caption`, sidecar and metadata the first prompt's), and each prompt's
+captions equal to a run with that prompt alone (greedy, fp32)."""
+
+import json
+from pathlib import Path
+
+import pytest
+from PIL import Image
+from test_cli import lines_of
+
+from encoder_graphs.app.cli import main
+from encoder_graphs.app.errors import UsageError
+from encoder_graphs.app.prompt_batches import common_prefix
+from encoder_graphs.app.prompts import read_prompts
+
+PROMPTS = {"short": "Describe this in one sentence.", "tags": "List tags.", "long": "Describe every detail of it."}
+RUN = ["--max-new-tokens", "8", "--quiet", "--batch-size", "2"]
+
+
+@pytest.fixture(autouse=True)
+def model_cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("ENCODER_GRAPHS_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+
+
+def photos(folder: Path, count: int = 5) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    for index in range(count):
+        Image.new("RGB", (48 + 16 * index, 64), (40 * index, 90, 200 - 30 * index)).save(folder / f"p{index}.png")
+    return folder
+
+
+def test_prompt_flags_parse_to_one_unnamed_or_named_prompts(tmp_path):
+    assert read_prompts(None, None) == (None, ())
+    assert read_prompts("Describe it.", None) == ("Describe it.", ())
+    assert read_prompts("Describe: style=photo", None) == ("Describe: style=photo", ())  # not a name before "="
+    assert read_prompts(("a=One.", "b.2=Two = 2"), None) == (None, (("a", "One."), ("b.2", "Two = 2")))
+    assert read_prompts("only=One.", None) == (None, (("only", "One."),))
+    mapping = tmp_path / "prompts.json"
+    mapping.write_text(json.dumps(PROMPTS))
+    assert read_prompts(None, mapping) == (None, tuple(PROMPTS.items()))
+    plain = tmp_path / "prompt.txt"
+    plain.write_text('{"a": "b"}\n')  # not .json: a template as today
+    assert read_prompts(None, plain) == ('{"a": "b"}', ())
+
+
+@pytest.mark.parametrize(
+    ("prompt", "file_text", "message"),
+    [
+        ("=x", None, "--prompt '=x': no name"),
+        (("a=x", "a=y"), None, "--prompt: the prompt name 'a' is given twice"),
+        (("a=x", "plain text"), None, "name each one"),
+        (("a=x", "b= "), None, "the prompt 'b' is empty"),
+        (None, '["x", "y"]', "object mapping names to prompts"),
+        (None, '{"a": "x", "a": "y"}', "'a' is given twice"),
+        (None, '{"a b": "x"}', "'a b' is not 1-64"),
+        (None, '{"a": 3}', "object mapping names to prompts"),
+        (None, "{not json", "not JSON"),
+    ],
+)
+def test_bad_prompt_flags_are_usage_errors_naming_the_flag(tmp_path, prompt, file_text, message):
+    path = None
+    if file_text is not None:
+        path = tmp_path / "prompts.json"
+        path.write_text(file_text)
+    with pytest.raises(UsageError, match=message.replace("(", r"\(")) as error:
+        read_prompts(prompt, path)
+    assert ("--prompt-file" if path else "--prompt") in str(error.value)
+
+
+def test_a_bad_prompt_exits_2_before_any_model(tmp_path, capsys):
+    photos(tmp_path / "in", 1)
+    assert main(["caption", str(tmp_path / "in"), "--prompt", "=x", "--out", str(tmp_path / "o.jsonl")]) == 2
+    assert "--prompt '=x'" in capsys.readouterr().err
+
+
+def test_common_prefix_leaves_each_row_a_token():
+    assert common_prefix([[1, 2, 3, 4], [1, 2, 5]]) == 2
+    assert common_prefix([[1, 2, 3], [1, 2, 3]]) == 2
+
+
+@pytest.mark.parametrize("model", ["tiny-qwen2.5-vl", "tiny-internvl"])
+def test_each_prompts_captions_equal_its_run_alone(tmp_path, model):
+    """Three prompts in one pass (the image prefilled once per file: "shared prefix"), against
+    three runs of one prompt each: the same captions, token counts and truncations."""
+    folder = photos(tmp_path / "in")
+    named, stats = tmp_path / "named.jsonl", tmp_path / "stats.json"
+    argv = ["caption", str(folder), "--model", model, *RUN]
+    flags = [f for name, text in PROMPTS.items() for f in ("--prompt", f"{name}={text}")]
+    assert main([*argv, *flags, "--out", str(named), "--stats-json", str(stats), "--sidecar"]) == 0
+    assert json.loads(stats.read_text())["pipeline"]["prompt_batches"] == {"shared prefix": 3}
+    records = {r["relative_path"]: r for r in lines_of(named)}
+    assert len(records) == 5
+    for name, text in PROMPTS.items():
+        alone = tmp_path / f"{name}.jsonl"
+        assert main([*argv, "--prompt", text, "--out", str(alone)]) == 0
+        for record in lines_of(alone):
+            got = records[record["relative_path"]]
+            assert got["captions"][name] == record["caption"], (name, record["relative_path"])
+            assert (got["tokens"][name], got["truncated"][name]) == (record["tokens"], record["truncated"])
+            assert got["prompt"][name] == text
+    for record in records.values():  # the first prompt's caption is the record's, its sidecar's
+        assert set(record["captions"]) == set(PROMPTS) and record["caption"] == record["captions"]["short"]
+        assert (folder / record["relative_path"]).with_suffix(".txt").read_text() == record["texts"]["short"] + "\n"
+    assert len({c for r in records.values() for c in r["captions"].values()}) > 5  # prompts lead apart
+
+
+def test_a_prompt_file_mapping_and_a_rerun_with_other_prompts(tmp_path, capsys):
+    """A JSON mapping is repeated `--prompt NAME=TEXT`; the named prompts are the run's identity:
+    a rerun with other prompts is refused (the settings clash), with the same ones a no-op."""
+    folder = photos(tmp_path / "in", 2)
+    mapping, out = tmp_path / "prompts.json", tmp_path / "out.jsonl"
+    mapping.write_text(json.dumps(PROMPTS))
+    argv = ["caption", str(folder), "--model", "tiny-qwen2.5-vl", *RUN, "--out", str(out)]
+    assert main([*argv, "--prompt-file", str(mapping)]) == 0
+    first = lines_of(out)
+    assert [list(r["captions"]) for r in first] == [list(PROMPTS)] * 2
+    assert main([*argv, "--prompt-file", str(mapping)]) == 0 and lines_of(out) == first
+    assert main([*argv, "--prompt", "a=Other.", "--prompt", "b=Else."]) == 2
+    assert "--redo" in capsys.readouterr().err
