@@ -27,7 +27,8 @@ a run of the defaults with only that much GPU memory free (a second process hold
 gives each one's median wall time: a start varies by a second or more between processes). Before
 the timed runs, one untimed run of the defaults on 16 files reads the libraries into the page
 cache and fills Triton's kernel cache, so the first timed run does not pay what a user pays once
-per machine. `--gpus N` runs the defaults as one torchrun job of N GPUs. Random weights (presets):
+per machine. `--gpus N` runs the defaults as one torchrun job of N GPUs. `--runs defaults,prompts_3`
+times three named prompts a file (one pass, the image prefilled once) against one. Random weights (presets):
 captions are noise, speed is real.
     python3 benchmarks/bench_cli.py [--preset qwen2.5-vl-3b] [--images 1024] [--runs defaults,no_graphs,stock]
         [--sizes 32,256] [--card-gib 24] [--cli-args=--compile] [--pages | --clips 512 | --mixed 768,256]
@@ -65,7 +66,10 @@ time.sleep(3600)
 # The caption command's arguments of each run of ours that `--runs` may name.
 OUR_RUNS = {"defaults": [], "no_graphs": ["--no-graphs"], "frames_model": ["--max-frame-tokens", "model"],
             "keyframes": ["--video-sampling", "keyframes"], "no_prefetch": [], "cold": [],
-            "no_compile": ["--no-compile"]}
+            "no_compile": ["--no-compile"],
+            # Three captions a file in one pass (issue 43: at most 1.5x the loop time of `defaults`).
+            "prompts_3": ["--prompt", "short=Describe this in one sentence.", "--prompt", "tags=List tags for this image.",
+                          "--prompt", "long=Describe this image in detail."]}
 # Runs that differ by the environment: no clips decoded while the model loads (`app/decoders.py`).
 OUR_RUN_ENV = {"no_prefetch": {"ENCODER_GRAPHS_VIDEO_PREFETCH_BYTES": "0"}}
 def caption_command(folder: Path, out: Path, stats: Path, args: argparse.Namespace, extra: list[str], gpus: int) -> list[str]:

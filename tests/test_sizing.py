@@ -7,7 +7,7 @@ import torch
 
 from encoder_graphs.app.config import DEFAULT_IMAGE_TOKENS, CaptionConfig
 from encoder_graphs.app.media import LoadLimits
-from encoder_graphs.app.pipeline import longest_sequence
+from encoder_graphs.app.model_checks import longest_sequence
 from encoder_graphs.app.sizing import (
     GIB,
     RESERVE_BYTES,

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from encoder_graphs.decoder.step import KeyValues, Prefilled, packed_prefill, prefill
-from encoder_graphs.seam.text import continued_cache, dynamic_cache, layer_states
+from encoder_graphs.seam.text import continued_cache, dynamic_cache
 
 
 @dataclass(frozen=True)
@@ -96,22 +96,14 @@ def shared_prefill(
         mask = torch.cat([prefix_mask[items], prefix_mask.new_ones(count, n)], dim=1)
         steps = torch.arange(n, device=prefix_ids.device)
         suffix_positions = prefilled.next_positions[..., items, :] + steps
-        output = model(
-            input_ids=suffix,
-            attention_mask=mask,
-            position_ids=suffix_positions,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
+        continued = prefill(model, suffix, mask, {"position_ids": suffix_positions}, cache)
         slots = torch.cat([torch.arange(prefix_len, device=steps.device), length - n + steps])
         if load is not None:
-            load(layer_states(cache), torch.arange(done, done + count, device=steps.device), slots)
-        del cache
+            load(continued.key_values, torch.arange(done, done + count, device=steps.device), slots)
         done += count
-        logits.append(output.logits[:, -1].float())
+        logits.append(continued.logits)
         masks.append(mask.new_zeros(count, length).index_copy(1, slots, mask))
-        positions.append(suffix_positions[..., -1:] + 1)
+        positions.append(continued.next_positions)
     return SharedPrefill(torch.cat(logits), torch.cat(masks), torch.cat(positions, dim=-2))
 
 

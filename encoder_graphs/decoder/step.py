@@ -16,7 +16,7 @@ from encoder_graphs.seam.attention import (
     packed_sequences,
 )
 from encoder_graphs.seam.generation import generation_position_ids
-from encoder_graphs.seam.text import SlotCache, dynamic_cache, layer_states
+from encoder_graphs.seam.text import Cache, SlotCache, dynamic_cache, layer_states
 
 KeyValues = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -48,11 +48,13 @@ def prompt_positions(
 
 
 def prefill(
-    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, model_inputs: dict
+    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, model_inputs: dict,
+    cache: Cache | None = None,
 ) -> Prefilled:
-    """The model's first forward over the left-padded prompts, as `generate` runs it."""
+    """The model's first forward over the left-padded prompts, as `generate` runs it; or, over
+    `cache` (a prefill's states), their continuation (the mask then spans the cached slots too)."""
     positions = prompt_positions(model, input_ids, attention_mask, model_inputs)
-    cache = dynamic_cache(model.config.get_text_config(decoder=True))
+    cache = cache if cache is not None else dynamic_cache(model.config.get_text_config(decoder=True))
     output = model(
         input_ids=input_ids,
         attention_mask=attention_mask,
