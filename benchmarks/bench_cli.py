@@ -262,6 +262,7 @@ def main() -> None:
                     runs[name]["first_start"] = True  # the run before it failed: nothing was warm
             else:
                 runs[name] = run_ours(folder, work, name, args, OUR_RUNS[name])
+            save_partial(args, runs)
         for count in [int(n) for n in args.sizes.split(",") if n]:
             small = subset(folder, work, count)
             for repeat in range(args.repeats):
@@ -276,6 +277,13 @@ def main() -> None:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     report(args, runs, written)
+
+
+def save_partial(args: argparse.Namespace, runs: dict[str, dict]) -> None:
+    """The runs so far, marked partial: a call cut off by its time limit keeps what it measured."""
+    if args.json:
+        Path(args.json).write_text(json.dumps({"preset": args.preset, "partial": True, "new_tokens": args.new_tokens,
+                                               "environment": environment(), "runs": runs}, indent=1))
 
 
 def medians(args: argparse.Namespace, runs: dict[str, dict]) -> dict[str, float]:
