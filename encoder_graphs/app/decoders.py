@@ -29,7 +29,7 @@ WORKER_DATA_BYTES = 6 << 30
 PREFETCH_BYTES = int(os.environ.get("ENCODER_GRAPHS_VIDEO_PREFETCH_BYTES", str(2 << 30)))
 
 
-def _decode_in_worker(path: Path, limits: LoadLimits) -> DecodedVideo:
+def _decode_in_worker(path: Path, limits: LoadLimits, data: bytes | None = None) -> DecodedVideo:
     """`decode_video` in a worker, whose kernel stops it once this file took twice its time limit
     of CPU time (all its threads): a backstop for a worker whose parent died (and with it the time
     limit's timer)."""
@@ -38,7 +38,7 @@ def _decode_in_worker(path: Path, limits: LoadLimits) -> DecodedVideo:
     _, hard = resource.getrlimit(resource.RLIMIT_CPU)
     if hard == resource.RLIM_INFINITY or seconds <= hard:
         resource.setrlimit(resource.RLIMIT_CPU, (seconds, hard))
-    return decode_video(path, limits)
+    return decode_video(path, limits, data)
 
 
 def _worker_setup(data_bytes: int, threads: int) -> None:
@@ -117,25 +117,26 @@ class VideoDecoders:
         self.prefetched += count
         return count
 
-    def _schedule(self, path: Path) -> object:
+    def _schedule(self, path: Path, data: bytes | None = None) -> object:
         try:
-            future = self._pool.schedule(_decode_in_worker, (path, self.limits), timeout=self.limits.video_timeout_s)
+            future = self._pool.schedule(_decode_in_worker, (path, self.limits, data), timeout=self.limits.video_timeout_s)
         except RuntimeError as error:  # the pool was stopped: the run is ending
             raise MediaError(path, "cancelled", "the run ended before its frames were decoded") from error
         self._pending.add(future)
         future.add_done_callback(self._pending.discard)
         return future
 
-    def decode(self, path: Path) -> DecodedVideo:
+    def decode(self, path: Path, data: bytes | None = None) -> DecodedVideo:
         """The file's frames (the decode `prefetch` started, else a new one), waiting for a worker;
-        `MediaError` for a bad file, a timeout, a crash or a run that ended first."""
+        `MediaError` for a bad file, a timeout, a crash or a run that ended first. `data`: a
+        dataset sample's bytes, which `path` names."""
         from concurrent.futures import CancelledError
         from concurrent.futures import TimeoutError as FutureTimeout  # the builtin only from Python 3.11
         from concurrent.futures.process import BrokenProcessPool
 
         from pebble import ProcessExpired
 
-        future = self._ahead.pop(path, None) or self._schedule(path)
+        future = self._schedule(path, data) if data is not None else self._ahead.pop(path, None) or self._schedule(path)
         try:
             return future.result()
         except FutureTimeout as error:

@@ -201,15 +201,8 @@ class Captioner:
         started = time.perf_counter()
         if file.kind == "video" and not self.inputs.reads_videos:  # refused before decoding its frames
             return self._error_record(file, "unsupported", f"{file.path}: this model reads images, not videos")
-        video = None
         try:
-            media = load(file, self.limits, self._video_decoders(file.path) if file.kind == "video" else None)
-            if file.kind == "image":
-                item = self.inputs.encode_image(media)
-                size = upright_size(file.path)
-            else:
-                item = self.inputs.encode_video(media.frames, media.metadata)
-                size, video = media.size, media.record()
+            item, size, video = self._encoded(file)
         except MediaError as error:
             return self._error_record(file, error.kind, str(error))
         # A processor rejecting one input (or a decoder failing in a way `load` does not foresee)
@@ -219,6 +212,13 @@ class Captioner:
         prompts = self.config.prompts_for(file.path.stem, file.path.parent.name, *size)
         named = tuple(prompts) if self.config.named else ()
         return Pending(file, item, 1000.0 * (time.perf_counter() - started), prompts[0], size, video, named)
+
+    def _encoded(self, file: MediaFile) -> "tuple[EncodedMedia, tuple[int, int], dict | None]":
+        """The file's model input, its size as seen, and for a video how its frames were taken."""
+        media = load(file, self.limits, self._video_decoders(file.path) if file.kind == "video" else None)
+        if file.kind == "image":
+            return self.inputs.encode_image(media), upright_size(file.path), None
+        return self.inputs.encode_video(media.frames, media.metadata), media.size, media.record()
 
     def _video_decoders(self, path: Path) -> VideoDecoders:
         """The run's video decoder processes, started by the first video a loader thread takes,

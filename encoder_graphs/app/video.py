@@ -5,8 +5,7 @@ Why seeking: a caption reads 16 frames of a clip's hundreds; decoding every fram
 kept the GPU waiting most of the run (benchmarks/RESULTS.md). The container's index says where
 the keyframes are, so each sampled frame costs the decode from the keyframe before it, and frames
 that share a stretch between keyframes are reached by decoding on, not by seeking again. Where a
-container has no usable duration, or seeking does not land where asked, one full pass decodes the
-stream instead, and the record says so.
+container has no usable duration, or seeking does not land where asked, one full pass decodes it.
 Why this scaling: a frame is converted to RGB at its size (swscale, as transformers' PyAV loader
 does) and shrunk by the processors' own resize (torchvision's antialiased bicubic on uint8, which
 is this `interpolate`; PIL's bicubic shrinks the same): the model sees what its processor would
@@ -14,6 +13,7 @@ give it. swscale scaling straight from the decoded YUV took a little less time t
 and was 1-6 levels off the processors' pixels on average (tests/test_processors.py bounds ours).
 """
 
+import io
 from bisect import bisect_right
 from dataclasses import dataclass
 from fractions import Fraction
@@ -107,9 +107,9 @@ def frame_count(limits: LoadLimits, duration_s: float | None, available: int | N
     return max(2, count - count % 2)
 
 
-def decode_video(path: Path | str, limits: LoadLimits) -> DecodedVideo:
-    """`limits`' frames of the video at `path` (`DecodedVideo`); every way the file can be bad
-    raises `MediaError` naming it. What the worker processes run, and tests in-process. Where
+def decode_video(path: Path | str, limits: LoadLimits, data: bytes | None = None) -> DecodedVideo:
+    """`limits`' frames of the video at `path`, or of `data` (a sample's bytes `path` names); every
+    way the file can be bad raises `MediaError` naming it. What the worker processes run. Where
     seeking cannot give the frames, the file is opened again for one full pass."""
     try:
         import av
@@ -123,7 +123,7 @@ def decode_video(path: Path | str, limits: LoadLimits) -> DecodedVideo:
         options["hwaccel"] = HWAccel(limits.video_hwaccel, allow_software_fallback=True)
     why = None  # why seeking could not serve, once it was tried
     while True:
-        with open_regular(path) as handle:
+        with open_regular(path) if data is None else io.BytesIO(data) as handle:
             try:
                 with av.open(handle, metadata_errors="ignore", **options) as container:
                     sampler = _Sampler.of(path, container, limits)
