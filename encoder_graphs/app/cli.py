@@ -33,7 +33,12 @@ def build_parser() -> argparse.ArgumentParser:
     caption = commands.add_parser(
         "caption", help="caption images and videos into a JSONL file", formatter_class=_WholeNamesFormatter
     )
-    caption.add_argument("paths", nargs="*", metavar="PATH", help="image/video files or folders (recursive)")
+    caption.add_argument(
+        "paths", nargs="*", metavar="PATH",
+        help="image/video files or folders (recursive); or dataset shards: WebDataset .tar files, .parquet files or a "
+        "folder saved with datasets' save_to_disk (globs and brace lists such as 'shards/{00000..00127}.tar'), "
+        "each captioned into an output shard of the same name in --out DIR",
+    )
     caption.add_argument(
         "--samples",
         action="store_true",
@@ -46,6 +51,14 @@ def build_parser() -> argparse.ArgumentParser:
         "JSON lines, or a path a line; relative paths from its folder; a listed file that is missing is an error "
         "record",
     )
+    group = caption.add_argument_group("dataset shards")
+    group.add_argument("--image-column", default=None, metavar="NAME",
+                       help="the column of image (or video) bytes, HF image structs or paths (default: the first of "
+                       "image, jpg, jpeg, png, webp, img, video, mp4, webm)")
+    group.add_argument("--key-column", default=None, metavar="NAME",
+                       help="the column naming each row (default: key, __key__ or id; else the row's number)")
+    group.add_argument("--out-format", default="jsonl", choices=("jsonl", "parquet"),
+                       help="the output shards' format (default: %(default)s)")
     _model_arguments(caption)
     _text_arguments(caption)
     _output_arguments(caption)

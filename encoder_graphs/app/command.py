@@ -44,6 +44,17 @@ def caption(settings: Settings) -> int:
             default_model_dir()
         except OSError as error:
             raise cache_error(error) from error
+    from encoder_graphs.app.datasets import is_dataset_input
+
+    shards = [is_dataset_input(path) for path in settings.paths]
+    if any(shards):
+        if not all(shards):
+            raise UsageError("give dataset shards or files and folders, not both in one run")
+        from encoder_graphs.app.dataset_run import caption_datasets
+
+        status = caption_datasets(settings)
+        # torchrun reports a failing rank as the job's crash: each rank's report says what failed.
+        return EXIT_OK if status == EXIT_FAILURES and int(os.environ.get("WORLD_SIZE", "1")) > 1 else status
     plan = make_plan(settings, job_from_env())
     settings = plan.settings  # with --out settled
     if settings.dry_run:

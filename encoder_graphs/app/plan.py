@@ -55,6 +55,10 @@ def make_plan(settings: Settings, job: Job) -> Plan:
 
     # abspath, as discover's file paths: `..` resolved, symlinks kept, so the two compare as text.
     roots = [Path(os.path.abspath(p)) for p in settings.paths] + ([SAMPLES_DIR] if settings.samples else [])
+    for flag, given in (("--image-column", settings.image_column), ("--key-column", settings.key_column),
+                        ("--out-format", settings.out_format != "jsonl")):
+        if given:
+            raise UsageError(f"{flag} applies to dataset shards (.tar, .parquet, a saved dataset), not files and folders")
     listed, missing = listed_files(settings.manifest)
     if not roots and settings.manifest is None:
         raise UsageError("give at least one PATH (or --samples, or --manifest)")
@@ -70,17 +74,8 @@ def make_plan(settings: Settings, job: Job) -> Plan:
     if not files:
         raise UsageError(f"no images or videos found under {' '.join(map(str, roots))}")
     prompt, named = read_prompts(settings.prompt, settings.prompt_file)
+    config = caption_config(settings, prompt, named)
     try:
-        config = CaptionConfig(
-            prompt=named[0][1] if named else prompt,
-            named=named,
-            max_new_tokens=settings.max_new_tokens,
-            prefix=settings.prefix,
-            suffix=settings.suffix,
-            temperature=settings.temperature,
-            top_p=settings.top_p or CaptionConfig.top_p,
-            seed=settings.seed,
-        )
         sidecars = SidecarPolicy(settings.sidecar, settings.sidecar_ext or SidecarPolicy.ext, settings.overwrite)
     except ValueError as error:
         raise UsageError(str(error)) from error
@@ -104,6 +99,23 @@ def make_plan(settings: Settings, job: Job) -> Plan:
     if job.distributed:  # every rank must hold the same list before any starts writing parts
         job.barrier("planned")
     return Plan(settings, roots, files, todo, config, sidecars, results, job, skipped, identity, temporary_out, later)
+
+
+def caption_config(settings: Settings, prompt: str | None, named: tuple) -> CaptionConfig:
+    """The prompt and generation settings of the run (a usage error where they do not hold)."""
+    try:
+        return CaptionConfig(
+            prompt=named[0][1] if named else prompt,
+            named=named,
+            max_new_tokens=settings.max_new_tokens,
+            prefix=settings.prefix,
+            suffix=settings.suffix,
+            temperature=settings.temperature,
+            top_p=settings.top_p or CaptionConfig.top_p,
+            seed=settings.seed,
+        )
+    except ValueError as error:
+        raise UsageError(str(error)) from error
 
 
 def this_shard(

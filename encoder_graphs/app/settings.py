@@ -17,6 +17,10 @@ class Settings:
     paths: tuple[str, ...] = ()
     samples: bool = False
     manifest: Path | None = None  # a list of the files to caption (`app/manifest.py`)
+    # Dataset shards (`app/datasets.py`): their media and key columns, the output shards' format.
+    image_column: str | None = None
+    key_column: str | None = None
+    out_format: str = "jsonl"
     # The model and what it sees.
     model: str | None = None  # a checkpoint directory or a preset; None: the embedded tiny default
     device: str = "auto"

@@ -1,0 +1,193 @@
+"""`encoder-graphs caption SHARDS --out DIR`: a caption run over dataset shards (`app/datasets.py`)
+into output shards (`app/shard_outputs.py`). The samples stream through the folder run's
+`Captioner` (loaders ahead of the model, batches by cost, video decoder processes with their time
+limit), so a shard's last batch and the next shard's first share the GPU; each output shard is
+sealed as its last record arrives.
+
+Across machines: `--num-shards N --shard-index I` (or a Slurm job array's task) and, inside one,
+torchrun's ranks each take every Nth shard of the list, the same list on every machine. A shard
+that cannot be read to its end is read once more (from the keys not yet done), then reported,
+its records kept in its partial file and the run's exit status 1."""
+
+import io
+import os
+import sys
+import tarfile
+import time
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from encoder_graphs.app.datasets import InputShard, Sample, check_columns, find_shards, samples, shard_selection
+from encoder_graphs.app.errors import EXIT_FAILURES, EXIT_INTERRUPTED, EXIT_OK, UsageError, printable
+from encoder_graphs.app.media import decode_image, upright_size
+from encoder_graphs.app.pipeline import Captioner
+from encoder_graphs.app.settings import Settings
+from encoder_graphs.app.shard_outputs import FORMATS, ShardOutputs, say_sealed
+
+# Flags of a folder run that a dataset run cannot honour: refused, never ignored.
+FOLDER_ONLY = {"sidecar": "--sidecar", "hf_metadata": "--hf-metadata", "manifest": "--manifest",
+               "samples": "--samples", "redo": "--redo", "limit": "--limit"}
+TABLE_ROWS_GUESS = 1000  # a tar shard's samples, unknown until read: sizes batches and the compile choice
+
+
+class SampleCaptioner(Captioner):
+    """The Captioner of dataset samples: media from the sample's bytes, records named by key."""
+
+    def _encoded(self, file: Any) -> tuple:
+        if not isinstance(file, Sample) or file.data is None:
+            return super()._encoded(file)
+        if file.kind == "image":
+            image = decode_image(io.BytesIO(file.data), file.path, self.limits)
+            return self.inputs.encode_image(image), upright_size(io.BytesIO(file.data)), None
+        video = self._video_decoders(file.path).decode(file.path, file.data)
+        return self.inputs.encode_video(video.frames, video.metadata), video.size, video.record()
+
+    def _identity(self, file: Any) -> dict:
+        return {"key": file.key, "shard": file.shard, "kind": file.kind, **file.carried}
+
+
+def check_dataset_flags(settings: Settings) -> None:
+    given = [flag for name, flag in FOLDER_ONLY.items() if getattr(settings, name)]
+    if given:
+        raise UsageError(f"{', '.join(given)}: for folders of files, not dataset shards")
+    if settings.out is None:
+        raise UsageError("dataset shards are captioned into one output shard each: give --out DIR")
+    if settings.out_format not in FORMATS:
+        raise UsageError(f"--out-format {settings.out_format}: give one of {', '.join(FORMATS)}")
+    if os.path.lexists(settings.out) and not (settings.out.is_dir() and not settings.out.is_symlink()):
+        raise UsageError(f"--out {printable(settings.out)}: with dataset shards, a folder (not a file or a link)")
+
+
+def my_part(settings: Settings) -> tuple[int, int]:
+    """(parts, this process's part) over machines (`--num-shards` or Slurm) and torchrun's ranks."""
+    from encoder_graphs.app.shards import slurm_shard
+
+    num, index = (settings.num_shards, settings.shard_index) if settings.num_shards is not None else (
+        slurm_shard() or (1, 0))
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    return num * world, index * world + rank
+
+
+def shard_stream(shards: list[InputShard], outputs: ShardOutputs, settings: Settings) -> Iterator[Sample]:
+    """The samples still to caption, shard after shard; each shard's end told to `outputs`."""
+    import pyarrow as pa
+
+    unreadable = (OSError, EOFError, tarfile.TarError, zlib.error, pa.ArrowException)
+    for shard in shards:
+        done = outputs.begin(shard)
+        if done is None:
+            print(f"encoder-graphs: shard {shard.name}: another process is captioning it: left to it", file=sys.stderr)
+            continue
+        skip = {key for key, ok in done.items() if ok or not settings.retry_failed}
+        handed: set[str] = set()
+        for attempt in (1, 2):
+            try:
+                for sample in samples(shard, settings.image_column, settings.key_column):
+                    if sample.key in skip or sample.key in handed:
+                        outputs.duplicates[shard.name] += sample.key in handed and attempt == 1
+                        continue
+                    handed.add(sample.key)
+                    yield sample
+            except unreadable as error:
+                why = f"{type(error).__name__}: {error}"
+                if attempt == 2:
+                    outputs.failed[shard.name] = why
+                    print(f"encoder-graphs: shard {shard.name} failed twice ({why}): its {len(handed)} records so far "
+                          "are kept for a rerun", file=sys.stderr)
+                continue
+            outputs.ended(shard.name, len(handed))
+            break
+
+
+def caption_datasets(settings: Settings) -> int:
+    from encoder_graphs.app.plan import caption_config
+    from encoder_graphs.app.prompts import read_prompts
+    from encoder_graphs.app.settings import run_identity
+
+    check_dataset_flags(settings)
+    shards = find_shards(settings.paths)
+    parts, part = my_part(settings)
+    mine = shard_selection(shards, parts, part)
+    prompt, named = read_prompts(settings.prompt, settings.prompt_file)
+    config = caption_config(settings, prompt, named)
+    identity = run_identity(settings, dict(named) if named else config.prompt)
+    for shard in mine:
+        check_columns(shard, settings.image_column, settings.key_column)
+    folder = settings.out
+    if not settings.dry_run:
+        folder.mkdir(parents=True, exist_ok=True)
+    outputs = ShardOutputs(folder, settings.out_format, identity,
+                           lambda name, n, errors: say_sealed(name, n, errors, folder, settings.out_format))
+    todo = [shard for shard in mine if not outputs.is_complete(shard)]
+    share = f" (part {part} of 0-{parts - 1}: {len(mine)})" if parts > 1 else ""
+    print(f"encoder-graphs: {len(shards)} shards{share}; {len(mine) - len(todo)} complete in {printable(folder)}, "
+          f"{len(todo)} to caption", file=sys.stderr)
+    if settings.dry_run or not todo:
+        return EXIT_OK
+    return run_shards(settings, todo, outputs, config, identity)
+
+
+def run_shards(settings: Settings, todo: list[InputShard], outputs: ShardOutputs, config: Any, identity: dict) -> int:
+    from encoder_graphs import enable_cuda_graphs
+    from encoder_graphs.app.command import stop_on_interrupt, write_stats_json
+    from encoder_graphs.app.job import open_job, sized_job
+    from encoder_graphs.app.loading import load_model, open_model, pick_device
+    from encoder_graphs.report import format_graph_stats, format_run_stats
+
+    started = time.perf_counter()
+    plan = stand_in_plan(settings, todo, config, identity)
+    device = pick_device(settings.device, int(os.environ.get("LOCAL_RANK", "0")))
+    source = open_model(settings.model, max_tiles=settings.max_tiles, max_image_tokens=settings.max_image_tokens,
+                        max_frame_tokens=settings.max_frame_tokens)
+    job = open_job(plan, source, device)
+    model = load_model(source, job.device)
+    job = sized_job(job, plan, model)
+    handle = enable_cuda_graphs(model, job.options)
+    captioner = SampleCaptioner(model, source.inputs, job.config, job.limits, model_name=job.model_name,
+                                run_settings=identity)
+    try:
+        with stop_on_interrupt() as stop:
+            stats = captioner.run(shard_stream(todo, outputs, settings), outputs, stop)
+    finally:
+        graph_stats = handle.stats()
+        handle.disable()
+        outputs.close()
+    stats.files = stats.succeeded + stats.failed
+    summary = {**stats.as_dict(), "batch_size": job.config.batch_size, "video_batch_size": job.config.video_batch_size,
+               "wall_s": time.perf_counter() - started}
+    print(format_run_stats(summary))
+    print(format_graph_stats(graph_stats))
+    shards = {"sealed": outputs.sealed, "failed": outputs.failed, "duplicate_keys": dict(outputs.duplicates),
+              "left_partial": sorted({s.name for s in todo} - set(outputs.sealed) - set(outputs.failed))}
+    print(f"encoder-graphs: {len(outputs.sealed)} of {len(todo)} shards complete"
+          + (f"; failed: {', '.join(outputs.failed)}" if outputs.failed else "")
+          + (f"; repeated keys skipped: {sum(outputs.duplicates.values())}" if outputs.duplicates else ""))
+    write_stats_json(settings, {"pipeline": summary, "shards": shards, **graph_stats.to_json(), "device": str(job.device)})
+    if summary["interrupted"]:
+        print("interrupted: rerun the same command to resume", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    return EXIT_FAILURES if outputs.failed or stats.failed else EXIT_OK
+
+
+def stand_in_plan(settings: Settings, todo: list[InputShard], config: Any, identity: dict) -> Any:
+    """The plan a folder of this job's files would make, for sizing the job: one stand-in file a
+    sample (a tar's count guessed), videos where the first shard's first samples hold any."""
+    from encoder_graphs.app.plan import Plan
+    from encoder_graphs.app.walk import MediaFile
+
+    kinds = {sample.kind for sample, _ in zip(samples(todo[0], settings.image_column, settings.key_column), range(64))}
+    count = sum(table_rows(shard) for shard in todo)
+    files = [MediaFile(Path(f"sample-{n}"), "image") for n in range(count)]
+    if "video" in kinds:
+        files += [MediaFile(Path(f"video-{n}"), "video") for n in range(min(count, 64))]
+    return Plan(settings, [], files, files, config, sidecars=None, results=None, identity=identity)
+
+
+def table_rows(shard: InputShard) -> int:
+    if shard.format == "parquet":
+        import pyarrow.parquet as pq
+
+        return pq.ParquetFile(shard.path).metadata.num_rows
+    return TABLE_ROWS_GUESS

@@ -1,0 +1,208 @@
+"""Shards out: a dataset run writes, for each input shard, one output shard `<name>.jsonl` or
+`<name>.parquet` in the `--out` folder, and only once every sample of the shard has its record,
+so a complete output shard is all that ever shows under that name.
+
+Until then the shard's records are appended, a batch at a time and synced, to its partial file
+`.<name>.encoder-graphs-partial.jsonl` beside it: a killed run loses at most the batch under way,
+and a rerun skips the shard's finished keys. The partial file is created without following
+links, must be the user's own, and is held with an exclusive lock while a process writes it: a
+second process given the same shard (an overlapping array task) leaves it alone and says so.
+Sealing keeps the last record of each key (a retried failure replaces its error), writes the
+output shard to a temporary name and renames it, then removes the partial file.
+"""
+
+import errno
+import fcntl
+import io
+import json
+import os
+import stat
+import sys
+from collections import Counter
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from encoder_graphs.app.datasets import InputShard
+from encoder_graphs.app.errors import UsageError, printable
+from encoder_graphs.app.outputs import write_atomically
+
+PARTIAL_SUFFIX = ".encoder-graphs-partial.jsonl"
+FORMATS = ("jsonl", "parquet")
+
+
+def partial_path(folder: Path, name: str) -> Path:
+    return folder / f".{name}{PARTIAL_SUFFIX}"
+
+
+class ShardOutputs:
+    """The output shards of one dataset run; `write` takes the caption run's records (each names
+    its shard), as the folder run's `Outputs` does."""
+
+    def __init__(self, folder: Path, out_format: str, identity: dict, on_sealed: Callable[[str, int, int], None]) -> None:
+        self.folder, self.format, self.identity = folder, out_format, identity
+        self.on_sealed = on_sealed  # (shard, records, errors): said as each shard completes
+        self._partials: dict[str, int] = {}  # shard -> its partial file's descriptor (locked)
+        self._written: Counter = Counter()  # new records a shard has had in this run
+        self._expected: dict[str, int] = {}  # samples a shard gave, once its reading ended
+        self.failed: dict[str, str] = {}  # shard -> why it could not be read to its end (twice)
+        self.duplicates: Counter = Counter()  # shard -> samples whose key an earlier one had (skipped)
+        self.sealed: list[str] = []
+
+    def final_path(self, name: str) -> Path:
+        return self.folder / f"{name}.{self.format}"
+
+    def is_complete(self, shard: InputShard) -> bool:
+        """Whether the shard's output exists (checked to be of these settings: else a usage error)."""
+        path = self.final_path(shard.name)
+        if not os.path.lexists(path):
+            return False
+        if not stat.S_ISREG(os.lstat(path).st_mode):
+            raise UsageError(f"--out {printable(path)}: not a regular file where the output shard goes")
+        self._check_settings(path, first_settings(path))
+        return True
+
+    def begin(self, shard: InputShard) -> dict[str, bool] | None:
+        """Open the shard's partial file: the keys it holds records of already (True: a caption,
+        False: an error), or None where another process holds it."""
+        path = partial_path(self.folder, shard.name)
+        try:
+            descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        except OSError as error:
+            why = "a link" if error.errno == errno.ELOOP else error.strerror
+            raise UsageError(f"--out: cannot open {printable(path)} ({why})") from error
+        info = os.fstat(descriptor)
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
+            os.close(descriptor)
+            raise UsageError(f"--out: {printable(path)} is not this user's own file: not written")
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(descriptor)
+            return None
+        cut_torn_line(descriptor)
+        records = list(partial_records(path))
+        if records:
+            try:
+                self._check_settings(path, records[0].get("settings"))
+            except UsageError:
+                os.close(descriptor)
+                raise
+        self._partials[shard.name] = descriptor
+        return {record["key"]: "error" not in record for record in records}
+
+    def write(self, records: Iterable[dict]) -> None:
+        by_shard: dict[str, list[bytes]] = {}
+        for record in records:
+            record = {**record, "status": "error" if "error" in record else "ok"}
+            line = json.dumps(record, ensure_ascii=False, default=str).encode("utf-8") + b"\n"
+            by_shard.setdefault(record["shard"], []).append(line)
+        for name, lines in by_shard.items():
+            descriptor = self._partials[name]
+            data = memoryview(b"".join(lines))
+            while data:
+                data = data[os.write(descriptor, data) :]
+            os.fsync(descriptor)
+            self._written[name] += len(lines)
+            self._seal_if_done(name)
+
+    def ended(self, name: str, samples: int) -> None:
+        """The shard's reading ended: `samples` new ones were handed to the run."""
+        self._expected[name] = samples
+        self._seal_if_done(name)
+
+    def close(self) -> None:
+        for name in list(self._partials):
+            self._release(name)
+
+    def _seal_if_done(self, name: str) -> None:
+        if name in self._partials and self._expected.get(name) == self._written[name]:
+            self._seal(name)
+
+    def _seal(self, name: str) -> None:
+        latest = {record["key"]: record for record in partial_records(partial_path(self.folder, name))}
+        records = list(latest.values())
+        write_atomically(self.final_path(name), encoded(records, self.format))
+        os.unlink(partial_path(self.folder, name))
+        self._release(name)
+        self.sealed.append(name)
+        self.on_sealed(name, len(records), sum("error" in record for record in records))
+
+    def _release(self, name: str) -> None:
+        os.close(self._partials.pop(name))  # closing drops the lock
+
+    def _check_settings(self, path: Path, settings: object) -> None:
+        if isinstance(settings, str):
+            settings = json.loads(settings)
+        if settings is not None and settings != self.identity:
+            raise UsageError(f"{printable(path)} holds captions of other settings ({settings}): caption into another "
+                             "--out folder, or remove it")
+
+
+def cut_torn_line(descriptor: int) -> None:
+    """Drop a last line a kill left without its newline: the next append would join it."""
+    size = os.fstat(descriptor).st_size
+    block = 1 << 16
+    end = size
+    while end > 0:
+        start = max(0, end - block)
+        chunk = os.pread(descriptor, end - start, start)
+        if (newline := chunk.rfind(b"\n")) >= 0:
+            if start + newline + 1 < size:
+                os.ftruncate(descriptor, start + newline + 1)
+            return
+        end = start
+    if size:
+        os.ftruncate(descriptor, 0)
+
+
+def partial_records(path: Path) -> Iterable[dict]:
+    """The records of a partial file; a last line a kill cut short is left out (it is redone)."""
+    with open(path, "rb") as handle:
+        for line in handle:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict) and "key" in record:
+                yield record
+
+
+def first_settings(path: Path) -> object:
+    """The settings an output shard was written with (its first record's)."""
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        source = pq.ParquetFile(path)
+        if "settings" not in source.schema_arrow.names or source.metadata.num_rows == 0:
+            return None
+        return source.read_row_group(0, columns=["settings"]).column(0)[0].as_py()
+    with open(path, "rb") as handle:
+        first = handle.readline()
+    return json.loads(first).get("settings") if first.strip() else None
+
+
+def encoded(records: list[dict], out_format: str) -> bytes:
+    if out_format == "jsonl":
+        return b"".join(json.dumps(r, ensure_ascii=False, default=str).encode("utf-8") + b"\n" for r in records)
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    names = list(dict.fromkeys(name for record in records for name in record))
+    columns = {}
+    for name in names:
+        values = [record.get(name) for record in records]
+        if name == "settings":
+            values = [json.dumps(v, sort_keys=True) if v is not None else None for v in values]
+        try:
+            columns[name] = pa.array(values)
+        except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError):  # mixed kinds of values
+            columns[name] = pa.array([json.dumps(v, default=str) if v is not None else None for v in values])
+    sink = io.BytesIO()
+    pq.write_table(pa.table(columns), sink)
+    return sink.getvalue()
+
+
+def say_sealed(name: str, records: int, errors: int, folder: Path, out_format: str) -> None:
+    failed = f", {errors} of them errors" if errors else ""
+    print(f"encoder-graphs: shard {name}: {records} records{failed} -> {printable(folder / f'{name}.{out_format}')}",
+          file=sys.stderr)

@@ -1,0 +1,237 @@
+"""Dataset shards in, shards out (issue 43): WebDataset tars, Parquet files and a saved HF dataset
+captioned by the command (the tiny default model, CPU) into one output shard each; resumes,
+kills, splits across processes, unreadable shards and members, settings clashes."""
+
+import io
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+from test_cli import model_cache  # noqa: F401 (autouse: a private model cache for this module)
+from test_media import write_video
+
+from encoder_graphs.app.cli import main
+from encoder_graphs.app.datasets import InputShard, expand_braces, samples, shard_selection
+from encoder_graphs.app.shard_outputs import PARTIAL_SUFFIX
+
+FAST = ["--max-new-tokens", "3", "--quiet", "--batch-size", "4"]
+
+
+def image_bytes(index: int, fmt: str) -> bytes:
+    rng = np.random.default_rng(index)
+    buffer = io.BytesIO()
+    Image.fromarray(rng.integers(0, 255, (32 + 4 * (index % 5), 48, 3), dtype=np.uint8)).save(buffer, format=fmt)
+    return buffer.getvalue()
+
+
+def sample_members(shard: int, index: int, clip: bytes | None) -> tuple[str, dict[str, bytes]]:
+    """A sample of a mixed shard: JPEG, PNG, a corrupt JPEG, now and then a clip; with its json."""
+    key = f"s{shard:02d}/k{index:04d}"
+    n = shard * 1000 + index
+    if clip is not None and index == 1:
+        media = {"mp4": clip}
+    elif index % 7 == 3:
+        media = {"jpg": b"\xff\xd8 not a jpeg"}
+    else:
+        media = {"jpg": image_bytes(n, "JPEG")} if index % 2 else {"png": image_bytes(n, "PNG")}
+    return key, {**media, "json": json.dumps({"n": n}).encode()}
+
+
+def write_shards(folder: Path, count: int, per_shard: int, clip: bytes | None = None) -> list[tuple[str, dict]]:
+    """`count` tar shards; the samples, as (key, members) in order."""
+    folder.mkdir(parents=True, exist_ok=True)
+    everything = []
+    for shard in range(count):
+        with tarfile.open(folder / f"{shard:05d}.tar", "w") as tar:
+            for index in range(per_shard):
+                key, members = sample_members(shard, index, clip)
+                everything.append((key, members))
+                for extension, data in members.items():
+                    info = tarfile.TarInfo(f"{key}.{extension}")
+                    info.size = len(data)
+                    tar.addfile(info, io.BytesIO(data))
+    return everything
+
+
+def media_of(members: dict) -> bytes:
+    return next(data for extension, data in members.items() if extension != "json")
+
+
+def records(folder: Path) -> list[dict]:
+    found = []
+    for path in sorted(folder.iterdir()):
+        if path.suffix == ".jsonl" and not path.name.startswith("."):
+            found += [json.loads(line) for line in path.read_text().splitlines()]
+        elif path.suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            found += pq.read_table(path).to_pylist()
+    return found
+
+
+@pytest.fixture(scope="module")
+def clip(tmp_path_factory) -> bytes:
+    pytest.importorskip("av")
+    path = tmp_path_factory.mktemp("clip") / "c.mp4"
+    write_video(path, 12)
+    return path.read_bytes()
+
+
+def test_brace_lists_expand_as_webdataset_writes_them():
+    assert expand_braces("a/{00008..00011}.tar") == [f"a/{n:05d}.tar" for n in range(8, 12)]
+    assert expand_braces("{x,y}-{1..2}") == ["x-1", "x-2", "y-1", "y-2"]
+    shards = [InputShard(str(n), Path(f"{n}.tar"), "webdataset") for n in range(10)]
+    parts = [shard_selection(shards, 4, index) for index in range(4)]
+    assert sorted(s.name for part in parts for s in part) == sorted(s.name for s in shards)
+    assert all(len(part) in (2, 3) for part in parts)
+
+
+def test_tar_samples_stream_with_their_problems_said(tmp_path):
+    with tarfile.open(tmp_path / "t.tar", "w") as tar:
+        for name, data in (("a.jpg", image_bytes(1, "JPEG")), ("a.json", b"{}"), ("b.txt", b"only text")):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+        link = tarfile.TarInfo("c.jpg")
+        link.type, link.linkname = tarfile.SYMTYPE, "/etc/passwd"
+        tar.addfile(link)
+    got = list(samples(InputShard("t", tmp_path / "t.tar", "webdataset")))
+    assert [(s.key, s.kind) for s in got] == [("a", "image"), ("b", "other"), ("c", "other")]
+    assert got[0].carried == {"json": "{}"} and got[0].path == Path("t/a")
+    assert "no image or video member" in got[1].reason and "a link" in got[2].reason
+
+
+def test_shards_out_with_the_same_captions_from_tar_parquet_and_a_saved_dataset(tmp_path, clip):
+    pytest.importorskip("datasets")
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    everything = write_shards(tmp_path / "wds", 3, 5, clip)
+    assert main(["caption", str(tmp_path / "wds" / "{00000..00002}.tar"), "--out", str(tmp_path / "a")] + FAST) == 1
+    by_tar = {r["key"]: r for r in records(tmp_path / "a")}
+    assert sorted(by_tar) == sorted(key for key, _ in everything)
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == ["00000.jsonl", "00001.jsonl", "00002.jsonl"]
+    assert by_tar["s00/k0001"]["kind"] == "video" and by_tar["s00/k0001"]["status"] == "ok"
+    assert by_tar["s00/k0003"]["error_kind"] == "corrupt" and by_tar["s00/k0003"]["status"] == "error"
+    assert json.loads(by_tar["s01/k0002"]["json"]) == {"n": 1002}
+
+    (tmp_path / "pq").mkdir()
+    rows = [{"key": key, "image": media_of(members), "caption": "old", "n": i} for i, (key, members) in enumerate(everything)]
+    for shard in range(3):
+        pq.write_table(pa.Table.from_pylist(rows[5 * shard : 5 * shard + 5]), tmp_path / "pq" / f"p{shard}.parquet")
+    assert main(["caption", str(tmp_path / "pq" / "*.parquet"), "--out", str(tmp_path / "b"), "--out-format",
+                 "parquet"] + FAST) == 1
+    by_parquet = {r["key"]: r for r in records(tmp_path / "b")}
+    saved = datasets.Dataset.from_list([{"key": r["key"], "image": {"bytes": r["image"], "path": None}} for r in rows])
+    saved.save_to_disk(str(tmp_path / "hf"), num_shards=2)
+    assert main(["caption", str(tmp_path / "hf"), "--out", str(tmp_path / "c")] + FAST) == 1
+    by_saved = {r["key"]: r for r in records(tmp_path / "c")}
+    for other in (by_parquet, by_saved):
+        assert {k: r.get("caption") for k, r in other.items()} == {k: r.get("caption") for k, r in by_tar.items()}
+    assert by_parquet["s00/k0000"]["input_caption"] == "old" and by_parquet["s00/k0000"]["n"] == 0
+    loaded = datasets.load_dataset("parquet", data_files=str(tmp_path / "b" / "*.parquet"), split="train")
+    assert loaded.num_rows == 15 and "caption" in loaded.column_names
+    assert datasets.load_dataset("json", data_files=str(tmp_path / "a" / "*.jsonl"), split="train").num_rows == 15
+
+
+def test_a_rerun_skips_complete_shards_and_refuses_other_settings(tmp_path, capsys):
+    write_shards(tmp_path / "wds", 2, 3)
+    shards = str(tmp_path / "wds" / "*.tar")
+    assert main(["caption", shards, "--out", str(tmp_path / "o")] + FAST) == 0
+    first = records(tmp_path / "o")
+    assert main(["caption", shards, "--out", str(tmp_path / "o")] + FAST) == 0
+    assert "2 complete" in capsys.readouterr().err and records(tmp_path / "o") == first
+    assert main(["caption", shards, "--out", str(tmp_path / "o"), "--prompt", "Other."] + FAST) == 2
+    assert "other settings" in capsys.readouterr().err
+    assert main(["caption", shards, "--out", str(tmp_path / "o"), "--sidecar"] + FAST) == 2
+    assert main(["caption", shards, str(tmp_path), "--out", str(tmp_path / "o")] + FAST) == 2
+    assert main(["caption", str(tmp_path / "wds"), "--out", str(tmp_path / "x.jsonl"), "--out-format", "parquet"]) == 2
+
+
+def test_a_partial_shard_resumes_from_its_finished_keys_and_a_torn_line(tmp_path):
+    write_shards(tmp_path / "wds", 1, 6)
+    out = tmp_path / "o"
+    out.mkdir()
+    assert main(["caption", str(tmp_path / "wds" / "00000.tar"), "--out", str(tmp_path / "full")] + FAST) == 1
+    full = records(tmp_path / "full")
+    partial = out / f".00000{PARTIAL_SUFFIX}"
+    partial.write_text("".join(json.dumps(r) + "\n" for r in full[:2]) + json.dumps(full[2])[:30])
+    assert main(["caption", str(tmp_path / "wds" / "00000.tar"), "--out", str(out)] + FAST) == 1
+    assert not partial.exists() and sorted(p.name for p in out.iterdir()) == ["00000.jsonl"]
+    again = records(out)
+    assert sorted(r["key"] for r in again) == sorted(r["key"] for r in full)
+    assert {r["key"]: r.get("caption") for r in again} == {r["key"]: r.get("caption") for r in full}
+
+
+def test_a_truncated_shard_is_read_twice_then_reported_and_the_others_complete(tmp_path, capsys):
+    write_shards(tmp_path / "wds", 2, 6)
+    data = (tmp_path / "wds" / "00001.tar").read_bytes()
+    (tmp_path / "wds" / "00001.tar").write_bytes(data[: len(data) // 2])
+    assert main(["caption", str(tmp_path / "wds" / "*.tar"), "--out", str(tmp_path / "o")] + FAST) == 1
+    said = capsys.readouterr()
+    assert "shard 00001 failed twice" in said.err and "1 of 2 shards complete" in said.out
+    names = sorted(p.name for p in (tmp_path / "o").iterdir())
+    assert names == [f".00001{PARTIAL_SUFFIX}", "00000.jsonl"]
+    kept = [json.loads(line) for line in (tmp_path / "o" / names[0]).read_text().splitlines()]
+    assert kept and len({r["key"] for r in kept}) == len(kept)
+
+
+def test_four_processes_split_the_shards_exactly(tmp_path):
+    everything = write_shards(tmp_path / "wds", 6, 2)
+    for index in range(4):
+        code = main(["caption", str(tmp_path / "wds" / "*.tar"), "--out", str(tmp_path / "o"), "--num-shards", "4",
+                     "--shard-index", str(index)] + FAST)
+        assert code in (0, 1)
+    keys = [r["key"] for r in records(tmp_path / "o")]
+    assert sorted(keys) == sorted(key for key, _ in everything)
+
+
+@pytest.mark.slow
+def test_ten_kills_lose_nothing_and_show_no_partial_shard(tmp_path):
+    everything = write_shards(tmp_path / "wds", 20, 4)
+    out = tmp_path / "o"
+    command = [sys.executable, "-m", "encoder_graphs", "caption", str(tmp_path / "wds" / "{00000..00019}.tar"),
+               "--out", str(out)] + FAST
+    chance = random.Random(0)
+    for _ in range(10):
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not (out.exists() and any(out.iterdir())) and process.poll() is None:
+            time.sleep(0.05)
+        time.sleep(chance.uniform(0, 1.5))
+        process.send_signal(signal.SIGKILL)
+        process.wait()
+        for path in out.iterdir():  # a visible shard is always whole
+            if not path.name.startswith("."):
+                shard = int(path.stem)
+                assert sorted(r["key"] for r in records_of(path)) == sorted(
+                    key for key, _ in everything if key.startswith(f"s{shard:02d}/"))
+    assert subprocess.run(command, check=False, capture_output=True, timeout=600).returncode == 1  # corrupt samples: errors
+    keys = [r["key"] for r in records(out)]
+    assert sorted(keys) == sorted(key for key, _ in everything)  # each exactly once
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]
+
+
+def records_of(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_a_planted_partial_link_is_refused(tmp_path):
+    write_shards(tmp_path / "wds", 1, 2)
+    out = tmp_path / "o"
+    out.mkdir()
+    secret = tmp_path / "secret"
+    secret.write_text("keep")
+    os.symlink(secret, out / f".00000{PARTIAL_SUFFIX}")
+    assert main(["caption", str(tmp_path / "wds" / "00000.tar"), "--out", str(out)] + FAST) == 2
+    assert secret.read_text() == "keep"
