@@ -73,6 +73,9 @@ def test_a_bad_prompt_exits_2_before_any_model(tmp_path, capsys):
     photos(tmp_path / "in", 1)
     assert main(["caption", str(tmp_path / "in"), "--prompt", "=x", "--out", str(tmp_path / "o.jsonl")]) == 2
     assert "--prompt '=x'" in capsys.readouterr().err
+    bad = ["--prompt", "short=One.", "--prompt", "tags=List \udcff tags."]  # a shell's bytes that are not UTF-8
+    assert main(["caption", str(tmp_path / "in"), *bad, "--out", str(tmp_path / "o.jsonl")]) == 2
+    assert "--prompt tags is not valid UTF-8" in capsys.readouterr().err
 
 
 def test_common_prefix_leaves_each_row_a_token():
@@ -119,3 +122,6 @@ def test_a_prompt_file_mapping_and_a_rerun_with_other_prompts(tmp_path, capsys):
     assert main([*argv, "--prompt-file", str(mapping)]) == 0 and lines_of(out) == first
     assert main([*argv, "--prompt", "a=Other.", "--prompt", "b=Else."]) == 2
     assert "--redo" in capsys.readouterr().err
+    # The same prompts in another order: the first names `caption` and the sidecars, so it clashes too.
+    flipped = [f for name, text in reversed(PROMPTS.items()) for f in ("--prompt", f"{name}={text}")]
+    assert main([*argv, *flipped]) == 2

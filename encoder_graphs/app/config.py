@@ -78,7 +78,8 @@ class CaptionConfig:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         for template in self.templates:
             check_template(template)
-        for flag, text in (("--prompt", self.prompt or ""), ("--prefix", self.prefix), ("--suffix", self.suffix)):
+        named = tuple((f"--prompt {name}", text) for name, text in self.named)
+        for flag, text in (("--prompt", self.prompt or ""), *named, ("--prefix", self.prefix), ("--suffix", self.suffix)):
             if not is_text(text):  # bytes a shell passed that are not UTF-8: no file or model takes them
                 raise ValueError(f"{flag} is not valid UTF-8 text")
 

@@ -112,7 +112,7 @@ def caption_datasets(settings: Settings) -> int:
     mine = shard_selection(shards, parts, part)
     prompt, named = read_prompts(settings.prompt, settings.prompt_file)
     config = caption_config(settings, prompt, named)
-    identity = run_identity(settings, dict(named) if named else config.prompt)
+    identity = run_identity(settings, [list(pair) for pair in named] if named else config.prompt)
     for shard in mine:
         check_columns(shard, settings.image_column, settings.key_column)
     folder = settings.out

@@ -110,6 +110,10 @@ def batched_config(job: CaptionJob, plan: Plan, model: "PreTrainedModel") -> Cap
     rows = fitting_batch_sizes(requested and requested * per, model, job.longest, prompts,
                                {kind: n * per for kind, n in most.items()}, job.device)
     sizes = {kind: max(1, n // per) for kind, n in rows.items()}
+    for kind, fit in rows.items():
+        if fit < per:  # one file is the least a batch holds: its prompts' rows may not fit
+            print(f"encoder-graphs: the GPU memory free holds {fit} sequences of {kind}s, fewer than the {per} prompts "
+                  "of one file: a batch may run out of memory (fewer prompts, or a lower resolution)", file=sys.stderr)
     for kind, size in sizes.items():
         if requested is not None and size < min(requested, most[kind]):
             print(f"encoder-graphs: --batch-size {requested} capped to {size} for {kind}s: the GPU memory free holds "

@@ -268,8 +268,6 @@ class Captioner:
         prompt_length = model_inputs["input_ids"].shape[1]
         stats.prompt_tokens += int(host["attention_mask"].sum())  # the host copy: no device sync
         stats.padded_prompt_tokens += host["attention_mask"].numel()
-        if self.config.named:
-            stats.prompt_batches["whole prompts" if shared is None else "shared prefix"] += 1
         if shared is not None:
             ids, mask = model_inputs.pop("input_ids"), model_inputs.pop("attention_mask")
             sampling = {k: v for k, v in self.config.sampling.items() if k != "top_k"}  # the runner's: no top-k
@@ -278,6 +276,7 @@ class Captioner:
                 max_new_tokens=self.config.max_new_tokens, eos_token_id=self.inputs.eos_token_id,
                 pad_token_id=self.inputs.pad_token_id,
             )
+            stats.prompt_batches["shared prefix"] += 1  # once it ran: a batch split on OOM counts its halves
             return self._records(batch, new_ids.tolist(), started, stats)
         with torch.inference_mode():
             # The decoder graphs' settings whatever the checkpoint's generation config says: Qwen's
@@ -291,6 +290,8 @@ class Captioner:
                 eos_token_id=self.inputs.eos_token_id,
                 pad_token_id=self.inputs.pad_token_id,
             )
+        if self.config.named:
+            stats.prompt_batches["whole prompts"] += 1
         return self._records(batch, output[:, prompt_length:].tolist(), started, stats)
 
     def _records(self, batch: list[Pending], new_tokens: list[list[int]], started: float, stats: RunStats) -> list[dict]:

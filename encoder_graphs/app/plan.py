@@ -86,7 +86,7 @@ def make_plan(settings: Settings, job: Job) -> Plan:
     settings, files = this_shard(settings, roots, files, say=job.rank == 0)
     check_outputs(settings, roots, files, sidecars)
     results = open_results(settings, job)
-    identity = run_identity(settings, dict(named) if named else config.prompt)
+    identity = run_identity(settings, [list(pair) for pair in named] if named else config.prompt)
     if job.rank == 0 and not settings.dry_run:
         tidy_outputs(settings, roots, files, sidecars, results, config.text, identity)
     if job.distributed and job.rank == 0:  # the other ranks read --out once rank 0 is done writing it

@@ -5,11 +5,12 @@ caption stored under its name. Plain Python: checked before a model loads."""
 import codecs
 import json
 import re
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from encoder_graphs.app.config import MAX_PROMPT_BYTES
-from encoder_graphs.app.errors import UsageError
+from encoder_graphs.app.errors import UsageError, printable
 
 # A prompt's name: a record's key, so a short word. `--prompt WORD=TEXT` names its prompt when
 # WORD is one; any other text before a "=" leaves the whole value a prompt ("Describe: style=photo").
@@ -29,6 +30,9 @@ def read_prompts(prompt: "str | Sequence[str] | None", prompt_file: Path | None)
     parsed = [split_named(value) for value in values]
     if len(values) == 1 and parsed[0][0] is None:
         return values[0], ()
+    if len(values) == 1:  # once a prompt of its own: say how it is read now
+        print(f"encoder-graphs: --prompt {printable(values[0])[:60]!r} is read as the prompt named {parsed[0][0]!r} "
+              "(captions under that name); for a prompt that starts NAME=, use --prompt-file", file=sys.stderr)
     if any(name is None for name, _ in parsed):
         raise UsageError("--prompt given several times: name each one, --prompt NAME=TEXT")
     return None, checked(parsed, "--prompt")

@@ -89,9 +89,10 @@ IDENTITY = ("model", "prompt", "max_new_tokens", "temperature", "top_p", "seed",
             "max_frame_tokens", "max_frames", "video_fps", "video_sampling")
 
 
-def run_identity(settings: Settings, prompt: str | dict[str, str] | None) -> dict:
+def run_identity(settings: Settings, prompt: str | list[list[str]] | None) -> dict:
     """This run's settings of `IDENTITY` (`prompt`: the prompt text, from --prompt or --prompt-file,
-    or the named prompts' {name: text}; None: the model's own)."""
+    or the named prompts' [name, text] pairs in order, as the first names the record's `caption`;
+    None: the model's own)."""
     values = {name: getattr(settings, name) for name in IDENTITY if name not in ("model", "prompt")}
     return {"model": settings.model or "default", "prompt": prompt, **values}
 

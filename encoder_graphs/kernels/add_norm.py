@@ -6,7 +6,7 @@ norm reads that back and writes another. Here one kernel reads both once and wri
 norm side by side, [rows, 2 x dim]: the next block takes the halves as views (`chained_blocks`).
 Uncompiled, transformers' RMSNorm is six kernels (a float32 copy, its square, the mean, the
 rsqrt, two products) that move about eight times the bytes of one read and one write: the
-language model's norms of a caption batch's prefill (RESULTS.md). `rms_norm` is the kernel
+language model's norms of a caption batch's prefill (benchmarks/COMPONENTS.md). `rms_norm` is the kernel
 without the add. Both round where the stock modules round, so most outputs equal the stock ones.
 """
 

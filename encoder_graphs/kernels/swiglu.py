@@ -7,7 +7,7 @@ row 2j + 1 up j), so each output tile holds matching pairs of columns and the ep
 the product, rounded at the stock MLP's three points (gate and up, the SiLU, the product): the bf16
 result then equals the stock one wherever the two GEMMs' fp32 accumulators round alike, which keeps
 generation near the stock model's tokens. A persistent grid, TMA loads, the tile picked per row
-count: from a few thousand rows up, as fast as cuBLAS's GEMM alone (benchmarks/RESULTS.md).
+count: from a few thousand rows up, as fast as cuBLAS's GEMM alone (benchmarks/COMPONENTS.md).
 """
 
 from functools import cache

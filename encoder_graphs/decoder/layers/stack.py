@@ -2,7 +2,7 @@
 they run, and for torch.compile.
 
 Uncompiled, a Qwen2.5-VL-3B prefill of a caption batch spent about as long in elementwise kernels
-as in its GEMMs, most of it the norms' six kernels and the MLPs' SiLU and product (RESULTS.md).
+as in its GEMMs, most of it the norms' six kernels and the MLPs' SiLU and product (benchmarks/COMPONENTS.md).
 `fuse_text_kernels` runs each stock RMSNorm as one kernel (`kernels/add_norm.py`'s `rms_norm`) and each
 gated MLP's gate, up and SiLU as one GEMM (`kernels/swiglu.py`), for the prefill and decode steps alike.
 
