@@ -66,7 +66,7 @@ time.sleep(3600)
 # The caption command's arguments of each run of ours that `--runs` may name.
 OUR_RUNS = {"defaults": [], "no_graphs": ["--no-graphs"], "frames_model": ["--max-frame-tokens", "model"],
             "keyframes": ["--video-sampling", "keyframes"], "no_prefetch": [], "cold": [],
-            "no_compile": ["--no-compile"],
+            "no_compile": ["--no-compile"], "shards": [],
             # Three captions a file in one pass (issue 43: at most 1.5x the loop time of `defaults`).
             "prompts_3": ["--prompt", "short=Describe this in one sentence.", "--prompt", "tags=List tags for this image.",
                           "--prompt", "long=Describe this image in detail."]}
@@ -97,8 +97,25 @@ def cold_start(work: Path) -> tuple[dict[str, str], bool]:
     return {key: str(path) for key, path in env.items()}, dropped
 
 
+def as_shards(folder: Path, work: Path, count: int = 16) -> str:
+    """The folder's files packed into `count` WebDataset tar shards (a file a sample, keyed by its
+    number), untimed: the brace list naming them."""
+    import tarfile
+
+    shards = work / "shards"
+    shards.mkdir(exist_ok=True)
+    files = sorted(path for path in folder.rglob("*") if media_kind(path) is not None)
+    for index in range(count):
+        with tarfile.open(shards / f"{index:05d}.tar", "w") as tar:
+            for number, path in enumerate(files[index::count]):
+                tar.add(path, arcname=f"{index:05d}{number:06d}{path.suffix.lower()}")
+    return str(shards / f"{{00000..{count - 1:05d}}}.tar")
+
+
 def run_ours(folder: Path, work: Path, name: str, args: argparse.Namespace, extra: list[str], gpus: int = 1) -> dict:
     out, stats_path = work / f"{name}.jsonl", work / f"{name}.stats.json"
+    if name == "shards":  # the same files as WebDataset shards, captioned into output shards
+        folder, out = Path(as_shards(folder, work)), work / "shard-captions"
     command = caption_command(folder, out, stats_path, args, extra, gpus)
     env, dropped = (cold_start(work) if name == "cold" else (OUR_RUN_ENV.get(name), None))
     _, wall_s, peak_host = run_measured(command, env)

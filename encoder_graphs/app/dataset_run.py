@@ -131,20 +131,21 @@ def caption_datasets(settings: Settings) -> int:
 
 def run_shards(settings: Settings, todo: list[InputShard], outputs: ShardOutputs, config: Any, identity: dict) -> int:
     from encoder_graphs import enable_cuda_graphs
-    from encoder_graphs.app.command import stop_on_interrupt, write_stats_json
+    from encoder_graphs.app.command import STARTED, stop_on_interrupt, write_stats_json
     from encoder_graphs.app.job import open_job, sized_job
     from encoder_graphs.app.loading import load_model, open_model, pick_device
     from encoder_graphs.report import format_graph_stats, format_run_stats
 
-    started = time.perf_counter()
     plan = stand_in_plan(settings, todo, config, identity)
     device = pick_device(settings.device, int(os.environ.get("LOCAL_RANK", "0")))
     source = open_model(settings.model, max_tiles=settings.max_tiles, max_image_tokens=settings.max_image_tokens,
                         max_frame_tokens=settings.max_frame_tokens)
     job = open_job(plan, source, device)
     model = load_model(source, job.device)
+    loaded = time.perf_counter()
     job = sized_job(job, plan, model)
     handle = enable_cuda_graphs(model, job.options)
+    setup_s = time.perf_counter() - loaded
     captioner = SampleCaptioner(model, source.inputs, job.config, job.limits, model_name=job.model_name,
                                 run_settings=identity)
     try:
@@ -156,7 +157,13 @@ def run_shards(settings: Settings, todo: list[InputShard], outputs: ShardOutputs
         outputs.close()
     stats.files = stats.succeeded + stats.failed
     summary = {**stats.as_dict(), "batch_size": job.config.batch_size, "video_batch_size": job.config.video_batch_size,
-               "wall_s": time.perf_counter() - started}
+               "load_s": loaded - STARTED, "setup_s": setup_s, "longest_sequence": job.longest}
+    if summary["first_records_s"] is not None:
+        summary["first_caption_after_load_s"] = setup_s + summary["first_records_s"]
+    if job.device.type == "cuda":
+        import torch
+
+        summary["peak_gpu_memory_bytes"] = torch.cuda.max_memory_allocated(job.device)
     print(format_run_stats(summary))
     print(format_graph_stats(graph_stats))
     shards = {"sealed": outputs.sealed, "failed": outputs.failed, "duplicate_keys": dict(outputs.duplicates),
