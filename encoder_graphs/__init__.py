@@ -15,6 +15,8 @@ _EXPORTS = {
     "DecoderGraphRunner": "encoder_graphs.decoder.runner",
     "EncoderGraphsHandle": "encoder_graphs.enable",
     "GraphOptions": "encoder_graphs.options",
+    "EncoderOptions": "encoder_graphs.options",
+    "DecoderOptions": "encoder_graphs.options",
     "enable_cuda_graphs": "encoder_graphs.enable",
 }
 __all__ = sorted(_EXPORTS)
@@ -23,7 +25,7 @@ if TYPE_CHECKING:
     from encoder_graphs.decoder.runner import DecoderGraphRunner
     from encoder_graphs.enable import EncoderGraphsHandle, enable_cuda_graphs
     from encoder_graphs.engine.manager import EncoderCudaGraphManager
-    from encoder_graphs.options import GraphOptions
+    from encoder_graphs.options import DecoderOptions, EncoderOptions, GraphOptions
 
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -119,33 +119,12 @@ def enable_cuda_graphs(model: nn.Module, options: GraphOptions | None = None, **
     # disable(), or here if anything raises before the handle is returned.
     rewrites = Rewrites()
     with rewrites.undone_on_error():
-        manager = EncoderCudaGraphManager(
-            adapter,
-            budgets=options.budgets,
-            max_items=options.max_items,
-            max_frames=options.max_frames,
-            max_frames_per_item=options.max_frames_per_item,
-            enabled=options.enabled,
-            log_interval_s=options.log_interval_s,
-            poison_pool_bytes=options.poison_pool_bytes,
-            choose_by_cost=options.choose_by_cost,
-            lazy=options.lazy,
-            capture_from_call=options.encoder_capture_from_call,
-        )
+        manager = EncoderCudaGraphManager(adapter, options.encoder_options)
         rewrites.push(manager.close)
         runner = None
         decoder_off = "decoder=False" if not options.decoder else DecoderGraphRunner.unsupported(model.config)
         if decoder_off is None:
-            runner = DecoderGraphRunner(
-                model,
-                max_batch_size=options.decoder_max_batch_size,
-                batch_sizes=options.decoder_batch_sizes,
-                max_cache_len=options.decoder_max_cache_len,
-                length_tiers=options.decoder_length_tiers,
-                enabled=options.enabled,
-                family=adapter,
-                lazy=options.lazy,
-            )
+            runner = DecoderGraphRunner(model, options.decoder_options, family=adapter)
             rewrites.push(runner.close)  # gives the stacked projections back
         adapter.align_weights(rewrites)  # exact
         compiled = _compile(model, adapter, manager, runner, rewrites) if options.compile else None

@@ -56,8 +56,8 @@ class GraphOptions:
     the model's feature method that wants it, eager before (the command's 2: a job of one batch
     times nothing). `log_interval_s`: how often the encoder logs its hit rate.
 
-    `poison_pool_bytes` is a test hook: the graph pool is filled with NaN before the first
-    capture, so that a graph reading memory it never wrote shows it.
+    The encoder manager reads `encoder_options`, the decoder runner `decoder_options`: each its
+    part of these settings, frozen, under the names its constructor takes.
     """
 
     budgets: Sequence[int] | Mapping[str, Sequence[int]] | None = None
@@ -76,13 +76,79 @@ class GraphOptions:
     lazy: bool = False
     encoder_capture_from_call: int = 1
     log_interval_s: float = 60.0
-    poison_pool_bytes: int = 0
 
     def __post_init__(self) -> None:
-        # Sequences as tuples: an options object hashes, and [64] and (64,) are the same setting.
-        for name in ("budgets", "decoder_batch_sizes", "decoder_length_tiers"):
-            value = getattr(self, name)
-            if isinstance(value, Mapping):
-                object.__setattr__(self, name, PathBudgets({path: tuple(v) for path, v in value.items()}))
-            elif value is not None:
-                object.__setattr__(self, name, tuple(value))
+        _as_tuples(self, "budgets", "decoder_batch_sizes", "decoder_length_tiers")
+
+    @property
+    def encoder_options(self) -> "EncoderOptions":
+        return EncoderOptions(
+            budgets=self.budgets,
+            max_items=self.max_items,
+            max_frames=self.max_frames,
+            max_frames_per_item=self.max_frames_per_item,
+            enabled=self.enabled,
+            choose_by_cost=self.choose_by_cost,
+            lazy=self.lazy,
+            capture_from_call=self.encoder_capture_from_call,
+            log_interval_s=self.log_interval_s,
+        )
+
+    @property
+    def decoder_options(self) -> "DecoderOptions":
+        return DecoderOptions(
+            max_batch_size=self.decoder_max_batch_size,
+            batch_sizes=self.decoder_batch_sizes,
+            max_cache_len=self.decoder_max_cache_len,
+            length_tiers=self.decoder_length_tiers,
+            enabled=self.enabled,
+            lazy=self.lazy,
+        )
+
+
+@dataclass(frozen=True)
+class EncoderOptions:
+    """What `EncoderCudaGraphManager` is given (`GraphOptions.encoder_options`; the manager's
+    keyword arguments of the same names change some of them): see the manager's docstring."""
+
+    budgets: Sequence[int] | Mapping[str, Sequence[int]] | None = None
+    max_items: int | None = None
+    max_frames: int | None = None
+    max_frames_per_item: int | None = None
+    enabled: bool = True
+    choose_by_cost: bool = True
+    lazy: bool = False
+    capture_from_call: int = 1
+    log_interval_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.capture_from_call < 1:
+            raise ValueError(f"capture_from_call must be >= 1, got {self.capture_from_call}")
+        _as_tuples(self, "budgets")
+
+
+@dataclass(frozen=True)
+class DecoderOptions:
+    """What `DecoderGraphRunner` is given (`GraphOptions.decoder_options`; the runner's keyword
+    arguments of the same names change some of them): a static cache of `max_cache_len` slots,
+    one graph per batch bucket (`batch_sizes`, up to `max_batch_size`) and length tier."""
+
+    max_batch_size: int = 32
+    batch_sizes: Sequence[int] | None = None
+    max_cache_len: int = 4096
+    length_tiers: Sequence[int] | None = None
+    enabled: bool = True
+    lazy: bool = False
+
+    def __post_init__(self) -> None:
+        _as_tuples(self, "batch_sizes", "length_tiers")
+
+
+def _as_tuples(options: object, *names: str) -> None:
+    """Sequences as tuples: an options object hashes, and [64] and (64,) are the same setting."""
+    for name in names:
+        value = getattr(options, name)
+        if isinstance(value, Mapping):
+            object.__setattr__(options, name, PathBudgets({path: tuple(v) for path, v in value.items()}))
+        elif value is not None:
+            object.__setattr__(options, name, tuple(value))

@@ -143,6 +143,41 @@ def test_decoder_false_leaves_generate_alone_and_options_are_one_object(model):
         handle.disable()
 
 
+def test_the_manager_and_the_runner_get_their_part_of_the_options_whole(model, monkeypatch):
+    """Each setting of `GraphOptions` reaches the manager's or the runner's options object (or is
+    enable's own: the backend, the decoder switch, compile), none dropped on the way; the test
+    hook that poisons the encoder's pool is no setting but a module-level one of the manager."""
+    from dataclasses import fields
+
+    from encoder_graphs import DecoderOptions, EncoderOptions
+
+    assert "poison_pool_bytes" not in {f.name for f in fields(GraphOptions)}
+    with pytest.raises(TypeError, match="poison_pool_bytes"):
+        enable_cuda_graphs(model, poison_pool_bytes=1 << 20)
+    options = GraphOptions(budgets=[64, 128], max_items=3, max_frames=5, max_frames_per_item=4, choose_by_cost=False,
+                           decoder_max_batch_size=2, decoder_max_cache_len=96, decoder_batch_sizes=[1, 2],
+                           decoder_length_tiers=[32], enabled=False, lazy=True, encoder_capture_from_call=3,
+                           log_interval_s=5.0)
+    encoder = EncoderOptions(budgets=(64, 128), max_items=3, max_frames=5, max_frames_per_item=4, enabled=False,
+                             choose_by_cost=False, lazy=True, capture_from_call=3, log_interval_s=5.0)
+    decoder = DecoderOptions(max_batch_size=2, batch_sizes=(1, 2), max_cache_len=96, length_tiers=(32,),
+                             enabled=False, lazy=True)
+    assert (options.encoder_options, options.decoder_options) == (encoder, decoder)
+    own = {"attn_backend", "decoder", "compile"}
+    to_encoder = {f.name for f in fields(EncoderOptions)} - {"capture_from_call"} | {"encoder_capture_from_call"}
+    to_decoder = {f"decoder_{f.name}" for f in fields(DecoderOptions)} - {"decoder_enabled", "decoder_lazy"}
+    assert {f.name for f in fields(GraphOptions)} == own | to_encoder | to_decoder
+    monkeypatch.setattr("encoder_graphs.engine.manager._POISON_POOL_BYTES", 1 << 20)
+    handle = enable_cuda_graphs(model, options)
+    try:
+        assert handle.manager.options == encoder and handle.decoder.options == decoder
+        assert (handle.manager.max_items, handle.manager.max_frames) == (3, 5)
+        assert handle.decoder.config.buckets == [1, 2] and handle.decoder.config.length_tiers == [32, 96]
+        assert handle.manager._graphs.poison_bytes == 1 << 20
+    finally:
+        handle.disable()
+
+
 def test_a_tuple_asked_of_the_features_is_stocks(model):
     """`return_dict=False` gives stock's tuple (its first entry the tower's last hidden state, which
     the graphs do not keep), from the stock method: the manager is not called."""

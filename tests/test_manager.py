@@ -152,3 +152,39 @@ def test_shared_output_buffers_refuse_what_is_not_a_prefix():
     assert not buffers.sized("global")  # no inputs yet: a whole forward sizes both
     buffers.drop("global")
     assert buffers.outputs == {}
+
+
+def test_options_are_one_frozen_object_and_keywords_change_some(model):
+    """The manager's settings: an `EncoderOptions`, keyword arguments of the same names over it
+    (design.md's `EncoderCudaGraphManager(model, budgets=..., max_items=...)`), no other name."""
+    from encoder_graphs import EncoderOptions
+
+    manager = EncoderCudaGraphManager(model, EncoderOptions(budgets=[64, 128], max_items=3), max_frames=5)
+    assert manager.options == EncoderOptions(budgets=(64, 128), max_items=3, max_frames=5)
+    assert (manager.max_items, manager.max_frames, manager.budgets[GLOBAL]) == (3, 5, [64, 128])
+    assert EncoderCudaGraphManager(model, budgets=[64], max_items=2).options == EncoderOptions(budgets=(64,), max_items=2)
+    with pytest.raises(TypeError, match="max_item"):
+        EncoderCudaGraphManager(model, max_item=2)
+    with pytest.raises(ValueError, match="capture_from_call"):
+        EncoderCudaGraphManager(model, capture_from_call=0)
+
+
+def test_graphs_is_one_live_view_a_later_capture_shows_in(model, monkeypatch):
+    """`graphs` is made once, not per `execute`, and never stale: a budget captured after it was
+    read is in it, in budget order, and `close()` empties it (the capture session is a stand-in
+    here: the bookkeeping, not CUDA)."""
+    from contextlib import nullcontext
+
+    manager = EncoderCudaGraphManager(model, budgets=[16, 64, 256], enabled=False)
+    view = manager.graphs
+    manager.execute([ToyItem(torch.randn(10, 48))])
+    assert manager.graphs is view and dict(view[GLOBAL]) == {} and len(view[LOCAL]) == 0
+    monkeypatch.setattr(manager._graphs, "session", nullcontext)
+    manager._graphs.capture([(GLOBAL, 256), (LOCAL, 16), (GLOBAL, 16)], lambda key: f"graph {key}", str)
+    assert list(view[GLOBAL]) == [16, 256] and view[GLOBAL][256] == "graph ('global', 256)"
+    assert dict(view[LOCAL]) == {16: "graph ('local', 16)"} and 64 not in view[GLOBAL]
+    assert manager.typed_stats().captured_budgets == {GLOBAL: [16, 256], LOCAL: [16]}
+    with pytest.raises(TypeError):
+        view[GLOBAL][64] = "written"  # read-only
+    manager.close()
+    assert manager.graphs is view and len(view[GLOBAL]) == len(view[LOCAL]) == 0

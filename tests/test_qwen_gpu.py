@@ -211,7 +211,7 @@ def run_random_calls(manager, name: str, label: str, items: list, count: int) ->
 
 
 @pytest.mark.parametrize("name", ["tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl", "tiny-qwen3.5"])
-def test_enable_cuda_graphs_on_cuda_keeps_generation(name):
+def test_enable_cuda_graphs_on_cuda_keeps_generation(name, monkeypatch):
     """The plugin entry on CUDA: graphs captured, forward and generate go through them."""
     model = build_model(name, dtype=torch.bfloat16, device="cuda", seed=0)
     config = model.config
@@ -229,7 +229,8 @@ def test_enable_cuda_graphs_on_cuda_keeps_generation(name):
     with torch.inference_mode():
         fp32 = fp32_model.get_image_features(pixels.float(), inputs["image_grid_thw"]).pooler_output
         stock = model.get_image_features(pixels, inputs["image_grid_thw"]).pooler_output
-        handle = enable_cuda_graphs(model, budgets=[64, 256], poison_pool_bytes=16 << 20, choose_by_cost=False)
+        monkeypatch.setattr("encoder_graphs.engine.manager._POISON_POOL_BYTES", 16 << 20)  # the manager enable makes
+        handle = enable_cuda_graphs(model, budgets=[64, 256], choose_by_cost=False)
         ours = model.get_image_features(pixels, inputs["image_grid_thw"]).pooler_output
         generated = model.generate(**inputs, max_new_tokens=4, do_sample=False)
         stats = handle.stats()["encoder"]

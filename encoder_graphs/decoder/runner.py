@@ -12,10 +12,11 @@ so the CPU path exercises the same logic.
 """
 
 import logging
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import product
+from typing import Any
 
 import torch
 from transformers import PretrainedConfig
@@ -29,6 +30,7 @@ from encoder_graphs.decoder.step import decode_step
 from encoder_graphs.engine.capture import GraphCache, unavailable_reason
 from encoder_graphs.engine.statistics import DecoderStats
 from encoder_graphs.models.registry import family_class
+from encoder_graphs.options import DecoderOptions
 from encoder_graphs.packing import smallest_fitting_budget
 from encoder_graphs.packing.reasons import EagerReason
 from encoder_graphs.protocols import ModelFamily
@@ -69,23 +71,21 @@ class DecoderGraphRunner(GenerateCalls):
     def __init__(
         self,
         model: torch.nn.Module,
+        options: DecoderOptions | None = None,
         *,
-        max_batch_size: int = 32,
-        batch_sizes: Sequence[int] | None = None,
-        max_cache_len: int = 4096,
-        length_tiers: Sequence[int] | None = None,
-        enabled: bool = True,
         family: ModelFamily | type[ModelFamily] | None = None,
         fused_step: bool = True,
         packed_prefill: bool = True,
-        lazy: bool = False,
+        **settings: Any,
     ) -> None:
-        """`lazy`: `capture()` only allocates the static buffers; the graphs of a (bucket, tier)
-        are captured when a `generate` call first needs them, so a job pays for those it uses."""
+        """`options` (`GraphOptions.decoder_options`), keyword `settings` of its names over it.
+        `lazy`: `capture()` only allocates the static buffers; the graphs of a (bucket, tier) are
+        captured when a `generate` call first needs them, so a job pays for those it uses."""
+        self.options = options = replace(options or DecoderOptions(), **settings)
         self.model = model
-        self.lazy = lazy
+        self.lazy = options.lazy
         self.config = DecoderGraphConfig(
-            max_batch_size, max_cache_len, list(batch_sizes or []), list(length_tiers or [])
+            options.max_batch_size, options.max_cache_len, list(options.batch_sizes or []), list(options.length_tiers or [])
         )
         if (reason := self.unsupported(model.config)) is not None:
             raise ValueError(reason)
@@ -96,7 +96,7 @@ class DecoderGraphRunner(GenerateCalls):
         # but linear attention's: its conv and recurrence would run across the prompts' bounds.
         self.packed_prefill = packed_prefill and known and self._dims.linear is None
         self.device = model.get_output_embeddings().weight.device
-        self.disabled_reason = unavailable_reason(enabled, self.device)
+        self.disabled_reason = unavailable_reason(options.enabled, self.device)
         self._position_dims: tuple[int, ...] | None = None
         self._static: DecodeBuffers | None = None
         self._caches: dict[tuple[int, int], SlotCache] = {}

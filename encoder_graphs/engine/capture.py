@@ -10,9 +10,9 @@ its reason, and the owner runs that shape eagerly; any other exception is a bug 
 
 import time
 import warnings
-from collections.abc import Callable, Hashable, Iterable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import torch
 
@@ -156,3 +156,24 @@ class GraphCache(Generic[K, G]):
         with torch.cuda.graph(graph, pool=self.pool, capture_error_mode=CAPTURE_ERROR_MODE):
             produced = forward()
         return graph, produced
+
+
+class KeyedGraphs(Mapping):
+    """The graphs of one group of a cache keyed (group, key), by key in ascending order: a live
+    read-only view of the cache's dict (which `GraphCache.clear` empties in place), so a graph
+    captured after the view was made is in it."""
+
+    def __init__(self, graphs: dict[tuple[Hashable, Any], G], group: Hashable) -> None:
+        self._graphs, self._group = graphs, group
+
+    def __getitem__(self, key: Any) -> G:
+        return self._graphs[self._group, key]
+
+    def __iter__(self) -> Iterator:
+        return iter(sorted(key for group, key in self._graphs if group == self._group))
+
+    def __len__(self) -> int:
+        return sum(group == self._group for group, _ in self._graphs)
+
+    def __repr__(self) -> str:
+        return repr(dict(self))

@@ -8,15 +8,17 @@ import time
 import warnings
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from types import MappingProxyType
 from typing import Any
 
 import torch
 
 from encoder_graphs.engine.buffers import BudgetGraph, SharedBuffers, fill_buffers
-from encoder_graphs.engine.capture import GraphCache, unavailable_reason
+from encoder_graphs.engine.capture import GraphCache, KeyedGraphs, unavailable_reason
 from encoder_graphs.engine.statistics import EncoderStats
 from encoder_graphs.engine.stats import EncoderCounters, elapsed_ms
+from encoder_graphs.options import EncoderOptions
 from encoder_graphs.packing import BudgetCosts, SubBatch, generate_budgets, greedy_pack, merge_eager
 from encoder_graphs.packing.reasons import EagerReason
 from encoder_graphs.protocols import SupportsEncoderCudaGraph, check_supports_encoder_cuda_graph
@@ -30,25 +32,27 @@ DEFAULT_MAX_ITEMS = 32
 # call of photos that ran as many small eager sub-batches took less time merged (measured:
 # benchmarks/HISTORY.md).
 EAGER_GROUP_BUDGETS = 8
+# A test hook, no setting: the bytes of NaN every manager made while it is set fills its graph
+# pool with before the first capture (tests/test_qwen_gpu.py sets it around enable_cuda_graphs).
+_POISON_POOL_BYTES = 0
 
 
 class EncoderCudaGraphManager:
     def __init__(
         self,
         model: SupportsEncoderCudaGraph,
+        options: EncoderOptions | None = None,
         *,
-        budgets: Sequence[int] | Mapping[str, Sequence[int]] | None = None,
-        max_items: int | None = None,
-        max_frames: int | None = None,
-        max_frames_per_item: int | None = None,
-        enabled: bool = True,
-        log_interval_s: float = 60.0,
-        poison_pool_bytes: int = 0,
-        choose_by_cost: bool = True,
-        lazy: bool = False,
-        capture_from_call: int = 1,
+        poison_pool_bytes: int | None = None,
+        **settings: Any,
     ) -> None:
-        """`choose_by_cost`: time every budget's replay and eager forward at capture, and run a
+        """`options`: the settings, frozen (`EncoderOptions`, as `GraphOptions.encoder_options`
+        gives them; default: its defaults); keyword `settings` of the same names change some of
+        them (`budgets`, `max_items`, `max_frames`, `max_frames_per_item`, `enabled`,
+        `choose_by_cost`, `lazy`, `capture_from_call`, `log_interval_s`; another name raises
+        TypeError).
+
+        `choose_by_cost`: time every budget's replay and eager forward at capture, and run a
         sub-batch eagerly where that measured faster (counted as a miss, "eager measured faster").
         `lazy`: `capture()` captures nothing; each budget is captured (and timed) at its first
         use unless its eager forward measured GPU-bound, so a job pays only for the budgets it uses
@@ -60,37 +64,39 @@ class EncoderCudaGraphManager:
         (attention segments) one item of the job can hold, e.g. a video's sampled frames, where the
         model's own bound (`EncoderCudaGraphConfig.max_frames_per_item`) is lower: the frames a
         sub-batch holds (`max_frames`, unless given) then cover one such item, which would
-        otherwise run eagerly every time."""
+        otherwise run eagerly every time.
+
+        `poison_pool_bytes`, a test hook (None: `_POISON_POOL_BYTES`): the graph pool is filled
+        with NaN before the first capture, so that a graph reading memory it never wrote shows it."""
         check_supports_encoder_cuda_graph(model)
+        self.options = options = replace(options or EncoderOptions(), **settings)
         self.model = model
         self.config = model.get_encoder_cudagraph_config()
         self.paths = self.config.path_names
-        self.budgets = self._resolve_budgets(budgets)
+        self.budgets = self._resolve_budgets(options.budgets)
         smallest = min(b[0] for b in self.budgets.values())
         largest = max(b[-1] for b in self.budgets.values())
         # Attention kernels launch (segment slots x max_seqlen blocks) whether or not a slot is
         # used, so the caps are kept small rather than sized for the worst case of every budget.
+        max_items, max_frames = options.max_items, options.max_frames
         if max_items is None:
             max_items = self.config.max_items or min(DEFAULT_MAX_ITEMS, max(1, largest // smallest))
         if max_frames is None:
-            max_frames = max(max_items, self.config.max_frames_per_item, max_frames_per_item or 0)
+            max_frames = max(max_items, self.config.max_frames_per_item, options.max_frames_per_item or 0)
         self.max_items, self.max_frames = max_items, max_frames
         if self.max_items < 1 or self.max_frames < 1:
             raise ValueError(f"max_items and max_frames must be >= 1: {max_items}, {max_frames}")
-        self.log_interval_s = log_interval_s
-        self.poison_pool_bytes = poison_pool_bytes
-        self.choose_by_cost = choose_by_cost
-        self.lazy = lazy
-        if capture_from_call < 1:
-            raise ValueError(f"capture_from_call must be >= 1, got {capture_from_call}")
-        self.capture_from_call = capture_from_call
+        self.lazy = options.lazy
         self._calls_wanting: Counter[tuple[str, int]] = Counter()  # execute calls that wanted each budget
         self.costs = {path: BudgetCosts() for path in self.paths}
 
-        self.disabled_reason = unavailable_reason(enabled, self.config.device)
+        self.disabled_reason = unavailable_reason(options.enabled, self.config.device)
 
         self.buffers = SharedBuffers()
-        self._graphs: GraphCache[tuple[str, int], BudgetGraph] = GraphCache(self.config.device, "encoder", poison_pool_bytes)
+        poison = _POISON_POOL_BYTES if poison_pool_bytes is None else poison_pool_bytes
+        self._graphs: GraphCache[tuple[str, int], BudgetGraph] = GraphCache(self.config.device, "encoder", poison)
+        # Read-only and live: a budget captured later shows up in it, without a copy per call.
+        self._graph_view = MappingProxyType({path: KeyedGraphs(self._graphs.graphs, path) for path in self.paths})
         self.captured = False
         self._reset_counters()
 
@@ -133,11 +139,8 @@ class EncoderCudaGraphManager:
 
     @property
     def graphs(self) -> Mapping[str, Mapping[int, BudgetGraph]]:
-        """The captured graphs by path and budget: a read-only copy of the graph cache's."""
-        graphs: dict[str, dict[int, BudgetGraph]] = {path: {} for path in self.paths}
-        for (path, budget), graph in sorted(self._graphs.graphs.items()):
-            graphs[path][budget] = graph
-        return MappingProxyType({path: MappingProxyType(of_path) for path, of_path in graphs.items()})
+        """The captured graphs by path and budget (ascending): a read-only view of the graph cache's."""
+        return self._graph_view
 
     def _capture_budgets(self, path: str, budgets: Sequence[int]) -> None:
         """Capture `budgets` of `path` in one session, largest first (without `lazy`, the first is
@@ -157,7 +160,7 @@ class EncoderCudaGraphManager:
         with torch.inference_mode():
             inputs, forward = self._forward(path, budget)
             graph, outputs = self._graphs.graph(forward)
-        if self.choose_by_cost:
+        if self.options.choose_by_cost:
             self._measure(path, budget, graph, forward)
         return BudgetGraph(budget, graph, inputs, outputs)
 
@@ -275,7 +278,7 @@ class EncoderCudaGraphManager:
         for path, budget in batch.budget.items():
             if not budget or (path, budget) in self._graphs.graphs:
                 continue
-            if self._calls_wanting[path, budget] < self.capture_from_call:
+            if self._calls_wanting[path, budget] < self.options.capture_from_call:
                 batch.budget[path], batch.eager_reasons[path] = None, EagerReason.BEFORE_CAPTURE
                 continue
             if (path, budget) not in self._graphs.failed and not self._measured_gpu_bound(path, budget):
@@ -295,7 +298,7 @@ class EncoderCudaGraphManager:
             self._size_buffers(path)
             if (path, budget) in self._graphs.failed:
                 return True  # dropped: it runs eagerly
-        if not self.choose_by_cost:
+        if not self.options.choose_by_cost:
             return False
         for timed in costs.gpu_bound_pair(budgets, budget):
             if timed not in costs.eager_ms:
@@ -303,7 +306,7 @@ class EncoderCudaGraphManager:
         return costs.gpu_bound(budget)
 
     def _eager_where_cheaper(self, batch: SubBatch) -> None:
-        if not self.choose_by_cost:
+        if not self.options.choose_by_cost:
             return
         for path, budget in batch.budget.items():
             if budget and self.costs[path].prefer_eager(batch.tokens[path], budget):
@@ -372,7 +375,7 @@ class EncoderCudaGraphManager:
 
     def _maybe_log(self) -> None:
         now = time.monotonic()
-        if now - self._last_log >= self.log_interval_s:
+        if now - self._last_log >= self.options.log_interval_s:
             self._last_log = now
             self._log_summary()
 
