@@ -12,7 +12,7 @@ from encoder_graphs.protocols.encoder import (
     SupportsEncoderCudaGraph,
     check_supports_encoder_cuda_graph,
 )
-from encoder_graphs.protocols.family import CaptionInputs, EncodedMedia, ModelFamily
+from encoder_graphs.protocols.family import CaptionInputs, EncodedMedia, FamilyDefaults, ModelFamily
 
 __all__ = [
     "PROTOCOL_METHODS",
@@ -22,6 +22,7 @@ __all__ = [
     "EncoderCudaGraphConfig",
     "EncoderItemSpec",
     "EncoderPathConfig",
+    "FamilyDefaults",
     "ModelFamily",
     "ReplayBuffers",
     "SupportsEncoderCudaGraph",

@@ -60,6 +60,33 @@ class ModelFamily(Protocol):
         types M-RoPE reads). The call still runs as the stock `generate` would run it."""
         ...
 
+    # Hooks, with the neutral defaults of `FamilyDefaults`:
+    # The row of the model's position ids [rows, batch, tokens] that holds plain text positions
+    # beside its rotary rows, which the model reads the prompts' bounds from (the decoder's packed
+    # prefill restarts it in each prompt); None: one row of positions, nothing beside them.
+    text_position_row: int | None
+
+    @classmethod
+    def pixel_values_per_vision_token(cls, config: Any) -> int:
+        """How many pixel values (channels x pixels) the model's encoder takes for one vision token
+        of the prompt, for a model of `config`: `--batch-size auto` counts them, in the model's
+        dtype, in a sequence's prefill memory."""
+        ...
+
+
+class FamilyDefaults:
+    """The neutral defaults of `ModelFamily`'s hooks, for an adapter to inherit and override
+    where its family differs."""
+
+    text_position_row: int | None = None
+
+    @classmethod
+    def pixel_values_per_vision_token(cls, config: Any) -> int:
+        """One patch of the vision config per token (a ViT that merges no patches)."""
+        vision = config.vision_config
+        side = vision.patch_size if isinstance(vision.patch_size, int) else max(vision.patch_size)
+        return getattr(vision, "num_channels", 3) * side * side
+
 
 class EncodedMedia(Protocol):
     """One image or video, preprocessed (pixels still uint8), ready to join a batch."""
@@ -101,6 +128,13 @@ class CaptionInputs(Protocol):
 
     @property
     def pad_token_id(self) -> int: ...
+
+    @property
+    def generation_overrides(self) -> dict[str, Any]:
+        """`generate` settings the caption command passes whatever the checkpoint's generation
+        config says, beside its own flags': the end and padding ids of these inputs, and any
+        setting the family's checkpoints ship that the command does not mean to apply."""
+        ...
 
     @property
     def min_side(self) -> int:

@@ -25,7 +25,7 @@ from encoder_graphs.app.media import SAMPLES_DIR, LoadLimits, MediaError
 from encoder_graphs.app.outputs import Outputs, SidecarPolicy
 from encoder_graphs.app.pipeline import Captioner, load
 from encoder_graphs.app.results import ResultsFile
-from encoder_graphs.app.sizing import RESERVE_BYTES, TextSizes, batch_size_for, sequence_memory
+from encoder_graphs.app.sizing import RESERVE_BYTES, batch_size_for, model_sizes, sequence_memory
 from encoder_graphs.app.walk import MediaFile, discover
 from encoder_graphs.models.qwen.inputs import QwenVLInputs
 from encoder_graphs.presets import PRESETS, get_config
@@ -148,7 +148,7 @@ def test_out_of_memory_splits_the_batch_and_fails_only_a_file_that_fails_alone(t
 def test_a_huge_batch_size_is_capped_by_what_the_cache_can_hold():
     """The cap `--batch-size N` gets on a GPU (sizing.fitting_batch_sizes; the GPU test below runs
     it): the most sequences whose memory fits, not rounded to the auto size's multiples of 8."""
-    sizes = TextSizes.of(get_config("qwen2.5-vl-7b").get_text_config(decoder=True), 2)
+    sizes = model_sizes(get_config("qwen2.5-vl-7b"), 2)
     per_sequence = sequence_memory(sizes, 2048, 2000)
     usable = 60 * 2**30
     capped = batch_size_for(RESERVE_BYTES + usable, per_sequence, most=1_000_000, multiple=1)
@@ -163,7 +163,7 @@ def test_photos_and_videos_get_their_own_batches_beside_one_cache():
     batched by no more files than it has, and a job of clips alone holds no rows for photos."""
     from encoder_graphs.app.sizing import batch_sizes_for
 
-    sizes = TextSizes.of(get_config("qwen2.5-vl-3b").get_text_config(decoder=True), 2)
+    sizes = model_sizes(get_config("qwen2.5-vl-3b"), 2)
     free, longest, prompts = RESERVE_BYTES + 20 * 2**30, 6200, {"image": 1300, "video": 6168}
     unbounded = {"image": 10**6, "video": 10**6}
     batches = batch_sizes_for(free, sizes, longest, prompts, unbounded, multiple=1)

@@ -14,6 +14,7 @@ from encoder_graphs.app.sizing import (
     SequenceMemory,
     TextSizes,
     batch_size_for,
+    model_sizes,
     sequence_memory,
 )
 from encoder_graphs.models.registry import family_for_config
@@ -43,7 +44,7 @@ def plan(
                         frame_max_pixels=inputs.max_frame_pixels)
     longest = longest_sequence(inputs, caption, limits, videos)
     weights = sum(p.numel() for p in build_model(name, dtype=torch.bfloat16, device="meta").parameters()) * 2
-    memory = sequence_memory(TextSizes.of(config.get_text_config(decoder=True), 2), longest, longest - caption.max_new_tokens)
+    memory = sequence_memory(model_sizes(config, 2), longest, longest - caption.max_new_tokens)
     return weights, memory, batch_size_for(CARD - CUDA_CONTEXT - weights, memory)
 
 
@@ -77,12 +78,12 @@ def test_the_policy_not_the_checkpoint_sizes_the_batch():
 
 def test_sequence_memory_counts_cache_and_prefill():
     sizes = TextSizes(num_layers=2, hidden_size=8, intermediate_size=16, mixer_width=16, num_kv_heads=1, head_dim=4,
-                      vocab_size=10, dtype_bytes=2)
+                      vocab_size=10, dtype_bytes=2, pixel_bytes_per_vision_token=1000)
     assert sizes.kv_bytes_per_token == 2 * 2 * 1 * 4 * 2
     memory = sequence_memory(sizes, longest=100, longest_prompt=60)
     assert memory.resident == 32 * 100 + 10 * 8
     widest = 2 * 8 + 3 * 16 + 16
-    assert memory.prefill == 60 * (32 + widest * 2 + 2 * 8 * 2 + 4 * 2 * 3 * 16 * 16 * 2)
+    assert memory.prefill == 60 * (32 + widest * 2 + 2 * 8 * 2 + 1000)
     with pytest.raises(ValueError):
         sequence_memory(sizes, longest=10, longest_prompt=11)
 
@@ -124,3 +125,48 @@ def test_the_widest_mixer_counts_qwen3_5s_gate_and_its_delta_net_projections():
     assert sum(p.out_features for p in (attention.q_proj, attention.k_proj, attention.v_proj)) == 5120
     qwen2_5 = get_config("qwen2.5-vl-3b").get_text_config(decoder=True)
     assert TextSizes.of(qwen2_5, 2).mixer_width == (16 + 2 * 2) * 128
+
+
+# Pixel values one vision token is encoded from: Qwen's merged 2 x 2 patches of 2 frames x 3
+# channels (14 px patches for Qwen2/2.5-VL, 16 px for Qwen3-VL and Qwen3.5), an InternVL tile
+# (448² x 3) over its 256 tokens, a DeepSeek-OCR view (1024² x 3) over 256 or a tile (768² x 3) over 144.
+PIXELS_PER_TOKEN = {
+    "qwen2-vl-2b": 4 * 2 * 3 * 14 * 14,
+    "qwen2.5-vl-7b": 4 * 2 * 3 * 14 * 14,
+    "qwen3-vl-2b": 4 * 2 * 3 * 16 * 16,
+    "qwen3.5-2b": 4 * 2 * 3 * 16 * 16,
+    "internvl3-1b": 448 * 448 * 3 // 256,
+    "deepseek-ocr-2": 1024 * 1024 * 3 // 256,
+}
+
+
+@pytest.mark.parametrize("name", sorted(PIXELS_PER_TOKEN))
+def test_each_family_says_its_pixels_per_vision_token_and_auto_batch_counts_them(name):
+    """`--batch-size auto` counts the model's own pixels per vision token (its family's hook), in
+    its dtype: a family of larger patches per token leaves room for fewer sequences."""
+    config = get_config(name)
+    assert family_for_config(config).adapter.pixel_values_per_vision_token(config) == PIXELS_PER_TOKEN[name]
+    sizes = model_sizes(config, 2)
+    assert sizes.pixel_bytes_per_vision_token == 2 * PIXELS_PER_TOKEN[name]
+    text_only = sequence_memory(TextSizes.of(config.get_text_config(decoder=True), 2), 4096, 4000)
+    assert sequence_memory(sizes, 4096, 4000).prefill == text_only.prefill + 4000 * 2 * PIXELS_PER_TOKEN[name]
+
+
+@pytest.mark.parametrize("name, size", [("tiny-qwen2-vl", (300, 200)), ("tiny-qwen3-vl", (300, 200)),
+                                        ("tiny-internvl", (900, 500)), ("tiny-deepseek-ocr-2", (1600, 900))])
+def test_the_hook_bounds_what_the_familys_inputs_give_a_vision_token(name, size):
+    """The pixel values a family's own caption inputs give the model for an image, over its vision tokens, are
+    what the family's hook says (DeepSeek-OCR: at most, its view separator is a token of no pixels)."""
+    from PIL import Image
+
+    config = get_config(name)
+    family = family_for_config(config)
+    inputs = family.inputs.from_pretrained(preset_files_dir(name))
+    item = inputs.encode_image(Image.new("RGB", size, (90, 120, 200)))
+    batch = inputs.batch([item], "Describe.")  # what the model is given
+    pixels = sum(value.numel() for key, value in batch.items() if key.startswith("pixel_values"))
+    hook = family.adapter.pixel_values_per_vision_token(config)
+    if name.startswith("tiny-deepseek"):
+        assert hook * (item.vision_tokens - 1) >= pixels > hook * (item.vision_tokens - 2)
+    else:
+        assert pixels == hook * item.vision_tokens

@@ -2,10 +2,10 @@
 from the language model's sizes and the resolution policy's longest sequence, not guessed.
 
 A sequence holds, for the whole run, its rows of the decoder's static KV cache (`longest` slots;
-Qwen3.5's linear-attention layers hold fixed-size conv and recurrent states instead) and its
+a hybrid model's linear-attention layers hold fixed-size conv and recurrent states instead) and its
 logits; while its batch is prefilled it also holds the prefill's own keys and values,
 the widest layer's activations (the MLP: gate, up and their product) over its prompt, and its
-pixels, features and prompt embeddings. The encoder's eager work is bounded by its largest
+pixels (as many a vision token as the model's family says), features and prompt embeddings. The encoder's eager work is bounded by its largest
 budget (`EncoderCudaGraphManager` packs even eager sub-batches into budgets), so it sits in the
 fixed reserve with the graph pools and library workspaces.
 """
@@ -13,27 +13,25 @@ fixed reserve with the graph pools and library workspaces.
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from encoder_graphs.models.registry import family_for_config
 from encoder_graphs.seam.text import linear_attention_layers, linear_state_shapes, mixer_width, text_head_dim
 
 if TYPE_CHECKING:
     import torch
-    from transformers import PreTrainedModel
+    from transformers import PretrainedConfig, PreTrainedModel
 
 GIB = 2**30
-# Graph pools (the encoder's ~0.75 GiB at budgets up to 4096 tokens, the decoder's), the encoder's
-# largest eager sub-batch, cuBLAS / attention workspaces and the allocator's slack.
+# Graph pools, the encoder's largest eager sub-batch, cuBLAS / attention workspaces and the
+# allocator's slack.
 RESERVE_BYTES = 2 * GIB
-# Pixels of one vision token in the model's dtype, the largest of the families: Qwen3-VL's
-# 2 x 2 merged patches of 2 frames x 3 x 16 x 16 (Qwen2/2.5-VL 14 px: 9,408; an InternVL tile
-# of 256 tokens: 4,704).
-PIXEL_BYTES_PER_VISION_TOKEN = 4 * 2 * 3 * 16 * 16 * 2
 AUTO_BATCH_MAX = 64
 AUTO_BATCH_DEFAULT = 8  # without CUDA, where memory does not bound the batch
 
 
 @dataclass(frozen=True)
 class TextSizes:
-    """The language model's sizes that its memory per sequence depends on."""
+    """The model's sizes that its memory per sequence depends on: its language model's, and the
+    pixels one vision token of a prompt is encoded from (`model_sizes`; 0: prompts of text)."""
 
     num_layers: int
     hidden_size: int
@@ -46,17 +44,18 @@ class TextSizes:
     # Layers of linear attention (no keys and values; a fixed state per sequence), and that state.
     linear_layers: int = 0
     linear_state_bytes: int = 0
+    pixel_bytes_per_vision_token: int = 0
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():
-            least = 0 if name.startswith("linear") else 1
+            least = 0 if name.startswith(("linear", "pixel")) else 1
             if value < least:
                 raise ValueError(f"{name} must be >= {least}, got {value}")
         if self.linear_layers >= self.num_layers:
             raise ValueError(f"linear_layers {self.linear_layers} leaves no attention layer of {self.num_layers}")
 
     @classmethod
-    def of(cls, text_config: object, dtype_bytes: int) -> "TextSizes":
+    def of(cls, text_config: object, dtype_bytes: int, pixel_bytes_per_vision_token: int = 0) -> "TextSizes":
         """From a transformers text config (`config.get_text_config(decoder=True)`)."""
         linear = len(linear_attention_layers(text_config))
         state_bytes = 0
@@ -75,6 +74,7 @@ class TextSizes:
             dtype_bytes=dtype_bytes,
             linear_layers=linear,
             linear_state_bytes=state_bytes,
+            pixel_bytes_per_vision_token=pixel_bytes_per_vision_token,
         )
 
     @property
@@ -85,6 +85,14 @@ class TextSizes:
     def state_bytes(self) -> int:
         """The linear-attention layers' states of one sequence (twice: the prefill's and the static store's)."""
         return 2 * self.linear_layers * self.linear_state_bytes
+
+
+def model_sizes(config: "PretrainedConfig", dtype_bytes: int) -> TextSizes:
+    """The sizes of a model of `config` whose weights are `dtype_bytes` wide: its language
+    model's, and its family's pixels per vision token (`ModelFamily.pixel_values_per_vision_token`)
+    in that dtype, which is the pixels' on the device."""
+    pixels = family_for_config(config).adapter.pixel_values_per_vision_token(config)
+    return TextSizes.of(config.get_text_config(decoder=True), dtype_bytes, pixels * dtype_bytes)
 
 
 @dataclass(frozen=True)
@@ -113,7 +121,7 @@ def sequence_memory(sizes: TextSizes, longest: int, longest_prompt: int) -> Sequ
         sizes.kv_bytes_per_token  # the prefill's own cache, copied into the static one after
         + widest * item
         + 2 * sizes.hidden_size * item  # prompt embeddings and vision features
-        + PIXEL_BYTES_PER_VISION_TOKEN
+        + sizes.pixel_bytes_per_vision_token
     )
     return SequenceMemory(resident, per_prompt_token * longest_prompt)
 
@@ -161,7 +169,7 @@ def fitting_batch_sizes(
         return {kind: min(requested or AUTO_BATCH_DEFAULT, files[kind]) for kind in prompts}
     import torch
 
-    sizes = TextSizes.of(model.config.get_text_config(decoder=True), model.dtype.itemsize)
+    sizes = model_sizes(model.config, model.dtype.itemsize)
     free, _ = torch.cuda.mem_get_info(device)
     most = {kind: min(requested or AUTO_BATCH_MAX, files[kind]) for kind in prompts}
     return batch_sizes_for(free, sizes, longest, prompts, most, multiple=1 if requested else 8)

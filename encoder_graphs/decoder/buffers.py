@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 import torch
 
 from encoder_graphs.decoder.static_cache import LinearStates, StaticKVStore
+from encoder_graphs.options import DecoderOptions
 from encoder_graphs.packing import generate_budgets
 from encoder_graphs.seam.text import linear_attention_layers, linear_state_shapes, text_head_dim
 
@@ -46,6 +47,11 @@ class DecoderGraphConfig:
         if tiers[0] < 2 or tiers[-1] > self.max_cache_len:
             raise ValueError(f"length_tiers must lie in [2, {self.max_cache_len}], got {self.length_tiers}")
         self.length_tiers = tiers if tiers[-1] == self.max_cache_len else [*tiers, self.max_cache_len]
+
+    @classmethod
+    def of(cls, options: DecoderOptions) -> "DecoderGraphConfig":
+        return cls(options.max_batch_size, options.max_cache_len, list(options.batch_sizes or []),
+                   list(options.length_tiers or []))
 
 
 @dataclass(frozen=True)

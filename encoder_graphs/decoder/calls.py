@@ -47,7 +47,8 @@ class GenerateCalls:
             inputs = self._model_inputs(model_inputs)
             # Packed only when left-padded: generate reads the last column's logits, a pad's elsewhere.
             packed = self.packed_prefill and bool(mask[:, -1].all())
-            prefilled = (packed_prefill if packed else prefill)(self.model, input_ids, mask, inputs)
+            prefilled = packed_prefill(self.model, input_ids, mask, inputs, self._text_position_row) if packed else prefill(
+                self.model, input_ids, mask, inputs)
             if store is not None:
                 store.load_prefill(prefilled.key_values, prefilled.slots)
             return prefilled.logits, mask, prefilled.next_positions
@@ -74,7 +75,8 @@ class GenerateCalls:
 
         def prefill_into(store: StaticKVStore | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
             done = shared_prefill(self.model, prefix_ids, prefix_mask, self._model_inputs(model_inputs), shared,
-                                  packed=self.packed_prefill, load=store.load_rows if store is not None else None)
+                                  packed=self.packed_prefill, load=store.load_rows if store is not None else None,
+                                  text_position_row=self._text_position_row)
             return done.logits, done.mask, done.next_positions
 
         # The rows run in suffix-length groups (`SharedPrompts.order`): the generators there and back.

@@ -65,8 +65,8 @@ class _Tier:
 class DecoderGraphRunner(GenerateCalls):
     """`generate` for a Hugging Face vision-language model: the model's own prefill, then decode
     steps replayed from CUDA graphs per (batch bucket, length tier), or run eagerly over the same
-    buffers. `family` checks the model inputs of a call (default: the registered family of
-    `model`, if any)."""
+    buffers. `family` checks the model inputs of a call and lays out its positions (default: the
+    registered family of `model`, if any)."""
 
     def __init__(
         self,
@@ -82,14 +82,12 @@ class DecoderGraphRunner(GenerateCalls):
         `lazy`: `capture()` only allocates the static buffers; the graphs of a (bucket, tier) are
         captured when a `generate` call first needs them, so a job pays for those it uses."""
         self.options = options = replace(options or DecoderOptions(), **settings)
-        self.model = model
-        self.lazy = options.lazy
-        self.config = DecoderGraphConfig(
-            options.max_batch_size, options.max_cache_len, list(options.batch_sizes or []), list(options.length_tiers or [])
-        )
+        self.model, self.lazy = model, options.lazy
+        self.config = DecoderGraphConfig.of(options)
         if (reason := self.unsupported(model.config)) is not None:
             raise ValueError(reason)
         self.family = family if family is not None else family_class(model)
+        self._text_position_row = self.family.text_position_row if self.family is not None else None
         known = DecodeStack.supports(model)  # whether encoder_graphs/decoder/layers/decode.py knows its decoder layers
         self._dims = TextDims.of(model)
         # Prefill over the packed prompts for the same decoders (False: left-padded, as generate),

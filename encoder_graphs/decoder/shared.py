@@ -77,11 +77,14 @@ def shared_prefill(
     *,
     packed: bool,
     load: Load | None,
+    text_position_row: int | None = None,
 ) -> SharedPrefill:
     """Prefill the left-padded prefixes once (packed or padded, as `generate` would the whole
     prompts), then each suffix group over copies of its items' states; `load` receives each
-    group's states for the static cache (None: nothing decodes after the first token)."""
-    prefilled = (packed_prefill if packed else prefill)(model, prefix_ids, prefix_mask, model_inputs)
+    group's states for the static cache (None: nothing decodes after the first token);
+    `text_position_row`: `packed_prefill`'s."""
+    prefilled = (packed_prefill(model, prefix_ids, prefix_mask, model_inputs, text_position_row) if packed
+                 else prefill(model, prefix_ids, prefix_mask, model_inputs))
     states = padded_states(prefilled, prefix_mask.shape)
     text_config = model.config.get_text_config(decoder=True)
     prefix_len = prefix_mask.shape[1]

@@ -68,20 +68,27 @@ def prefill(
 
 
 def packed_prefill(
-    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, model_inputs: dict
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    model_inputs: dict,
+    text_position_row: int | None = None,
 ) -> Prefilled:
     """The model's first forward over left-padded prompts without their padding: one row of every
     real token, causal attention within each prompt (cu_seqlens), each prompt's own position ids,
     each prompt's last logits. Left padding is a sizable share of a caption batch's prefill
-    tokens (measured: benchmarks/HISTORY.md)."""
+    tokens (measured: benchmarks/HISTORY.md). `text_position_row`: the row of the position ids
+    that holds plain text positions, where the model reads them beside its rotary rows
+    (`ModelFamily.text_position_row`): it restarts at 0 in each prompt, so that the model sees
+    where the packed prompts begin."""
     positions = prompt_positions(model, input_ids, attention_mask, model_inputs)
     real = attention_mask.bool()
     lengths = real.sum(1)
     cu_seqlens = F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
     packed = positions[..., real].unsqueeze(-2)  # [..., 1, tokens]: rows of the real tokens in order
-    if packed.ndim == 3 and packed.shape[0] == 4:  # Qwen-VL's text row: positions within each prompt
+    if text_position_row is not None:
         starts = cu_seqlens[:-1].repeat_interleave(lengths)
-        packed[0, 0] = torch.arange(packed.shape[-1], device=packed.device) - starts
+        packed[text_position_row, 0] = torch.arange(packed.shape[-1], device=packed.device) - starts
     inputs = {k: v[real][None] if k in TOKEN_INPUTS else v for k, v in model_inputs.items()}
     text_config = model.config.get_text_config(decoder=True)
     cache = dynamic_cache(text_config)

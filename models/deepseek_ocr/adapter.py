@@ -25,6 +25,7 @@ from encoder_graphs.protocols import (
     EncoderCudaGraphConfig,
     EncoderItemSpec,
     EncoderPathConfig,
+    FamilyDefaults,
     ReplayBuffers,
 )
 from encoder_graphs.rewrites import Rewrites
@@ -79,7 +80,7 @@ class Pages:
         return Pages(self.views[index], tiles, [self.tiles_per_page[i] for i in indices])
 
 
-class DeepseekOcrAdapter:
+class DeepseekOcrAdapter(FamilyDefaults):
     """SupportsEncoderCudaGraph and ModelFamily over a stock `DeepseekOcr2Model` (the module that
     owns the tower, the projector and the view separator)."""
 
@@ -139,6 +140,12 @@ class DeepseekOcrAdapter:
     @classmethod
     def check_decoder_inputs(cls, inputs: dict) -> None:
         """Plain 1-D positions, no token types: nothing to check."""
+
+    @classmethod
+    def pixel_values_per_vision_token(cls, config: Any) -> int:
+        """The global view's or a local tile's pixels (3 channels) over its features, the larger."""
+        return max(-(-3 * side * side // features) for side, features in ((VIEW_SIDE, VIEW_FEATURES),
+                                                                           (TILE_SIDE, TILE_FEATURES)))
 
     # ----- the encoder -----------------------------------------------------------------------
     def _features(self, pixels: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,7 @@ from encoder_graphs.protocols import (
     EncoderCudaGraphConfig,
     EncoderItemSpec,
     EncoderPathConfig,
+    FamilyDefaults,
     ReplayBuffers,
 )
 from encoder_graphs.rewrites import Rewrites
@@ -36,7 +37,7 @@ BUDGET_STEPS_PER_DOUBLING = 8
 _STOCK_ONLY_KWARGS = ("output_hidden_states", "output_attentions")
 
 
-class InternVLAdapter:
+class InternVLAdapter(FamilyDefaults):
     """SupportsEncoderCudaGraph and ModelFamily over a stock `InternVLModel` (the module that owns
     the vision tower and the projector). Budgets count tiles; the graph input is the tile pixels."""
 
@@ -89,6 +90,12 @@ class InternVLAdapter:
     @classmethod
     def check_decoder_inputs(cls, inputs: dict) -> None:
         """InternVL's language model takes plain 1-D positions and no token types: nothing to check."""
+
+    @classmethod
+    def pixel_values_per_vision_token(cls, config: Any) -> int:
+        """A tile (the tower's image size, 3 channels) gives `image_seq_length` tokens."""
+        height, width = config.vision_config.image_size
+        return -(-3 * height * width // config.image_seq_length)
 
     # ----- the encoder -----------------------------------------------------------------------
     def _features(self, pixels: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,7 @@ from encoder_graphs.protocols import (
     EncoderCudaGraphConfig,
     EncoderItemSpec,
     EncoderPathConfig,
+    FamilyDefaults,
     ReplayBuffers,
 )
 from encoder_graphs.rewrites import Rewrites
@@ -125,7 +126,7 @@ def linear_patch_embed(embed: torch.nn.Module, pixels: torch.Tensor) -> torch.Te
     return F.linear(pixels.to(proj.weight.dtype), proj.weight.flatten(1), proj.bias)
 
 
-class QwenVisionAdapter:
+class QwenVisionAdapter(FamilyDefaults):
     """SupportsEncoderCudaGraph over a stock Qwen2-VL vision tower (base of the other families).
 
     Budgets count output rows (merged tokens); a budget of B holds B * merge**2 patch rows.
@@ -169,6 +170,15 @@ class QwenVisionAdapter:
     feature_methods = tuple(_FEATURE_ARGUMENTS)
     # The images, the videos, and their token types, which M-RoPE reads.
     generate_inputs = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "mm_token_type_ids")
+    # `generate`'s position ids are 4 rows: plain text positions, then M-RoPE's temporal, height
+    # and width rows (`seam/generation.py`); the text model builds its mask from the first.
+    text_position_row = 0
+
+    @classmethod
+    def pixel_values_per_vision_token(cls, config: Any) -> int:
+        """A merged token is merge x merge patches, each of `temporal_patch_size` frames."""
+        vision = config.vision_config
+        return vision.spatial_merge_size**2 * vision.temporal_patch_size * vision.in_channels * vision.patch_size**2
 
     def feature_inputs(self, method: str, arguments: dict) -> VisionBatch | None:
         """A VisionBatch for `get_*_features`; None when the call asks for per-layer outputs,
