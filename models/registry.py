@@ -4,14 +4,22 @@ Each entry names the family's config class, its model classes (the *ForCondition
 the inner *Model), the class of the module its adapter wraps (the vision tower, or for InternVL
 the inner model) and the attribute that holds it, the adapter
 (`SupportsEncoderCudaGraph` + `ModelFamily`) and the caption inputs builder (`CaptionInputs`).
-The table is built at the first lookup, so importing this module loads no adapter.
+The table is built at the first lookup, so importing this module loads no adapter, nor torch:
+`option_help` serves the command line's `--help`.
 """
+
+from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cache
-from typing import Any
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
 
-from torch import nn
+if TYPE_CHECKING:
+    from torch import nn
+
+# Each family's folder, whose `help.py` says what the command line's help tells of it.
+FAMILY_FOLDERS = ("qwen", "internvl", "deepseek_ocr")
 
 
 @dataclass(frozen=True)
@@ -112,6 +120,13 @@ def families() -> tuple[Family, ...]:
             DeepseekOcrInputs,
         ),
     )
+
+
+def option_help(option: str) -> list[str]:
+    """What the families say of a command-line option (`option` as its destination, e.g.
+    "max_tiles"), one phrase a family that says anything, in the registry's order."""
+    phrases = (import_module(f"encoder_graphs.models.{folder}.help").HELP.get(option) for folder in FAMILY_FOLDERS)
+    return [phrase for phrase in phrases if phrase]
 
 
 def supported_architectures() -> list[str]:

@@ -83,26 +83,24 @@ def _model_arguments(parser: argparse.ArgumentParser) -> None:
         type=_tokens_or_model,
         default=DEFAULT_IMAGE_TOKENS,
         metavar="N|model",
-        help="resolution for models that size their grid to the image (Qwen-VL): larger images and video frames "
-        "are shrunk to at most N vision tokens (N x 784 pixels for Qwen2/2.5-VL, N x 1024 for Qwen3-VL and Qwen3.5); "
-        "'model' keeps the checkpoint's own limit (Qwen2.5-VL: 16384 tokens, 12.8 MP) (default: %(default)s)",
+        help="resolution for models that size their grid to the image: larger images and video frames are shrunk "
+        "to at most N vision tokens; 'model' keeps the checkpoint's own limit"
+        f"{_families_say('max_image_tokens')} (default: %(default)s)",
     )
     group.add_argument(
         "--max-tiles",
         type=_positive_int,
         default=None,
-        help="resolution for tiling models: InternVL's tiles of 256 tokens per image, plus a thumbnail "
-        "(default: the checkpoint's, 12); DeepSeek-OCR's 768 px tiles of 144 tokens beside its view, "
-        "2 to N (default: 6)",
+        help=f"resolution for tiling models: at most N tiles per image{_families_say('max_tiles')}",
     )
     group.add_argument(
         "--max-frame-tokens",
         type=_tokens_or_model,
         default=DEFAULT_FRAME_TOKENS,
         metavar="N|model",
-        help="video resolution for Qwen-VL models: each frame is shrunk to at most N vision tokens a pair of frames "
-        "(N x 784 pixels a frame for Qwen2/2.5-VL, N x 1024 for Qwen3-VL and Qwen3.5); 'model' keeps the checkpoint's "
-        "own (Qwen2.5-VL: 768) (default: %(default)s)",
+        help="video resolution for models that size their grid to the frame: each frame is shrunk to at most N "
+        "vision tokens a pair of frames; 'model' keeps the checkpoint's own"
+        f"{_families_say('max_frame_tokens')} (default: %(default)s)",
     )
     group.add_argument(
         "--max-frames", type=_even_int, default=16,
@@ -110,7 +108,7 @@ def _model_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--video-fps", type=_positive_float, default=None, metavar="F",
-        help="sample F frames a second of each video instead, up to --max-frames (e.g. 2, as Qwen's video processors)",
+        help=f"sample F frames a second of each video instead, up to --max-frames{_families_say('video_fps')}",
     )
     group.add_argument(
         "--video-sampling", choices=("exact", "keyframes"), default="exact",
@@ -131,7 +129,7 @@ def _text_arguments(parser: argparse.ArgumentParser) -> None:
     prompt.add_argument(
         "--prompt", action="append", default=None, metavar="[NAME=]TEXT",
         help=f"the instruction given with each file; may use {fields} "
-        f"(default: {DEFAULT_PROMPT!r}; for DeepSeek-OCR its model card's plain OCR instruction). Repeat as "
+        f"(default: {DEFAULT_PROMPT!r}, or the model's own{_families_say('prompt')}). Repeat as "
         "NAME=TEXT for several captions per file in one pass (the image encoded and prefilled once): each record "
         "then holds captions: {NAME: caption}, and its caption, text, sidecar and metadata row are the first "
         "prompt's",
@@ -263,6 +261,15 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"\nencoder-graphs: interrupted; {RESUME_HINT}", file=sys.stderr)
         return EXIT_INTERRUPTED
+
+
+def _families_say(option: str) -> str:
+    """What the model families say of `option` (their help hooks, `models/<family>/help.py`), in
+    parentheses; "" where none says anything. The parser is built before any model is chosen."""
+    from encoder_graphs.models.registry import option_help
+
+    phrases = option_help(option)
+    return f" ({'; '.join(phrases)})" if phrases else ""
 
 
 class _WholeNamesFormatter(argparse.HelpFormatter):

@@ -260,8 +260,8 @@ class Captioner:
             self._warming.exception()
             self._warming = None
         started = time.perf_counter()
-        # Pixels normalised on the model's device into its dtype; ids, masks, grids and
-        # Qwen2.5-VL's second_per_grid_ts (float32 as the processor gives it) as they are.
+        # Pixels normalised on the model's device into its dtype; ids, masks, grids and other
+        # metadata (float32 times of video frames too, as the processor gives them) as they are.
         host = dict(collated.result() if collated is not None else self._collate(batch))
         shared = host.pop(SHARED, None)
         model_inputs = self.inputs.to_model(host, self.device, self.model.dtype)
@@ -279,16 +279,12 @@ class Captioner:
             stats.prompt_batches["shared prefix"] += 1  # once it ran: a batch split on OOM counts its halves
             return self._records(batch, new_ids.tolist(), started, stats)
         with torch.inference_mode():
-            # The decoder graphs' settings whatever the checkpoint's generation config says: Qwen's
-            # repetition penalty (1.05) is not in them and would send every call to stock generate.
             output = self.model.generate(
                 **model_inputs,
                 **self.config.sampling,
                 **self._generators(batch),
+                **self.inputs.generation_overrides,
                 max_new_tokens=self.config.max_new_tokens,
-                repetition_penalty=1.0,
-                eos_token_id=self.inputs.eos_token_id,
-                pad_token_id=self.inputs.pad_token_id,
             )
         if self.config.named:
             stats.prompt_batches["whole prompts"] += 1

@@ -22,6 +22,12 @@ class CollatingInputs:
     def pad_token_id(self) -> int:
         return self.tokenizer.pad_token_id
 
+    @property
+    def generation_overrides(self) -> dict[str, Any]:
+        """The tokenizer's end and padding ids (a family adds what its checkpoints ship that the
+        caption command must not take: `CaptionInputs.generation_overrides`)."""
+        return {"eos_token_id": self.eos_token_id, "pad_token_id": self.pad_token_id}
+
     def batch(
         self, items: Sequence[Any], prompts: str | Sequence[str], device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,

@@ -80,6 +80,12 @@ class QwenVLInputs(CollatingInputs):
     reads_videos = True
     resolution_arguments = ("max_image_tokens", "max_frame_tokens")
 
+    @property
+    def generation_overrides(self) -> dict[str, Any]:
+        """Qwen-VL checkpoints ship `repetition_penalty` 1.05, which no caption flag asks for and
+        which would send every call to the stock `generate` (the decoder graphs apply no penalty)."""
+        return {**super().generation_overrides, "repetition_penalty": 1.0}
+
     def __init__(
         self,
         tokenizer: PreTrainedTokenizerBase,
