@@ -2,6 +2,7 @@
 told apart from bugs, the transformers version check."""
 
 import ast
+import re
 import subprocess
 import sys
 import warnings
@@ -30,6 +31,7 @@ def loaded_after(code: str) -> set[str]:
         ("import encoder_graphs.protocols", {"torch"}),
         ("import encoder_graphs.models", set()),
         ("import encoder_graphs.report", set()),
+        ("from encoder_graphs.models.registry import option_help; option_help('max_tiles')", set()),
         ("from encoder_graphs.app.cli import main; main(['--help'])", set()),
         ("from encoder_graphs.app.cli import main; main(['caption'])", set()),
         ("from encoder_graphs.app.cli import main; main(['caption', '/no/such/path'])", set()),
@@ -109,12 +111,34 @@ def test_models_import_nothing_above_them():
     assert not {path: names for path, names in wrong.items() if names}
 
 
-@pytest.mark.parametrize("top", ["encoder_graphs/decoder", "encoder_graphs/engine", "encoder_graphs/kernels",
+@pytest.mark.parametrize("top", ["encoder_graphs/app", "encoder_graphs/decoder", "encoder_graphs/engine", "encoder_graphs/kernels",
                                  "encoder_graphs/attention", "encoder_graphs/rewrites", "encoder_graphs/seam",
                                  "models/common", "packing", "protocols"])
 def test_what_serves_every_family_imports_no_family(top):
     wrong = {path: sorted(n for n in names if n.startswith(FAMILIES)) for path, names in sources(top).items()}
     assert not {path: names for path, names in wrong.items() if names}
+
+
+FAMILY_NAMES = re.compile(r"qwen|internvl|deepseek", re.IGNORECASE)
+
+
+@pytest.mark.parametrize("top", ["encoder_graphs/app", "encoder_graphs/decoder", "encoder_graphs/engine"])
+def test_what_serves_every_family_names_none_in_its_code(top):
+    """A family's knowledge (its sizing, help text, positions, generation overrides) comes through
+    its hooks (`ModelFamily`, `CaptionInputs`, `models/<family>/help.py`): no string or name in
+    the code here names a family; docstrings and comments may, to say why."""
+    found = []
+    for path in sorted((ROOT / top).rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                      if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                      and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+        for node in ast.walk(tree):
+            text = (node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
+                    else node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else "")
+            if FAMILY_NAMES.search(text):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {text[:60]!r}")
+    assert not found, found
 
 
 def test_families_import_no_other_family():

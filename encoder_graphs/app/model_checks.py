@@ -79,8 +79,8 @@ def check_length(plan: Plan, config: "CaptionConfig", source: "ModelSource", lim
     plain = replace(config, prompt=inputs.default_prompt or DEFAULT_PROMPT)
     if longest_sequence(inputs, plain, limits, videos=False) - config.max_new_tokens < positions:
         raise UsageError(f"{flag}: the prompt around the largest image reaches {image_prompt} tokens, {past}")
-    raise UsageError(f"the prompt around the largest image reaches {image_prompt} tokens, {past}: "
-                     "lower --max-image-tokens (Qwen-VL) or --max-tiles (InternVL, DeepSeek-OCR)")
+    flags = " or ".join("--" + name.replace("_", "-") for name in inputs.resolution_arguments if "frame" not in name)
+    raise UsageError(f"the prompt around the largest image reaches {image_prompt} tokens, {past}: lower {flags}")
 
 
 def check_seeded_sampling(settings: Settings, source: "ModelSource") -> None:
