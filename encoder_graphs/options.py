@@ -1,8 +1,9 @@
 """What `enable_cuda_graphs` does to a model, as one frozen object: made once (by a library user,
 or by the caption command from its resolved job) and read by everything downstream."""
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Any
 
 
 class PathBudgets(Mapping):
@@ -82,28 +83,19 @@ class GraphOptions:
 
     @property
     def encoder_options(self) -> "EncoderOptions":
-        return EncoderOptions(
-            budgets=self.budgets,
-            max_items=self.max_items,
-            max_frames=self.max_frames,
-            max_frames_per_item=self.max_frames_per_item,
-            enabled=self.enabled,
-            choose_by_cost=self.choose_by_cost,
-            lazy=self.lazy,
-            capture_from_call=self.encoder_capture_from_call,
-            log_interval_s=self.log_interval_s,
-        )
+        return self._part(EncoderOptions, lambda name: "encoder_" + name if name == "capture_from_call" else name)
 
     @property
     def decoder_options(self) -> "DecoderOptions":
-        return DecoderOptions(
-            max_batch_size=self.decoder_max_batch_size,
-            batch_sizes=self.decoder_batch_sizes,
-            max_cache_len=self.decoder_max_cache_len,
-            length_tiers=self.decoder_length_tiers,
-            enabled=self.enabled,
-            lazy=self.lazy,
-        )
+        return self._part(DecoderOptions, lambda name: name if name in _SHARED else "decoder_" + name)
+
+    def _part(self, part: type, own_name: Callable[[str], str]) -> Any:
+        """`part`'s options, each field the one of these named `own_name(field)`."""
+        return part(**{field.name: getattr(self, own_name(field.name)) for field in fields(part)})
+
+
+# The settings both the encoder and the decoder read, under one name.
+_SHARED = ("enabled", "lazy")
 
 
 @dataclass(frozen=True)
