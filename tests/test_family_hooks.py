@@ -95,7 +95,8 @@ def test_the_caption_command_passes_the_familys_generation_overrides(tmp_path, m
     try:
         with ResultsFile(tmp_path / "r.jsonl") as results:
             config = CaptionConfig(max_new_tokens=3, batch_size=4)
-            Captioner(model, inputs, config, LoadLimits()).run(discover([tmp_path / "data"]), Outputs(results, SidecarPolicy()))
+            captioner = Captioner(model, inputs, config, LoadLimits())
+            captioner.run(discover([tmp_path / "data"]), Outputs(results, SidecarPolicy()))
         stats = handle.stats()
     finally:
         handle.disable()

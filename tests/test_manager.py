@@ -162,7 +162,8 @@ def test_options_are_one_frozen_object_and_keywords_change_some(model):
     manager = EncoderCudaGraphManager(model, EncoderOptions(budgets=[64, 128], max_items=3), max_frames=5)
     assert manager.options == EncoderOptions(budgets=(64, 128), max_items=3, max_frames=5)
     assert (manager.max_items, manager.max_frames, manager.budgets[GLOBAL]) == (3, 5, [64, 128])
-    assert EncoderCudaGraphManager(model, budgets=[64], max_items=2).options == EncoderOptions(budgets=(64,), max_items=2)
+    keywords = EncoderCudaGraphManager(model, budgets=[64], max_items=2)
+    assert keywords.options == EncoderOptions(budgets=(64,), max_items=2)
     with pytest.raises(TypeError, match="max_item"):
         EncoderCudaGraphManager(model, max_item=2)
     with pytest.raises(ValueError, match="capture_from_call"):

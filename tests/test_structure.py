@@ -111,7 +111,8 @@ def test_models_import_nothing_above_them():
     assert not {path: names for path, names in wrong.items() if names}
 
 
-@pytest.mark.parametrize("top", ["encoder_graphs/app", "encoder_graphs/decoder", "encoder_graphs/engine", "encoder_graphs/kernels",
+@pytest.mark.parametrize("top", ["encoder_graphs/app", "encoder_graphs/decoder", "encoder_graphs/engine",
+                                 "encoder_graphs/kernels",
                                  "encoder_graphs/attention", "encoder_graphs/rewrites", "encoder_graphs/seam",
                                  "models/common", "packing", "protocols"])
 def test_what_serves_every_family_imports_no_family(top):
@@ -130,12 +131,14 @@ def test_what_serves_every_family_names_none_in_its_code(top):
     found = []
     for path in sorted((ROOT / top).rglob("*.py")):
         tree = ast.parse(path.read_text())
-        docstrings = {id(node.body[0].value) for node in ast.walk(tree)
-                      if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
-                      and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+        owners = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+        docstrings = {id(node.body[0].value) for node in ast.walk(tree) if isinstance(node, owners) and node.body
+                      and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
         for node in ast.walk(tree):
-            text = (node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
-                    else node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else "")
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+                text = node.value
+            else:
+                text = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else ""
             if FAMILY_NAMES.search(text):
                 found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {text[:60]!r}")
     assert not found, found

@@ -3,11 +3,12 @@ from the language model's sizes and the resolution policy's longest sequence, no
 
 A sequence holds, for the whole run, its rows of the decoder's static KV cache (`longest` slots;
 a hybrid model's linear-attention layers hold fixed-size conv and recurrent states instead) and its
-logits; while its batch is prefilled it also holds the prefill's own keys and values,
-the widest layer's activations (the MLP: gate, up and their product) over its prompt, and its
-pixels (as many a vision token as the model's family says), features and prompt embeddings. The encoder's eager work is bounded by its largest
-budget (`EncoderCudaGraphManager` packs even eager sub-batches into budgets), so it sits in the
-fixed reserve with the graph pools and library workspaces.
+logits; while its batch is prefilled it also holds the prefill's own keys and values, the widest
+layer's activations (the MLP: gate, up and their product) over its prompt, and its pixels (as
+many a vision token as the model's family says), features and prompt embeddings. The encoder's
+eager work is bounded by its largest budget (`EncoderCudaGraphManager` packs even eager
+sub-batches into budgets), so it sits in the fixed reserve with the graph pools and library
+workspaces.
 """
 
 from dataclasses import dataclass
