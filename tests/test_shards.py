@@ -235,3 +235,15 @@ def test_a_planted_partial_link_is_refused(tmp_path):
     os.symlink(secret, out / f".00000{PARTIAL_SUFFIX}")
     assert main(["caption", str(tmp_path / "wds" / "00000.tar"), "--out", str(out)] + FAST) == 2
     assert secret.read_text() == "keep"
+
+
+def test_the_job_is_sized_for_the_samples_the_shards_hold(tmp_path):
+    """Counted, not guessed: a guess of a thousand a shard turned compile on for a small job."""
+    from encoder_graphs.app.dataset_run import stand_in_plan
+    from encoder_graphs.app.datasets import find_shards
+    from encoder_graphs.app.settings import Settings
+
+    write_shards(tmp_path / "wds", 3, 5)
+    shards = find_shards([str(tmp_path / "wds" / "*.tar")])
+    plan = stand_in_plan(Settings(paths=(str(tmp_path / "wds"),)), shards, None, {})
+    assert len(plan.todo) == 15 and {f.kind for f in plan.todo} == {"image"}

@@ -27,7 +27,8 @@ def prompts_of(config, items, suffix_lengths, rng):
     pixel inputs."""
     if getattr(config, "model_type", "") == "internvl":
         prefixes = [tile_prompt(config, tiles, 2 + i, 0, rng) for i, tiles in enumerate(items)]
-        side = config.vision_config.image_size[0] if isinstance(config.vision_config.image_size, list) else config.vision_config.image_size
+        size = config.vision_config.image_size  # a list once saved, a tuple as the preset builds it
+        side = size[0] if isinstance(size, (list, tuple)) else size
         pixels = {"pixel_values": torch.randn(sum(items), 3, side, side, generator=rng)}
         text = lambda n: torch.randint(2, config.image_token_id, (n,), generator=rng).tolist()  # noqa: E731
     else:

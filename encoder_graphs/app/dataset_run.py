@@ -19,9 +19,17 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from encoder_graphs.app.datasets import InputShard, Sample, check_columns, find_shards, samples, shard_selection
+from encoder_graphs.app.datasets import (
+    InputShard,
+    Sample,
+    check_columns,
+    find_shards,
+    media_of,
+    samples,
+    shard_selection,
+)
 from encoder_graphs.app.errors import EXIT_FAILURES, EXIT_INTERRUPTED, EXIT_OK, UsageError, printable
-from encoder_graphs.app.media import decode_image, upright_size
+from encoder_graphs.app.media import MediaError, decode_image, open_regular, upright_size
 from encoder_graphs.app.pipeline import Captioner
 from encoder_graphs.app.settings import Settings
 from encoder_graphs.app.shard_outputs import FORMATS, ShardOutputs, say_sealed
@@ -29,7 +37,8 @@ from encoder_graphs.app.shard_outputs import FORMATS, ShardOutputs, say_sealed
 # Flags of a folder run that a dataset run cannot honour: refused, never ignored.
 FOLDER_ONLY = {"sidecar": "--sidecar", "hf_metadata": "--hf-metadata", "manifest": "--manifest",
                "samples": "--samples", "redo": "--redo", "limit": "--limit"}
-TABLE_ROWS_GUESS = 1000  # a tar shard's samples, unknown until read: sizes batches and the compile choice
+COUNTED_SHARDS = 8
+TABLE_ROWS_GUESS = 1000  # samples of a shard not counted ahead: they size batches and the compile choice
 
 
 class SampleCaptioner(Captioner):
@@ -180,12 +189,13 @@ def run_shards(settings: Settings, todo: list[InputShard], outputs: ShardOutputs
 
 def stand_in_plan(settings: Settings, todo: list[InputShard], config: Any, identity: dict) -> Any:
     """The plan a folder of this job's files would make, for sizing the job: one stand-in file a
-    sample (a tar's count guessed), videos where the first shard's first samples hold any."""
+    sample (counted in the first shards), videos where the first shard's first samples hold any."""
     from encoder_graphs.app.plan import Plan
     from encoder_graphs.app.walk import MediaFile
 
     kinds = {sample.kind for sample, _ in zip(samples(todo[0], settings.image_column, settings.key_column), range(64))}
-    count = sum(table_rows(shard) for shard in todo)
+    counted = todo[:COUNTED_SHARDS]  # a thousand shards' headers would take minutes: the rest alike
+    count = round(sum(table_rows(shard) for shard in counted) * len(todo) / len(counted))
     files = [MediaFile(Path(f"sample-{n}"), "image") for n in range(count)]
     if "video" in kinds:
         files += [MediaFile(Path(f"video-{n}"), "video") for n in range(min(count, 64))]
@@ -193,8 +203,18 @@ def stand_in_plan(settings: Settings, todo: list[InputShard], config: Any, ident
 
 
 def table_rows(shard: InputShard) -> int:
+    """A shard's samples: a table's rows, a plain tar's by its headers (seeking over the data), a
+    compressed tar's guessed (`TABLE_ROWS_GUESS`)."""
     if shard.format == "parquet":
         import pyarrow.parquet as pq
 
         return pq.ParquetFile(shard.path).metadata.num_rows
-    return TABLE_ROWS_GUESS
+    if shard.format == "arrow":  # memory-mapped: the count reads no column data
+        import pyarrow as pa
+
+        return sum(batch.num_rows for batch in pa.ipc.open_stream(pa.memory_map(str(shard.path))))
+    try:
+        with open_regular(shard.path) as handle, tarfile.open(fileobj=handle, mode="r:") as tar:
+            return len({member.name.partition(".")[0] for member in tar if media_of(member.name)})
+    except (tarfile.TarError, OSError, MediaError):
+        return TABLE_ROWS_GUESS
