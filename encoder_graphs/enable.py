@@ -146,6 +146,11 @@ def enable_cuda_graphs(model: nn.Module, options: GraphOptions | None = None, **
     return handle
 
 
+def graphs_of(model: nn.Module) -> EncoderGraphsHandle | None:
+    """The handle `enable_cuda_graphs` attached to `model`, or None (not enabled, or disabled)."""
+    return getattr(model, "_encoder_graphs", None)
+
+
 def _compile(
     model: nn.Module,
     adapter: ModelFamily,

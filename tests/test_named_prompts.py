@@ -125,3 +125,30 @@ def test_a_prompt_file_mapping_and_a_rerun_with_other_prompts(tmp_path, capsys):
     # The same prompts in another order: the first names `caption` and the sidecars, so it clashes too.
     flipped = [f for name, text in reversed(PROMPTS.items()) for f in ("--prompt", f"{name}={text}")]
     assert main([*argv, *flipped]) == 2
+
+
+def test_a_checkpoint_setting_the_runner_lacks_runs_every_prompt_whole(tmp_path):
+    """A checkpoint's `no_repeat_ngram_size` sends `generate` to its stock path, which applies it:
+    named prompts then do not share (the runner would decode without it), each prompt runs whole,
+    and its captions stay those of a run with that prompt alone."""
+    from encoder_graphs.presets import build_model
+    from encoder_graphs.presets.files import write_preset_files
+
+    checkpoint = tmp_path / "model"
+    model = build_model("tiny-qwen2.5-vl")
+    model.generation_config.no_repeat_ngram_size = 2
+    model.save_pretrained(checkpoint)
+    write_preset_files("tiny-qwen2.5-vl", checkpoint)
+    (checkpoint / "generation_config.json").write_text(model.generation_config.to_json_string())
+    folder = photos(tmp_path / "in", 3)
+    argv = ["caption", str(folder), "--model", str(checkpoint), *RUN]
+    two = {name: PROMPTS[name] for name in ("short", "tags")}
+    flags = [f for name, text in two.items() for f in ("--prompt", f"{name}={text}")]
+    named, stats = tmp_path / "named.jsonl", tmp_path / "stats.json"
+    assert main([*argv, *flags, "--out", str(named), "--stats-json", str(stats)]) == 0
+    assert json.loads(stats.read_text())["pipeline"]["prompt_batches"] == {"whole prompts": 2}
+    records = {r["relative_path"]: r for r in lines_of(named)}
+    for name, text in two.items():
+        alone = tmp_path / f"{name}.jsonl"
+        assert main([*argv, "--prompt", text, "--out", str(alone)]) == 0
+        assert all(records[r["relative_path"]]["captions"][name] == r["caption"] for r in lines_of(alone))

@@ -22,7 +22,9 @@ from encoder_graphs.app.prompt_batches import SHARED, collate_named
 from encoder_graphs.app.runstats import RunStats
 from encoder_graphs.app.video import DecodedVideo, decode_video
 from encoder_graphs.app.walk import MediaFile, list_folder, os_reason
+from encoder_graphs.decoder.sampling import RUNNER_SETTINGS
 from encoder_graphs.decoder.step import prompt_positions
+from encoder_graphs.enable import graphs_of
 from encoder_graphs.protocols import CaptionInputs, EncodedMedia
 
 
@@ -60,6 +62,8 @@ class Captioner:
         self.roots = [Path(root).absolute() for root in roots]
         self.model_name = model_name
         self.run_settings = run_settings  # each caption record's "settings" (`settings.run_identity`)
+        # What every generate call of the run is given: the family's overrides of its checkpoint's settings.
+        self.generate_settings = {**config.sampling, **inputs.generation_overrides, "max_new_tokens": config.max_new_tokens}
         self.warm_up = warm_up  # run beside the first files' loading and collation, joined before the first batch
         self._warming: Future | None = None
         self.device = next(model.parameters()).device
@@ -170,7 +174,7 @@ class Captioner:
         so `to_model`'s copies run asynchronously instead of stalling the model's thread."""
         items = [p.item for p in batch]
         if self.config.named:
-            collated = collate_named(self.model, self.inputs, items, [p.prompts for p in batch], self.config.max_new_tokens)
+            collated = collate_named(self.model, self.inputs, items, [p.prompts for p in batch], self.generate_settings)
         else:
             collated = self.inputs.collate(items, [p.prompt for p in batch])
         shared = {SHARED: collated.pop(SHARED)} if SHARED in collated else {}
@@ -270,22 +274,14 @@ class Captioner:
         stats.padded_prompt_tokens += host["attention_mask"].numel()
         if shared is not None:
             ids, mask = model_inputs.pop("input_ids"), model_inputs.pop("attention_mask")
-            sampling = {k: v for k, v in self.config.sampling.items() if k != "top_k"}  # the runner's: no top-k
-            new_ids = self.model._encoder_graphs.decoder.generate_shared(
-                ids, mask, shared, **model_inputs, **sampling, **self._generators(batch),
-                max_new_tokens=self.config.max_new_tokens, eos_token_id=self.inputs.eos_token_id,
-                pad_token_id=self.inputs.pad_token_id,
-            )
+            # `collate_named` shared only where `generate` would have taken the runner's route too.
+            settings = {k: v for k, v in self.generate_settings.items() if k in RUNNER_SETTINGS}
+            new_ids = graphs_of(self.model).decoder.generate_shared(
+                ids, mask, shared, **model_inputs, **settings, **self._generators(batch))
             stats.prompt_batches["shared prefix"] += 1  # once it ran: a batch split on OOM counts its halves
             return self._records(batch, new_ids.tolist(), started, stats)
         with torch.inference_mode():
-            output = self.model.generate(
-                **model_inputs,
-                **self.config.sampling,
-                **self._generators(batch),
-                **self.inputs.generation_overrides,
-                max_new_tokens=self.config.max_new_tokens,
-            )
+            output = self.model.generate(**model_inputs, **self.generate_settings, **self._generators(batch))
         if self.config.named:
             stats.prompt_batches["whole prompts"] += 1
         return self._records(batch, output[:, prompt_length:].tolist(), started, stats)

@@ -16,13 +16,18 @@ SHARED = "shared"  # the collated batch's key of its rows (`SharedPrompts`), tak
 
 def collate_named(
     model: torch.nn.Module, inputs: CaptionInputs, items: Sequence[EncodedMedia], prompts: Sequence[Sequence[str]],
-    max_new_tokens: int,
+    settings: dict,
 ) -> dict:
     """Each item with each of its named prompts: their shared prefixes and suffixes (`SHARED`)
-    where the model's decoder runner can take the batch's rows, else every prompt whole."""
-    handle = getattr(model, "_encoder_graphs", None)
+    where the model's decoder runner can take the batch's rows by the generation `settings` (the
+    checkpoint's and the run's, as `generate` would merge them), else every prompt whole."""
+    from encoder_graphs.decoder.generation import settings_refusal
+    from encoder_graphs.enable import graphs_of
+
+    handle = graphs_of(model)
     runner = handle.decoder if handle is not None else None
-    if runner is not None:
+    max_new_tokens = settings["max_new_tokens"]
+    if runner is not None and settings_refusal(model, settings) is None:
         collated = collate_shared(inputs, items, prompts, placeholder_ids(model.config))
         if collated is not None:
             rows, length = collated[SHARED].rows, collated[SHARED].length(collated["input_ids"].shape[1])

@@ -109,13 +109,8 @@ def runner_arguments(
             raise StockOnly(f"argument {name}")
     kwargs = {name: value for name, value in kwargs.items() if name not in generate_arguments()}
     config, model_inputs = prepare_generation_config(model, generation_config, kwargs)
-
-    mode = config.get_generation_mode()
-    if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
-        raise StockOnly(f"generation mode {mode.value}")
-    unhandled = unhandled_setting(config)
-    if unhandled is not None:
-        raise StockOnly(unhandled)
+    if (refusal := config_refusal(config)) is not None:
+        raise StockOnly(refusal)
     if config.max_new_tokens is None:
         raise StockOnly("max_new_tokens not set")
 
@@ -144,6 +139,22 @@ def runner_arguments(
         **(sampling if config.do_sample else {}),
         **model_inputs,
     }
+
+
+def config_refusal(config: GenerationConfig) -> str | None:
+    """Why the runner cannot decode by `config` (a mode or a setting it lacks), or None."""
+    mode = config.get_generation_mode()
+    if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
+        return f"generation mode {mode.value}"
+    return unhandled_setting(config)
+
+
+def settings_refusal(model: torch.nn.Module, settings: dict[str, Any]) -> str | None:
+    """Why `model.generate(**settings, ...)` would go to the stock `generate` by its generation
+    settings (the checkpoint's merged with `settings`), or None: for callers of the runner's own
+    calls, which must decode by the same settings as `generate` would."""
+    config, _ = prepare_generation_config(model, None, dict(settings))
+    return config_refusal(config)
 
 
 def unhandled_setting(config: GenerationConfig) -> str | None:
