@@ -38,7 +38,8 @@ from encoder_graphs.app.shard_outputs import FORMATS, ShardOutputs, say_sealed
 FOLDER_ONLY = {"sidecar": "--sidecar", "hf_metadata": "--hf-metadata", "manifest": "--manifest",
                "samples": "--samples", "redo": "--redo", "limit": "--limit"}
 COUNTED_SHARDS = 8
-TABLE_ROWS_GUESS = 1000  # samples of a shard not counted ahead: they size batches and the compile choice
+TABLE_ROWS_GUESS = 1000
+EXTRA = "pip install 'encoder-graphs[datasets]'"  # samples of a shard not counted ahead: they size batches and the compile choice
 
 
 class SampleCaptioner(Captioner):
@@ -65,6 +66,8 @@ def check_dataset_flags(settings: Settings) -> None:
         raise UsageError("dataset shards are captioned into one output shard each: give --out DIR")
     if settings.out_format not in FORMATS:
         raise UsageError(f"--out-format {settings.out_format}: give one of {', '.join(FORMATS)}")
+    if settings.out_format == "parquet" and not arrow_errors():
+        raise UsageError(f"--out-format parquet needs pyarrow: {EXTRA}")
     if os.path.lexists(settings.out) and not (settings.out.is_dir() and not settings.out.is_symlink()):
         raise UsageError(f"--out {printable(settings.out)}: with dataset shards, a folder (not a file or a link)")
 
@@ -81,9 +84,7 @@ def my_part(settings: Settings) -> tuple[int, int]:
 
 def shard_stream(shards: list[InputShard], outputs: ShardOutputs, settings: Settings) -> Iterator[Sample]:
     """The samples still to caption, shard after shard; each shard's end told to `outputs`."""
-    import pyarrow as pa
-
-    unreadable = (OSError, EOFError, tarfile.TarError, zlib.error, pa.ArrowException)
+    unreadable = (OSError, EOFError, tarfile.TarError, zlib.error, *arrow_errors())
     for shard in shards:
         done = outputs.begin(shard)
         if done is None:
@@ -108,6 +109,15 @@ def shard_stream(shards: list[InputShard], outputs: ShardOutputs, settings: Sett
                 continue
             outputs.ended(shard.name, len(handed))
             break
+
+
+def arrow_errors() -> tuple[type[Exception], ...]:
+    """pyarrow's read errors, where it is installed (tar shards need none of it)."""
+    try:
+        import pyarrow as pa
+    except ImportError:
+        return ()
+    return (pa.ArrowException,)
 
 
 def caption_datasets(settings: Settings) -> int:

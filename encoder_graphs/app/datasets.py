@@ -116,7 +116,8 @@ def _saved_dataset(folder: Path) -> list[InputShard]:
     try:
         import datasets
     except ImportError as error:
-        raise UsageError(f"{printable(folder)}: reading a saved dataset needs `datasets` (pip install datasets)") from error
+        raise UsageError(f"{printable(folder)}: reading a saved dataset needs datasets: pip install "
+                         "'encoder-graphs[datasets]'") from error
     try:
         loaded = datasets.load_from_disk(str(folder))
     except Exception as error:
@@ -180,8 +181,12 @@ def _sample(shard: InputShard, key: str, kind: str, data: bytes | None, carried:
 
 def _table(shard: InputShard) -> tuple[Any, Iterator[Any]]:
     """A table shard's schema and its record batches, streamed."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError as error:
+        raise UsageError(f"{printable(shard.path)}: reading it needs pyarrow: pip install "
+                         "'encoder-graphs[datasets]'") from error
 
     if shard.format == "parquet":
         source = pq.ParquetFile(shard.path)
