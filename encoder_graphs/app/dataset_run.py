@@ -153,6 +153,7 @@ def run_shards(settings: Settings, todo: list[InputShard], outputs: ShardOutputs
     from encoder_graphs.app.command import STARTED, stop_on_interrupt, write_stats_json
     from encoder_graphs.app.job import open_job, sized_job
     from encoder_graphs.app.loading import load_model, open_model, pick_device
+    from encoder_graphs.app.runstats import progress_bar
     from encoder_graphs.report import format_graph_stats, format_run_stats
 
     plan = stand_in_plan(settings, todo, config, identity)
@@ -167,10 +168,15 @@ def run_shards(settings: Settings, todo: list[InputShard], outputs: ShardOutputs
     setup_s = time.perf_counter() - loaded
     captioner = SampleCaptioner(model, source.inputs, job.config, job.limits, model_name=job.model_name,
                                 run_settings=identity)
+    # Samples by the count the job was sized for (the first shards' counts standing for the rest).
+    progress = None if settings.quiet or os.environ.get("WORLD_SIZE", "1") != "1" else progress_bar(len(plan.todo))
+    outputs.progress = progress.update if progress is not None else None
     try:
         with stop_on_interrupt() as stop:
             stats = captioner.run(shard_stream(todo, outputs, settings), outputs, stop)
     finally:
+        if progress is not None:
+            progress.close()
         graph_stats = handle.stats()
         handle.disable()
         outputs.close()
@@ -206,9 +212,8 @@ def stand_in_plan(settings: Settings, todo: list[InputShard], config: Any, ident
     kinds = {sample.kind for sample, _ in zip(samples(todo[0], settings.image_column, settings.key_column), range(64))}
     counted = todo[:COUNTED_SHARDS]  # a thousand shards' headers would take minutes: the rest alike
     count = round(sum(table_rows(shard) for shard in counted) * len(todo) / len(counted))
-    files = [MediaFile(Path(f"sample-{n}"), "image") for n in range(count)]
-    if "video" in kinds:
-        files += [MediaFile(Path(f"video-{n}"), "video") for n in range(min(count, 64))]
+    videos = min(count, 64) if "video" in kinds else 0  # enough to size the videos' batch
+    files = [MediaFile(Path(f"sample-{n}"), "video" if n < videos else "image") for n in range(count)]
     return Plan(settings, [], files, files, config, sidecars=None, results=None, identity=identity)
 
 

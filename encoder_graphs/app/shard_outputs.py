@@ -47,6 +47,7 @@ class ShardOutputs:
         self.failed: dict[str, str] = {}  # shard -> why it could not be read to its end (twice)
         self.duplicates: Counter = Counter()  # shard -> samples whose key an earlier one had (skipped)
         self.sealed: list[str] = []
+        self.progress: Callable[[int], object] | None = None  # told the records of each write
 
     def final_path(self, name: str) -> Path:
         return self.folder / f"{name}.{self.format}"
@@ -103,6 +104,8 @@ class ShardOutputs:
                 data = data[os.write(descriptor, data) :]
             os.fsync(descriptor)
             self._written[name] += len(lines)
+            if self.progress is not None:
+                self.progress(len(lines))
             self._seal_if_done(name)
 
     def ended(self, name: str, samples: int) -> None:
@@ -203,6 +206,9 @@ def encoded(records: list[dict], out_format: str) -> bytes:
 
 
 def say_sealed(name: str, records: int, errors: int, folder: Path, out_format: str) -> None:
+    from tqdm import tqdm
+
     failed = f", {errors} of them errors" if errors else ""
-    print(f"encoder-graphs: shard {name}: {records} records{failed} -> {printable(folder / f'{name}.{out_format}')}",
-          file=sys.stderr)
+    # Above the progress bar, where one is drawn.
+    tqdm.write(f"encoder-graphs: shard {name}: {records} records{failed} -> "
+               f"{printable(folder / f'{name}.{out_format}')}", file=sys.stderr)
