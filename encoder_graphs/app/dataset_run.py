@@ -13,15 +13,19 @@ import io
 import os
 import sys
 import tarfile
+import threading
 import time
 import zlib
 from collections.abc import Iterator
+from dataclasses import replace
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
 from encoder_graphs.app.datasets import (
     InputShard,
     Sample,
+    ShardError,
     check_columns,
     find_shards,
     media_of,
@@ -30,20 +34,55 @@ from encoder_graphs.app.datasets import (
 )
 from encoder_graphs.app.errors import EXIT_FAILURES, EXIT_INTERRUPTED, EXIT_OK, UsageError, printable
 from encoder_graphs.app.media import MediaError, decode_image, open_regular, upright_size
-from encoder_graphs.app.pipeline import Captioner
+from encoder_graphs.app.outputs import remove_stale_temporaries
+from encoder_graphs.app.pipeline import Captioner, Pending
 from encoder_graphs.app.settings import Settings
 from encoder_graphs.app.shard_outputs import FORMATS, ShardOutputs, say_sealed
 
 # Flags of a folder run that a dataset run cannot honour: refused, never ignored.
 FOLDER_ONLY = {"sidecar": "--sidecar", "hf_metadata": "--hf-metadata", "manifest": "--manifest",
-               "samples": "--samples", "redo": "--redo", "limit": "--limit"}
-COUNTED_SHARDS = 8
-TABLE_ROWS_GUESS = 1000
-EXTRA = "pip install 'encoder-graphs[datasets]'"  # samples of a shard not counted ahead: they size batches and the compile choice
+               "samples": "--samples", "redo": "--redo", "limit": "--limit", "retry_failed": "--retry-failed",
+               "include_hidden": "--include-hidden", "no_follow_links": "--no-follow-links"}
+COUNTED_SHARDS = 2  # shards counted ahead (their headers read) for sizing the job: the rest alike
+TABLE_ROWS_GUESS = 1000  # samples of a shard not counted ahead: they size batches and the compile choice
+EXTRA = "pip install 'encoder-graphs[datasets]'"
+# Sample bytes handed to the loaders and not yet decoded: a shard of large members stays bounded.
+BYTES_IN_FLIGHT = 1 << 30
+
+
+class InFlight:
+    """The sample bytes the loaders hold; a sample waits while they hold `limit` (one at least)."""
+
+    def __init__(self, limit: int = BYTES_IN_FLIGHT) -> None:
+        self.limit, self.held, self._changed = limit, 0, threading.Condition()
+
+    def take(self, size: int) -> None:
+        with self._changed:
+            self._changed.wait_for(lambda: self.held == 0 or self.held + size <= self.limit)
+            self.held += size
+
+    def give(self, size: int) -> None:
+        with self._changed:
+            self.held -= size
+            self._changed.notify_all()
 
 
 class SampleCaptioner(Captioner):
     """The Captioner of dataset samples: media from the sample's bytes, records named by key."""
+
+    def __init__(self, *args: Any, in_flight: InFlight, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.in_flight = in_flight
+
+    def prepare(self, file: Any) -> Any:
+        size = len(file.data) if isinstance(file, Sample) and file.data is not None else 0
+        try:
+            outcome = super().prepare(file)
+        finally:
+            self.in_flight.give(size)
+        if isinstance(outcome, Pending) and size:
+            outcome.file = replace(file, data=None)  # decoded: its bytes are not kept until the batch ends
+        return outcome
 
     def _encoded(self, file: Any) -> tuple:
         if not isinstance(file, Sample) or file.data is None:
@@ -82,15 +121,21 @@ def my_part(settings: Settings) -> tuple[int, int]:
     return num * world, index * world + rank
 
 
-def shard_stream(shards: list[InputShard], outputs: ShardOutputs, settings: Settings) -> Iterator[Sample]:
+def unreadable() -> tuple[type[Exception], ...]:
+    """What reading a shard raises where the shard itself cannot be read on."""
+    return (OSError, EOFError, tarfile.TarError, zlib.error, MediaError, ShardError, *arrow_errors())
+
+
+def shard_stream(
+    shards: list[InputShard], outputs: ShardOutputs, settings: Settings, in_flight: InFlight
+) -> Iterator[Sample]:
     """The samples still to caption, shard after shard; each shard's end told to `outputs`."""
-    unreadable = (OSError, EOFError, tarfile.TarError, zlib.error, *arrow_errors())
     for shard in shards:
         done = outputs.begin(shard)
         if done is None:
-            print(f"encoder-graphs: shard {shard.name}: another process is captioning it: left to it", file=sys.stderr)
+            print(f"encoder-graphs: shard {shard.name}: {outputs.skipped[shard.name]}", file=sys.stderr)
             continue
-        skip = {key for key, ok in done.items() if ok or not settings.retry_failed}
+        skip = set(done)
         handed: set[str] = set()
         for attempt in (1, 2):
             try:
@@ -99,8 +144,9 @@ def shard_stream(shards: list[InputShard], outputs: ShardOutputs, settings: Sett
                         outputs.duplicates[shard.name] += sample.key in handed and attempt == 1
                         continue
                     handed.add(sample.key)
+                    in_flight.take(len(sample.data or b""))
                     yield sample
-            except unreadable as error:
+            except unreadable() as error:
                 why = f"{type(error).__name__}: {error}"
                 if attempt == 2:
                     outputs.failed[shard.name] = why
@@ -127,24 +173,37 @@ def caption_datasets(settings: Settings) -> int:
 
     check_dataset_flags(settings)
     shards = find_shards(settings.paths)
+    if all(shard.format == "webdataset" for shard in shards):
+        for flag, given in (("--image-column", settings.image_column), ("--key-column", settings.key_column)):
+            if given is not None:
+                raise UsageError(f"{flag} names a column of Parquet or saved-dataset shards: tar shards have none")
     parts, part = my_part(settings)
     mine = shard_selection(shards, parts, part)
     prompt, named = read_prompts(settings.prompt, settings.prompt_file)
     config = caption_config(settings, prompt, named)
-    identity = run_identity(settings, [list(pair) for pair in named] if named else config.prompt)
-    for shard in mine:
-        check_columns(shard, settings.image_column, settings.key_column)
+    # The columns read are what a record's key and media mean: a rerun by others is refused.
+    identity = {**run_identity(settings, [list(pair) for pair in named] if named else config.prompt),
+                "image_column": settings.image_column, "key_column": settings.key_column}
     folder = settings.out
-    if not settings.dry_run:
-        folder.mkdir(parents=True, exist_ok=True)
     outputs = ShardOutputs(folder, settings.out_format, identity,
                            lambda name, n, errors: say_sealed(name, n, errors, folder, settings.out_format))
-    todo = [shard for shard in mine if not outputs.is_complete(shard)]
+    readable = []
+    for shard in mine:
+        try:
+            check_columns(shard, settings.image_column, settings.key_column)
+            readable.append(shard)
+        except unreadable() as error:
+            outputs.failed[shard.name] = f"{type(error).__name__}: {error}"
+            print(f"encoder-graphs: shard {shard.name}: cannot be read ({outputs.failed[shard.name]})", file=sys.stderr)
+    if not settings.dry_run:
+        folder.mkdir(parents=True, exist_ok=True)
+        remove_stale_temporaries(outputs.final_path(shard.name) for shard in mine)
+    todo = [shard for shard in readable if not outputs.is_complete(shard)]
     share = f" (part {part} of 0-{parts - 1}: {len(mine)})" if parts > 1 else ""
     print(f"encoder-graphs: {len(shards)} shards{share}; {len(mine) - len(todo)} complete in {printable(folder)}, "
           f"{len(todo)} to caption", file=sys.stderr)
     if settings.dry_run or not todo:
-        return EXIT_OK
+        return EXIT_FAILURES if outputs.failed and not settings.dry_run else EXIT_OK
     return run_shards(settings, todo, outputs, config, identity)
 
 
@@ -166,14 +225,15 @@ def run_shards(settings: Settings, todo: list[InputShard], outputs: ShardOutputs
     job = sized_job(job, plan, model)
     handle = enable_cuda_graphs(model, job.options)
     setup_s = time.perf_counter() - loaded
+    in_flight = InFlight()
     captioner = SampleCaptioner(model, source.inputs, job.config, job.limits, model_name=job.model_name,
-                                run_settings=identity)
+                                run_settings=identity, in_flight=in_flight)
     # Samples by the count the job was sized for (the first shards' counts standing for the rest).
     progress = None if settings.quiet or os.environ.get("WORLD_SIZE", "1") != "1" else progress_bar(len(plan.todo))
     outputs.progress = progress.update if progress is not None else None
     try:
         with stop_on_interrupt() as stop:
-            stats = captioner.run(shard_stream(todo, outputs, settings), outputs, stop)
+            stats = captioner.run(shard_stream(todo, outputs, settings, in_flight), outputs, stop)
     finally:
         if progress is not None:
             progress.close()
@@ -209,7 +269,13 @@ def stand_in_plan(settings: Settings, todo: list[InputShard], config: Any, ident
     from encoder_graphs.app.plan import Plan
     from encoder_graphs.app.walk import MediaFile
 
-    kinds = {sample.kind for sample, _ in zip(samples(todo[0], settings.image_column, settings.key_column), range(64))}
+    first = samples(todo[0], settings.image_column, settings.key_column)
+    try:
+        kinds = {sample.kind for sample in islice(first, 64)}
+    except unreadable():  # the run reads it again, and reports it
+        kinds = {"image"}
+    finally:
+        first.close()
     counted = todo[:COUNTED_SHARDS]  # a thousand shards' headers would take minutes: the rest alike
     count = round(sum(table_rows(shard) for shard in counted) * len(todo) / len(counted))
     videos = min(count, 64) if "video" in kinds else 0  # enough to size the videos' batch
@@ -220,16 +286,22 @@ def stand_in_plan(settings: Settings, todo: list[InputShard], config: Any, ident
 def table_rows(shard: InputShard) -> int:
     """A shard's samples: a table's rows, a plain tar's by its headers (seeking over the data), a
     compressed tar's guessed (`TABLE_ROWS_GUESS`)."""
-    if shard.format == "parquet":
-        import pyarrow.parquet as pq
-
-        return pq.ParquetFile(shard.path).metadata.num_rows
-    if shard.format == "arrow":  # memory-mapped: the count reads no column data
-        import pyarrow as pa
-
-        return sum(batch.num_rows for batch in pa.ipc.open_stream(pa.memory_map(str(shard.path))))
     try:
+        if shard.format == "parquet":
+            import pyarrow.parquet as pq
+
+            return pq.ParquetFile(shard.path).metadata.num_rows
+        if shard.format == "arrow":  # memory-mapped: the count reads no column data
+            import pyarrow as pa
+
+            return sum(batch.num_rows for batch in pa.ipc.open_stream(pa.memory_map(str(shard.path))))
         with open_regular(shard.path) as handle, tarfile.open(fileobj=handle, mode="r:") as tar:
-            return len({member.name.partition(".")[0] for member in tar if media_of(member.name)})
-    except (tarfile.TarError, OSError, MediaError):
+            keys = set()
+            for member in tar:
+                tar.members = []  # headers only, none kept
+                folder, _, base = member.name.rpartition("/")
+                if media_of(base):
+                    keys.add((folder, base.partition(".")[0]))
+            return len(keys)
+    except unreadable():
         return TABLE_ROWS_GUESS

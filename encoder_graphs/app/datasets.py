@@ -12,6 +12,8 @@ reason, which the caption run records as an error: nothing read is dropped in si
 """
 
 import glob
+import math
+import os
 import re
 import tarfile
 from collections.abc import Iterator, Sequence
@@ -24,7 +26,13 @@ from encoder_graphs.app.media import open_regular
 from encoder_graphs.app.walk import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS, MediaFile
 
 # A member or cell larger than this is not read (a clip of a video dataset is far smaller).
-MAX_SAMPLE_BYTES = 1 << 30
+MAX_SAMPLE_BYTES = 256 << 20
+# A Parquet row group is read whole (its columns decompressed): a larger one fails its shard.
+MAX_ROW_GROUP_BYTES = 2 << 30
+
+
+class ShardError(Exception):
+    """Why a shard cannot be read on (the run reads it once more, then reports it)."""
 # Members carried into the record as text (a sample's .json, .txt, .cls), when at most this large.
 CARRIED_MEMBERS = ("json", "txt", "cls")
 MAX_CARRIED_BYTES = 1 << 20
@@ -59,9 +67,10 @@ class Sample(MediaFile):
 def is_dataset_input(text: str) -> bool:
     """Whether a PATH argument names dataset shards rather than files or folders to walk."""
     path = Path(text)
-    if path.suffix.lower() in (".tar", ".parquet") or (path.name.endswith(".tar.gz")):
+    if path.name.lower().endswith((".tar", ".parquet", ".tar.gz", ".tgz")):
         return True
-    return path.is_dir() and (path / "state.json").is_file() and (path / "dataset_info.json").is_file()
+    saved = (path / "state.json").is_file() and (path / "dataset_info.json").is_file()
+    return path.is_dir() and (saved or (path / "dataset_dict.json").is_file())
 
 
 def expand_braces(pattern: str) -> list[str]:
@@ -146,6 +155,7 @@ def _tar_samples(shard: InputShard) -> Iterator[Sample]:
     with open_regular(shard.path) as handle, tarfile.open(fileobj=handle, mode="r|*") as tar:
         key, members, refused = None, {}, []
         for member in tar:
+            tar.members = []  # a stream keeps every header otherwise: 10^6 tiny members took GBs
             folder, _, base = member.name.rpartition("/")
             stem, _, extension = base.partition(".")
             if not stem or not extension:
@@ -159,7 +169,10 @@ def _tar_samples(shard: InputShard) -> Iterator[Sample]:
                 refused.append(f"{extension}: {'a link' if member.issym() or member.islnk() else 'not a regular file'}")
             elif member.size > MAX_SAMPLE_BYTES:
                 refused.append(f"{extension}: {member.size} bytes, more than a sample may have")
-            elif media_of(base) or (extension in CARRIED_MEMBERS and member.size <= MAX_CARRIED_BYTES):
+            elif media_of(base):
+                if not any(map(media_of, members)):  # the first media member is the sample's; others unread
+                    members[extension] = tar.extractfile(member).read()
+            elif extension in CARRIED_MEMBERS and member.size <= MAX_CARRIED_BYTES:
                 members[extension] = tar.extractfile(member).read()
         if key is not None:
             yield _tar_sample(shard, key, members, refused)
@@ -190,6 +203,9 @@ def _table(shard: InputShard) -> tuple[Any, Iterator[Any]]:
 
     if shard.format == "parquet":
         source = pq.ParquetFile(shard.path)
+        for index in range(source.metadata.num_row_groups):
+            if (size := source.metadata.row_group(index).total_byte_size) > MAX_ROW_GROUP_BYTES:
+                raise ShardError(f"row group {index} holds {size} bytes, more than {MAX_ROW_GROUP_BYTES} read at once")
         return source.schema_arrow, source.iter_batches(batch_size=ROWS_PER_READ)
     reader = pa.ipc.open_stream(pa.memory_map(str(shard.path)))  # an HF dataset's Arrow file
     return reader.schema, reader
@@ -204,24 +220,62 @@ def check_columns(shard: InputShard, image_column: str | None, key_column: str |
 def _table_samples(shard: InputShard, image_column: str | None, key_column: str | None) -> Iterator[Sample]:
     schema, batches = _table(shard)
     media, key = pick_columns(shard, schema.names, image_column, key_column)
+    names = carried_names(schema, media, key)
     row = 0
     for batch in batches:
-        for values in batch.to_pylist():
-            name = str(values[key]) if key is not None else f"{row:08d}"
-            carried = carried_columns(values, media, key)
-            yield _cell_sample(shard, name, media, values[media], carried)
+        sizes = cell_sizes(batch.column(media))
+        others = batch.select(list(names)).to_pylist()
+        for index, values in enumerate(others):
+            number = f"{row:08d}"  # a row without a key is named by its number, never "None"
+            name = number if key is None or batch.column(key)[index].as_py() is None else str(batch.column(key)[index])
+            carried = {names[column]: clean(value) for column, value in values.items()}
+            if sizes[index] > MAX_SAMPLE_BYTES:
+                why = f"{sizes[index]} bytes of media, more than a sample may have"
+                yield _sample(shard, name, "other", None, carried, reason=why, error_kind="too_large")
+            else:
+                yield _cell_sample(shard, name, media, batch.column(media)[index].as_py(), carried)
             row += 1
 
 
-def carried_columns(values: dict, media: str, key: str | None) -> dict:
-    """A row's other columns for its record: binary ones left out (bytes are no caption's), a
-    name the record has already given the prefix `input_` (a re-captioned dataset's `caption`)."""
-    carried = {}
-    for column, value in values.items():
-        if column == media or (column == "key" and key == "key") or isinstance(value, (bytes, bytearray)):
+def carried_names(schema: Any, media: str, key: str | None) -> dict[str, str]:
+    """The columns a row's record carries, by their names there: binary ones (anywhere in their
+    type) left out, bytes being no caption's; a name the record has already prefixed `input_`
+    until unique (a re-captioned dataset's `caption`)."""
+    names: dict[str, str] = {}
+    for column in schema:
+        if column.name == media or (column.name == "key" and key == "key") or holds_binary(column.type):
             continue
-        carried[f"input_{column}" if column in RECORD_FIELDS else column] = value
-    return carried
+        name = column.name
+        while name in RECORD_FIELDS or name in names.values() or (name != column.name and name in schema.names):
+            name = f"input_{name}"
+        names[column.name] = name
+    return names
+
+
+def holds_binary(kind: Any) -> bool:
+    import pyarrow as pa
+
+    if pa.types.is_binary(kind) or pa.types.is_large_binary(kind) or pa.types.is_fixed_size_binary(kind):
+        return True
+    return any(holds_binary(kind.field(i).type) for i in range(kind.num_fields)) if kind.num_fields else (
+        holds_binary(kind.value_type) if hasattr(kind, "value_type") else False)
+
+
+def cell_sizes(column: Any) -> list[int]:
+    """Each row's media bytes (a struct's `bytes` field), counted before any is converted."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if pa.types.is_struct(column.type):
+        column = column.field("bytes") if column.type.get_field_index("bytes") >= 0 else pa.nulls(len(column))
+    if not (pa.types.is_binary(column.type) or pa.types.is_large_binary(column.type)):
+        return [0] * len(column)
+    return [n or 0 for n in pc.binary_length(column).to_pylist()]
+
+
+def clean(value: Any) -> Any:
+    """A carried value as JSON takes it: NaN (no JSON number) as null."""
+    return None if isinstance(value, float) and math.isnan(value) else value
 
 
 def pick_columns(shard: InputShard, names: Sequence[str], image: str | None, key: str | None) -> tuple[str, str | None]:
@@ -242,13 +296,26 @@ def _cell_sample(shard: InputShard, key: str, column: str, value: Any, carried: 
     if isinstance(value, str):
         path = shard.path.parent / value
         kind = media_of(value) or "other"
-        reason = {} if kind != "other" else {"reason": f"{value}: not an image or video by its extension"}
-        return Sample(path, kind, key=key, shard=shard.name, carried=carried, **reason)
+        why = outside(shard.path.parent, value) or (None if kind != "other" else "not an image or video by its extension")
+        reason = {} if why is None else {"reason": f"{value}: {why}", "error_kind": "refused"}
+        return Sample(path, kind if why is None else "other", key=key, shard=shard.name, carried=carried, **reason)
     if not isinstance(value, (bytes, bytearray)) or not value:
         why = "no media in the row" if not value else f"the media column holds {type(value).__name__}"
         return _sample(shard, key, "other", None, carried, reason=why, error_kind="missing")
     kind = "video" if column in VIDEO_COLUMNS or sniff_video(value) else "image"
     return _sample(shard, key, kind, bytes(value), carried)
+
+
+def outside(folder: Path, name: str) -> str | None:
+    """Why a path a table names is not read: absolute, or leading (by `..` or a link) out of the
+    folder the table is in. A dataset another user made must not read this user's other files;
+    checked before the path is opened, so an error says nothing of what exists outside."""
+    if Path(name).is_absolute() or ".." in Path(name).parts:
+        return "a path out of the dataset's folder: not read"
+    base = os.path.realpath(folder)
+    if not os.path.realpath(folder / name).startswith(base.rstrip(os.sep) + os.sep):
+        return "a link out of the dataset's folder: not read"
+    return None
 
 
 def sniff_video(data: bytes) -> bool:

@@ -274,12 +274,12 @@ def remove_stale_temporaries(targets: Iterable[Path]) -> int:
         except OSError:
             continue  # a folder that cannot be listed gets no sidecar either
         for name in names:
-            if name[:-8] in wanted and TEMP_TAIL.fullmatch(name[-8:]) and _remove_unheld(folder / name):
+            if name[:-8] in wanted and TEMP_TAIL.fullmatch(name[-8:]) and remove_unheld(folder / name):
                 removed += 1
     return removed
 
 
-def _remove_unheld(path: Path) -> bool:
+def remove_unheld(path: Path) -> bool:
     try:
         fd = os.open(path, os.O_RDONLY | OPEN_FLAGS)
     except OSError:  # a symlink, or gone

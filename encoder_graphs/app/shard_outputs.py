@@ -24,7 +24,7 @@ from pathlib import Path
 
 from encoder_graphs.app.datasets import InputShard
 from encoder_graphs.app.errors import UsageError, printable
-from encoder_graphs.app.outputs import write_atomically
+from encoder_graphs.app.outputs import remove_unheld, write_atomically
 
 PARTIAL_SUFFIX = ".encoder-graphs-partial.jsonl"
 FORMATS = ("jsonl", "parquet")
@@ -46,6 +46,7 @@ class ShardOutputs:
         self._expected: dict[str, int] = {}  # samples a shard gave, once its reading ended
         self.failed: dict[str, str] = {}  # shard -> why it could not be read to its end (twice)
         self.duplicates: Counter = Counter()  # shard -> samples whose key an earlier one had (skipped)
+        self.skipped: dict[str, str] = {}  # shard -> why this process left it to another
         self.sealed: list[str] = []
         self.progress: Callable[[int], object] | None = None  # told the records of each write
 
@@ -60,14 +61,15 @@ class ShardOutputs:
         if not stat.S_ISREG(os.lstat(path).st_mode):
             raise UsageError(f"--out {printable(path)}: not a regular file where the output shard goes")
         self._check_settings(path, first_settings(path))
+        remove_unheld(partial_path(self.folder, shard.name))  # a kill between the seal's rename and unlink
         return True
 
     def begin(self, shard: InputShard) -> dict[str, bool] | None:
         """Open the shard's partial file: the keys it holds records of already (True: a caption,
         False: an error), or None where another process holds it."""
         path = partial_path(self.folder, shard.name)
-        try:
-            descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        try:  # 0600: a user who cannot open it cannot hold its lock either
+            descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         except OSError as error:
             why = "a link" if error.errno == errno.ELOOP else error.strerror
             raise UsageError(f"--out: cannot open {printable(path)} ({why})") from error
@@ -79,6 +81,15 @@ class ShardOutputs:
             fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(descriptor)
+            self.skipped[shard.name] = "another process is captioning it: left to it"
+            return None
+        # Held now: a process that sealed the shard meanwhile unlinked this name (or its output is there).
+        if not os.path.exists(path) or not os.path.samestat(os.fstat(descriptor), os.lstat(path)) or (
+                os.path.lexists(self.final_path(shard.name))):
+            if os.path.lexists(self.final_path(shard.name)) and os.path.lexists(path):
+                os.unlink(path)
+            os.close(descriptor)
+            self.skipped[shard.name] = "another process completed it meanwhile"
             return None
         cut_torn_line(descriptor)
         records = list(partial_records(path))
@@ -184,20 +195,37 @@ def first_settings(path: Path) -> object:
     return json.loads(first).get("settings") if first.strip() else None
 
 
+def parquet_types() -> dict:
+    import pyarrow as pa
+
+    text, number = pa.string(), pa.int64()
+    return {"key": text, "shard": text, "kind": text, "status": text, "caption": text, "text": text, "captions": text,
+            "texts": text, "tokens": number, "truncated": pa.bool_(), "model": text, "prompt": text, "width": number,
+            "height": number, "model_width": number, "model_height": number, "vision_tokens": number,
+            "video": text, "settings": text, "timings": text, "error_kind": text, "error": text}
+
+
 def encoded(records: list[dict], out_format: str) -> bytes:
     if out_format == "jsonl":
         return b"".join(json.dumps(r, ensure_ascii=False, default=str).encode("utf-8") + b"\n" for r in records)
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    names = list(dict.fromkeys(name for record in records for name in record))
+    types = parquet_types()
+    # The record's own fields always, in one type whatever a shard holds (a shard of no errors
+    # has an all-null error column: typed so, every shard loads as one dataset); a mapping (named
+    # prompts' captions, the settings, timings) as JSON text.
+    names = list(dict.fromkeys([*types, *(name for record in records for name in record)]))
     columns = {}
     for name in names:
         values = [record.get(name) for record in records]
-        if name == "settings":
-            values = [json.dumps(v, sort_keys=True) if v is not None else None for v in values]
+        if any(isinstance(v, (dict, list)) for v in values) and name in types:
+            values = [json.dumps(v, sort_keys=True, default=str) if v is not None else None for v in values]
+            columns[name] = pa.array(values, pa.string())
+            continue
         try:
-            columns[name] = pa.array(values)
+            columns[name] = pa.array(values, types.get(name) or (pa.string() if all(
+                v is None for v in values) else None))
         except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError):  # mixed kinds of values
             columns[name] = pa.array([json.dumps(v, default=str) if v is not None else None for v in values])
     sink = io.BytesIO()
