@@ -5,7 +5,8 @@ And the GPUs the kernels run on: only those they were tested on."""
 import pytest
 import torch
 
-from encoder_graphs.decoder.runner import DecoderGraphRunner, _Route
+from encoder_graphs.decoder.routes import Route
+from encoder_graphs.decoder.runner import DecoderGraphRunner
 from encoder_graphs.kernels import kernels_tested_on, triton_runs
 from encoder_graphs.kernels.checks import (
     check_decode_inputs,
@@ -126,7 +127,7 @@ def test_a_decode_step_past_its_cache_raises_on_the_host():
     """The slot a step writes is known on the host: a step past the last slot of the cache its
     graph or kernel reads raises before any launch (the kernel would write past the cache)."""
     runner = DecoderGraphRunner(build_model("tiny-qwen2-vl"), max_batch_size=2, max_cache_len=32, length_tiers=[16])
-    route = _Route(runner.static_buffers(), rows=2, eager_reason=None)
+    route = Route(runner.static_buffers(), rows=2, eager_reason=None)
     assert [runner._tier(route, needed).tier for needed in (16, 17, 32)] == [16, 32, 32]
     with pytest.raises(RuntimeError, match="needs 33 cache slots, its tier holds 32"):
         runner._tier(route, 33)

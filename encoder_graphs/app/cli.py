@@ -248,10 +248,16 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exit_:  # argparse: 0 for --help and --version, 2 for bad flags
         return int(exit_.code or 0)
     from encoder_graphs.app.command import RESUME_HINT, caption
+    from encoder_graphs.app.datasets import is_dataset_run
     from encoder_graphs.app.settings import Settings
 
     try:
-        return caption(Settings.from_arguments(args))
+        settings = Settings.from_arguments(args)
+        if is_dataset_run(settings):
+            from encoder_graphs.app.dataset_run import caption_datasets
+
+            return caption_datasets(settings)
+        return caption(settings)
     except UsageError as error:
         print(f"encoder-graphs: error: {printable(str(error))}", file=sys.stderr)
         return EXIT_USAGE

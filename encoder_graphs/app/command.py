@@ -35,26 +35,21 @@ INTERRUPTED_WAIT_S = 15.0
 STARTED = time.perf_counter()  # the command's start, for the statistics' times (imports after it are counted)
 
 
-def caption(settings: Settings) -> int:
+def cache_default_model(settings: Settings) -> None:
+    """Under torchrun, the embedded default model cached before the job's process group exists:
+    transformers then writes weights on rank 0 only."""
     if settings.model is None and int(os.environ.get("WORLD_SIZE", "1")) > 1 and not settings.dry_run:
         from encoder_graphs.app.loading import cache_error
         from encoder_graphs.presets.default_model import default_model_dir
 
-        try:  # before the job's process group exists: transformers then writes weights on rank 0 only
+        try:
             default_model_dir()
         except OSError as error:
             raise cache_error(error) from error
-    from encoder_graphs.app.datasets import is_dataset_input
 
-    shards = [is_dataset_input(path) for path in settings.paths]
-    if any(shards):
-        if not all(shards):
-            raise UsageError("give dataset shards or files and folders, not both in one run")
-        from encoder_graphs.app.dataset_run import caption_datasets
 
-        status = caption_datasets(settings)
-        # torchrun reports a failing rank as the job's crash: each rank's report says what failed.
-        return EXIT_OK if status == EXIT_FAILURES and int(os.environ.get("WORLD_SIZE", "1")) > 1 else status
+def caption(settings: Settings) -> int:
+    cache_default_model(settings)
     plan = make_plan(settings, job_from_env())
     settings = plan.settings  # with --out settled
     if settings.dry_run:

@@ -167,6 +167,16 @@ def arrow_errors() -> tuple[type[Exception], ...]:
 
 
 def caption_datasets(settings: Settings) -> int:
+    """The dataset run's exit status; under torchrun a rank's failed samples are said in its report,
+    not returned (torchrun would report the status as the job's crash)."""
+    from encoder_graphs.app.command import cache_default_model
+
+    cache_default_model(settings)
+    status = caption_shards(settings)
+    return EXIT_OK if status == EXIT_FAILURES and int(os.environ.get("WORLD_SIZE", "1")) > 1 else status
+
+
+def caption_shards(settings: Settings) -> int:
     from encoder_graphs.app.plan import caption_config
     from encoder_graphs.app.prompts import read_prompts
     from encoder_graphs.app.settings import run_identity

@@ -19,11 +19,14 @@ import tarfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from encoder_graphs.app.errors import UsageError, printable
 from encoder_graphs.app.media import open_regular
 from encoder_graphs.app.walk import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS, MediaFile
+
+if TYPE_CHECKING:
+    from encoder_graphs.app.settings import Settings
 
 # A member or cell larger than this is not read (a clip of a video dataset is far smaller).
 MAX_SAMPLE_BYTES = 256 << 20
@@ -71,6 +74,14 @@ def is_dataset_input(text: str) -> bool:
         return True
     saved = (path / "state.json").is_file() and (path / "dataset_info.json").is_file()
     return path.is_dir() and (saved or (path / "dataset_dict.json").is_file())
+
+
+def is_dataset_run(settings: "Settings") -> bool:
+    """Whether the PATHs name dataset shards (all of them: a usage error for a mix with files)."""
+    shards = [is_dataset_input(path) for path in settings.paths]
+    if any(shards) and not all(shards):
+        raise UsageError("give dataset shards or files and folders, not both in one run")
+    return any(shards)
 
 
 def expand_braces(pattern: str) -> list[str]:

@@ -4,19 +4,17 @@ and length tiers (`decoder/runner.py`)."""
 
 from collections.abc import Callable
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from encoder_graphs.decoder.generation import token_id_list
+from encoder_graphs.decoder.routes import Route
 from encoder_graphs.decoder.sampling import Sampling, select_next_tokens
 from encoder_graphs.decoder.shared import SharedPrompts, shared_prefill
 from encoder_graphs.decoder.static_cache import StaticKVStore
 from encoder_graphs.decoder.step import packed_prefill, prefill
 from encoder_graphs.decoder.tokens import NewTokens
-
-if TYPE_CHECKING:
-    from encoder_graphs.decoder.runner import _Route
 
 # What a call's prefill gives the decode: the first logits, the mask over the prompt's slots and
 # the next position ids; it fills the static store it is handed (None: no step follows).
@@ -127,7 +125,7 @@ class GenerateCalls:
 
     def _decode(
         self,
-        route: "_Route",
+        route: Route,
         tokens: NewTokens,
         chosen: torch.Tensor,
         prompt_len: int,

@@ -14,7 +14,7 @@ so the CPU path exercises the same logic.
 import logging
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from itertools import product
 from typing import Any
 
@@ -25,6 +25,7 @@ from encoder_graphs.decoder.buffers import DecodeBuffers, DecoderGraphConfig, Te
 from encoder_graphs.decoder.calls import GenerateCalls
 from encoder_graphs.decoder.layers.decode import DecodeStack
 from encoder_graphs.decoder.layers.stack import fuse_text_kernels
+from encoder_graphs.decoder.routes import Route, Tier
 from encoder_graphs.decoder.stats import DecodeCounters
 from encoder_graphs.decoder.step import decode_step
 from encoder_graphs.engine.capture import GraphCache, unavailable_reason
@@ -40,26 +41,6 @@ from encoder_graphs.seam.generation import generation_position_ids
 from encoder_graphs.seam.text import LINEAR_ATTENTION, SlotCache, static_rope
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _Route:
-    """Where a generate call's decode steps run: `rows` rows of `buffers`; `eager_reason` when no
-    graph can serve any of its steps."""
-
-    buffers: DecodeBuffers
-    rows: int
-    eager_reason: EagerReason | None
-
-
-@dataclass
-class _Tier:
-    """How the decode steps whose sequences fit `tier` slots run: a graph, or eagerly over `cache`."""
-
-    tier: int
-    graph: torch.cuda.CUDAGraph | None
-    cache: SlotCache | None
-    eager_reason: EagerReason | None
 
 
 class DecoderGraphRunner(GenerateCalls):
@@ -221,15 +202,15 @@ class DecoderGraphRunner(GenerateCalls):
             return f"batch of {batch}, larger than decoder max_batch_size {self.config.max_batch_size}"
         return None
 
-    def _route(self, batch: int, needed_slots: int) -> _Route:
+    def _route(self, batch: int, needed_slots: int) -> Route:
         assert self.unfit_reason(batch, needed_slots) is None, "generate refuses what the static cache cannot hold"
         bucket = next((b for b in self.config.buckets if b >= batch), None)
         if bucket is None:
-            return _Route(self.static_buffers(), batch, EagerReason.OVER_LARGEST_BUCKET)
+            return Route(self.static_buffers(), batch, EagerReason.OVER_LARGEST_BUCKET)
         # Eager steps take the same padded bucket as a replay would: one code path everywhere.
-        return _Route(self.static_buffers(), bucket, None)
+        return Route(self.static_buffers(), bucket, None)
 
-    def _capture_first_use(self, route: _Route, first_slots: int, last_slots: int) -> None:
+    def _capture_first_use(self, route: Route, first_slots: int, last_slots: int) -> None:
         """With `lazy`, capture the graphs of `route`'s bucket for the length tiers its steps read
         (from `first_slots` to `last_slots` slots): before the prefill fills the static cache,
         since a capture runs idle steps over it."""
@@ -240,7 +221,7 @@ class DecoderGraphRunner(GenerateCalls):
         high = smallest_fitting_budget(tiers, last_slots) or tiers[-1]
         self._capture_graphs((route.rows, tier) for tier in tiers if low <= tier <= high)  # those not tried
 
-    def _tier(self, route: _Route, needed_slots: int) -> _Tier:
+    def _tier(self, route: Route, needed_slots: int) -> Tier:
         """The smallest length tier holding `needed_slots`; past the last one (a route's own longer
         buffers), all of the route's slots."""
         tier = smallest_fitting_budget(self.config.length_tiers, needed_slots) or route.buffers.max_cache_len
@@ -249,9 +230,9 @@ class DecoderGraphRunner(GenerateCalls):
             raise RuntimeError(f"a decode step needs {needed_slots} cache slots, its tier holds {slots}")
         graph = self.graphs.get((route.rows, tier)) if route.eager_reason is None else None
         if graph is not None:
-            return _Tier(tier, graph, None, None)
+            return Tier(tier, graph, None, None)
         reason = route.eager_reason or self._eager_reason()
-        return _Tier(tier, None, route.buffers.store.cache(route.rows, tier), reason)
+        return Tier(tier, None, route.buffers.store.cache(route.rows, tier), reason)
 
     def _eager_reason(self) -> EagerReason:
         """Why a route that fits a bucket has no graph (its capture's error: `failed_graphs`)."""
