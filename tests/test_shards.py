@@ -210,24 +210,38 @@ def test_ten_kills_lose_nothing_and_show_no_partial_shard(tmp_path):
     for _ in range(10):
         process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 60
-        # Once captioning is under way (a shard's partial file is there), at a random moment.
-        while time.monotonic() < deadline and process.poll() is None and not (
-                out.exists() and any(path.name.startswith(".") for path in out.iterdir())):
-            time.sleep(0.02)
-        time.sleep(chance.uniform(0, 1.0))
+        # Once this run has written records (a partial file grew), at a random moment soon after.
+        sizes = partial_sizes(out)
+        while time.monotonic() < deadline and process.poll() is None and not any(
+                size > sizes.get(name, 0) for name, size in partial_sizes(out).items()):
+            time.sleep(0.01)
+        time.sleep(chance.uniform(0, 0.3))
+        interrupted += process.poll() is None  # still captioning: killed mid-run
         process.send_signal(signal.SIGKILL)
         process.wait()
-        interrupted += any(path.name.startswith(".") for path in out.iterdir())  # killed mid-shard
         for path in out.iterdir():  # a visible shard is always whole
             if not path.name.startswith("."):
                 shard = int(path.stem)
                 assert sorted(r["key"] for r in records_of(path)) == sorted(
                     key for key, _ in everything if key.startswith(f"s{shard:02d}/"))
-    assert interrupted >= 2, f"only {interrupted} kills landed mid-shard"
+    assert interrupted >= 2, f"only {interrupted} kills landed mid-run"
     assert subprocess.run(command, check=False, capture_output=True, timeout=600).returncode in (0, 1)  # 1: errors
     keys = [r["key"] for r in records(out)]
     assert sorted(keys) == sorted(key for key, _ in everything)  # each exactly once
     assert not [p for p in out.iterdir() if p.name.startswith(".")]
+
+
+def partial_sizes(out: Path) -> dict[str, int]:
+    if not out.exists():
+        return {}
+    sizes = {}
+    for path in out.iterdir():
+        if path.name.endswith(PARTIAL_SUFFIX):
+            try:
+                sizes[path.name] = path.stat().st_size
+            except FileNotFoundError:  # sealed meanwhile
+                pass
+    return sizes
 
 
 def records_of(path: Path) -> list[dict]:
