@@ -29,6 +29,7 @@ from encoder_graphs.app.datasets import (
     check_columns,
     find_shards,
     media_of,
+    sample_key,
     samples,
     shard_selection,
 )
@@ -309,9 +310,8 @@ def table_rows(shard: InputShard) -> int:
             keys = set()
             for member in tar:
                 tar.members = []  # headers only, none kept
-                folder, _, base = member.name.rpartition("/")
-                if media_of(base):
-                    keys.add((folder, base.partition(".")[0]))
+                if media_of(member.name):
+                    keys.add(sample_key(member.name)[0])
             return len(keys)
     except unreadable():
         return TABLE_ROWS_GUESS

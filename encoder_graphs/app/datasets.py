@@ -167,11 +167,10 @@ def _tar_samples(shard: InputShard) -> Iterator[Sample]:
         key, members, refused = None, {}, []
         for member in tar:
             tar.members = []  # a stream keeps every header otherwise: 10^6 tiny members took GBs
-            folder, _, base = member.name.rpartition("/")
-            stem, _, extension = base.partition(".")
-            if not stem or not extension:
+            this, extension = sample_key(member.name)
+            base = member.name.rpartition("/")[2]
+            if this is None:
                 continue  # a folder entry or a name without an extension: no sample's
-            this = f"{folder}/{stem}" if folder else stem
             if this != key:
                 if key is not None:
                     yield _tar_sample(shard, key, members, refused)
@@ -187,6 +186,16 @@ def _tar_samples(shard: InputShard) -> Iterator[Sample]:
                 members[extension] = tar.extractfile(member).read()
         if key is not None:
             yield _tar_sample(shard, key, members, refused)
+
+
+def sample_key(name: str) -> tuple[str | None, str]:
+    """A tar member's WebDataset sample key (its path up to the first dot of its name) and its
+    extension; (None, "") for a name with no extension."""
+    folder, _, base = name.rpartition("/")
+    stem, _, extension = base.partition(".")
+    if not stem or not extension:
+        return None, ""
+    return (f"{folder}/{stem}" if folder else stem), extension
 
 
 def _tar_sample(shard: InputShard, key: str, members: dict[str, bytes], refused: list[str]) -> Sample:

@@ -106,7 +106,7 @@ class ShardOutputs:
         by_shard: dict[str, list[bytes]] = {}
         for record in records:
             record = {**record, "status": "error" if "error" in record else "ok"}
-            line = json.dumps(record, ensure_ascii=False, default=str).encode("utf-8") + b"\n"
+            line = json_line(record)
             by_shard.setdefault(record["shard"], []).append(line)
         for name, lines in by_shard.items():
             descriptor = self._partials[name]
@@ -205,9 +205,13 @@ def parquet_types() -> dict:
             "video": text, "settings": text, "timings": text, "error_kind": text, "error": text}
 
 
+def json_line(record: dict) -> bytes:
+    return json.dumps(record, ensure_ascii=False, default=str).encode("utf-8") + b"\n"
+
+
 def encoded(records: list[dict], out_format: str) -> bytes:
     if out_format == "jsonl":
-        return b"".join(json.dumps(r, ensure_ascii=False, default=str).encode("utf-8") + b"\n" for r in records)
+        return b"".join(map(json_line, records))
     import pyarrow as pa
     import pyarrow.parquet as pq
 
