@@ -27,7 +27,7 @@ a run of the defaults with only that much GPU memory free (a second process hold
 gives each one's median wall time: a start varies by a second or more between processes). Before
 the timed runs, one untimed run of the defaults on 16 files reads the libraries into the page
 cache and fills Triton's kernel cache, so the first timed run does not pay what a user pays once
-per machine. `--gpus N` runs the defaults as one torchrun job of N GPUs. `--runs defaults,prompts_3`
+per machine. `--gpus 2,4` runs the defaults as one torchrun job of 2 GPUs, then of 4. `--runs defaults,prompts_3`
 times three named prompts a file (one pass, the image prefilled once) against one. Random weights (presets):
 captions are noise, speed is real.
     python3 benchmarks/bench_cli.py [--preset qwen2.5-vl-3b] [--images 1024] [--runs defaults,no_graphs,stock]
@@ -198,7 +198,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--stock-batches", type=lambda t: [int(b) for b in t.split(",")], default=STOCK_BATCHES,
                         help="the stock script's batch sizes, each a run: its best is the baseline (default: "
                         f"{','.join(map(str, STOCK_BATCHES))}; a batch out of memory ends the sweep)")
-    parser.add_argument("--gpus", type=int, default=1, help="also the defaults under torchrun on this many GPUs")
+    parser.add_argument("--gpus", type=lambda t: [int(n) for n in t.split(",")], default=[1],
+                        help="also the defaults under torchrun on each of these many GPUs, as 2,4")
     parser.add_argument("--cli-args", default="", help="more arguments for every caption command, as --cli-args=--compile")
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--folder", type=Path, help="a folder of files to use instead of the generated photos")
@@ -289,8 +290,9 @@ def main() -> None:
                     runs[key] = run_ours(small, work, key, args, extra)
         if args.card_gib:
             runs[f"defaults_{args.card_gib:g}_gib_free"] = on_a_smaller_card(folder, work, args)
-        if args.gpus > 1:
-            runs[f"defaults_{args.gpus}_gpus"] = run_ours(folder, work, f"gpus_{args.gpus}", args, [], args.gpus)
+        for gpus in [n for n in args.gpus if n > 1]:
+            runs[f"defaults_{gpus}_gpus"] = run_ours(folder, work, f"gpus_{gpus}", args, [], gpus)
+            save_partial(args, runs)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     report(args, runs, written)

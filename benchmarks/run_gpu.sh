@@ -53,11 +53,13 @@ run_benchmarks() {
 }
 gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
 if [ "$gpus" -ge 2 ]; then
-  # Two GPUs or more: the benchmarks run on the last GPU while the tests run on the first, so
-  # one call takes the longer of the two (their logs say which GPU ran what).
-  echo "tests on GPU 0, benchmarks on GPU $((gpus - 1)) at the same time"
+  # Two GPUs or more: the benchmarks run on the last GPU while the tests run on the others (each
+  # xdist worker takes one in turn: tests/conftest.py), so one call takes the longer of the two
+  # (their logs say which GPU ran what).
+  test_gpus=$(seq -s, 0 $((gpus - 2)))
+  echo "tests on GPUs $test_gpus, benchmarks on GPU $((gpus - 1)) at the same time"
   (export CUDA_VISIBLE_DEVICES=$((gpus - 1)); run_benchmarks) &
-  CUDA_VISIBLE_DEVICES=0 run_tests "${1:-}"
+  CUDA_VISIBLE_DEVICES=$test_gpus run_tests "${1:-}"
   tests_rc=$?
   wait
 else

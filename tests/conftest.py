@@ -4,7 +4,15 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
+
+# run_gpu.sh on a host of several GPUs lists them all in CUDA_VISIBLE_DEVICES: each pytest-xdist
+# worker takes one, in turn, before torch starts CUDA (no test needs two).
+_visible, _worker = os.environ.get("CUDA_VISIBLE_DEVICES", ""), os.environ.get("PYTEST_XDIST_WORKER", "")
+if "," in _visible and _worker.startswith("gw"):
+    _devices = _visible.split(",")
+    os.environ["CUDA_VISIBLE_DEVICES"] = _devices[int(_worker[2:]) % len(_devices)]
+
+import torch  # noqa: E402 (after the device is chosen)
 
 torch.set_num_threads(2)
 # Fixtures the wheel does not ship: the toy ViT lives with the example that shows it (examples/),
