@@ -91,19 +91,25 @@ def test_bench_cli_pairs_the_stock_script_with_ours_on_as_many_files():
 
 
 def test_the_vllm_paragraph_is_its_jsons():
-    """Every number of the README's vLLM paragraph is the run its JSON holds, at the precision shown."""
+    """Every number of the README's vLLM paragraph is the run its JSONs hold (vLLM's call, then
+    ours on the same GPU), at the precision shown, and the ratios are `timing.speedup`'s."""
+    from timing import speedup
+
     start = README.index("**Against vLLM**")
     text = README[start:README.index("\n\n", start)]
-    (name,) = re.findall(r"`(benchmarks/[\w.]+\.json)`", text)
-    runs = json.loads((ROOT / name).read_text())["runs"]
-    cold, warm, ours = runs["vllm"], runs["vllm_warm"], runs["defaults"]
+    peer_name, ours_name = re.findall(r"`(benchmarks/[\w.]+\.json)`", text)
+    runs = json.loads((ROOT / peer_name).read_text())["runs"]
+    cold, warm = runs["vllm"], runs["vllm_warm"]
+    ours = json.loads((ROOT / ours_name).read_text())["runs"]["defaults"]
     said = " ".join(text.split())
+    ratio = speedup(ours, warm)
     for phrase in (f"ran {cold['images_per_s_end_to_end']:.1f} images/s end to end on its first start",
                    f"({cold['start_s']:.1f} s to its first generate",
                    f"and {warm['images_per_s_end_to_end']:.1f} on a second start ({warm['start_s']:.1f} s)",
                    f"where the defaults ran {ours['images_per_s_end_to_end']:.1f}",
                    f"vLLM ran {warm['images_per_s_in_loop']:.1f} images/s and the defaults {ours['images_per_s_in_loop']:.1f}",
+                   f"({ratio['in_loop']:.1f}x)", f"**{ratio['end_to_end']:.1f}x** warm vLLM",
                    f"{warm['input_wait_pct']:.0f}% of vLLM's loop",
-                   f"(ours {ours['start_s']:.1f} s in that call)",
+                   f"(ours {ours['start_s']:.1f} s to the loop)",
                    f"vLLM** {cold['settings']['vllm']}"):
         assert phrase in said, phrase

@@ -228,8 +228,8 @@ def _performance_arguments(parser: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="torch.compile, before the capture, the encoder's blocks, the language model's MLPs and norms and "
-        "the decode step's layers: a longer start (shorter with inductor's cache warm), faster encoding and "
-        f"decoding (default: on a GPU with at least {COMPILE_FROM_FILES} files to caption per GPU)",
+        "the decode step's layers: a start tens of seconds longer (less with inductor's cache warm), a slightly "
+        f"faster loop (default: on a GPU with at least {COMPILE_FROM_FILES:,} files to caption per GPU)",
     )
     group = parser.add_argument_group("across machines")
     group.add_argument(

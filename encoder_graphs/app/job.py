@@ -133,9 +133,9 @@ def batched_config(job: CaptionJob, plan: Plan, model: "PreTrainedModel") -> Cap
 
 def wants_compile(plan: Plan, device: "torch.device") -> bool:
     """`--compile` / `--no-compile`, else on a GPU with enough files to pay for it: compiling the
-    encoder blocks adds seconds to the start and saves a few ms an image, so it pays only from
-    well over a thousand files a GPU (COMPILE_FROM_FILES keeps a margin for smaller towers;
-    measured: benchmarks/HISTORY.md). With `--no-graphs` too: the compiled blocks speed the eager
+    encoder blocks, MLPs, norms and decode layers adds tens of seconds to the start and, beside
+    our kernels and graphs, saves little of the loop, so it pays only on large jobs
+    (COMPILE_FROM_FILES; measured: benchmarks/RESULTS.md). With `--no-graphs` too: the compiled blocks speed the eager
     path as much."""
     if plan.settings.compile is not None:
         return plan.settings.compile
