@@ -59,6 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the column naming each row (default: key, __key__ or id; else the row's number)")
     group.add_argument("--out-format", default="jsonl", choices=("jsonl", "parquet"),
                        help="the output shards' format (default: %(default)s)")
+    group.add_argument("--webdataset-copy", action="store_true",
+                       help="with .tar shards, also write each as <shard name>.tar into --out: its members with "
+                       "each sample's caption added (<key>.caption.txt, <key>.caption.<NAME>.txt with named prompts) "
+                       "and its record (<key>.caption.json)")
     _model_arguments(caption)
     _text_arguments(caption)
     _output_arguments(caption)

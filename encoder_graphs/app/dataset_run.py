@@ -15,7 +15,6 @@ import sys
 import tarfile
 import threading
 import time
-import zlib
 from collections.abc import Iterator
 from dataclasses import replace
 from itertools import islice
@@ -25,20 +24,22 @@ from typing import Any
 from encoder_graphs.app.datasets import (
     InputShard,
     Sample,
-    ShardError,
+    arrow_errors,
     check_columns,
     find_shards,
     media_of,
     sample_key,
     samples,
     shard_selection,
+    unreadable,
 )
 from encoder_graphs.app.errors import EXIT_FAILURES, EXIT_INTERRUPTED, EXIT_OK, UsageError, printable
-from encoder_graphs.app.media import MediaError, decode_image, open_regular, upright_size
+from encoder_graphs.app.media import decode_image, open_regular, upright_size
 from encoder_graphs.app.outputs import remove_stale_temporaries
 from encoder_graphs.app.pipeline import Captioner, Pending
 from encoder_graphs.app.settings import Settings
 from encoder_graphs.app.shard_outputs import FORMATS, ShardOutputs, say_sealed
+from encoder_graphs.app.webdataset_copy import copy_path
 
 # Flags of a folder run that a dataset run cannot honour: refused, never ignored.
 FOLDER_ONLY = {"sidecar": "--sidecar", "hf_metadata": "--hf-metadata", "manifest": "--manifest",
@@ -112,6 +113,20 @@ def check_dataset_flags(settings: Settings) -> None:
         raise UsageError(f"--out {printable(settings.out)}: with dataset shards, a folder (not a file or a link)")
 
 
+def check_copies(settings: Settings, shards: list[InputShard]) -> None:
+    """`--webdataset-copy` copies tar shards, each to a name of its own in --out: never over an input."""
+    if not settings.webdataset_copy:
+        return
+    others = [shard.name for shard in shards if shard.format != "webdataset"]
+    if others:
+        raise UsageError(f"--webdataset-copy copies .tar shards; {others[0]} is {shards[0].format}: leave the flag out")
+    for shard in shards:
+        copy = copy_path(settings.out, shard)
+        if os.path.lexists(copy) and os.path.samefile(copy, shard.path):
+            raise UsageError(f"--webdataset-copy would write {printable(copy)} over the input shard it copies: "
+                             "give another --out")
+
+
 def my_part(settings: Settings) -> tuple[int, int]:
     """(parts, this process's part) over machines (`--num-shards` or Slurm) and torchrun's ranks."""
     from encoder_graphs.app.shards import slurm_shard
@@ -120,11 +135,6 @@ def my_part(settings: Settings) -> tuple[int, int]:
         slurm_shard() or (1, 0))
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     return num * world, index * world + rank
-
-
-def unreadable() -> tuple[type[Exception], ...]:
-    """What reading a shard raises where the shard itself cannot be read on."""
-    return (OSError, EOFError, tarfile.TarError, zlib.error, MediaError, ShardError, *arrow_errors())
 
 
 def shard_stream(
@@ -158,15 +168,6 @@ def shard_stream(
             break
 
 
-def arrow_errors() -> tuple[type[Exception], ...]:
-    """pyarrow's read errors, where it is installed (tar shards need none of it)."""
-    try:
-        import pyarrow as pa
-    except ImportError:
-        return ()
-    return (pa.ArrowException,)
-
-
 def caption_datasets(settings: Settings) -> int:
     """The dataset run's exit status; under torchrun a rank's failed samples are said in its report,
     not returned (torchrun would report the status as the job's crash)."""
@@ -188,6 +189,7 @@ def caption_shards(settings: Settings) -> int:
         for flag, given in (("--image-column", settings.image_column), ("--key-column", settings.key_column)):
             if given is not None:
                 raise UsageError(f"{flag} names a column of Parquet or saved-dataset shards: tar shards have none")
+    check_copies(settings, shards)
     parts, part = my_part(settings)
     mine = shard_selection(shards, parts, part)
     prompt, named = read_prompts(settings.prompt, settings.prompt_file)
@@ -197,7 +199,8 @@ def caption_shards(settings: Settings) -> int:
                 "image_column": settings.image_column, "key_column": settings.key_column}
     folder = settings.out
     outputs = ShardOutputs(folder, settings.out_format, identity,
-                           lambda name, n, errors: say_sealed(name, n, errors, folder, settings.out_format))
+                           lambda name, n, errors: say_sealed(name, n, errors, folder, settings.out_format),
+                           settings.webdataset_copy)
     readable = []
     for shard in mine:
         try:

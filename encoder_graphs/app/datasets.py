@@ -16,13 +16,14 @@ import math
 import os
 import re
 import tarfile
+import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from encoder_graphs.app.errors import UsageError, printable
-from encoder_graphs.app.media import open_regular
+from encoder_graphs.app.media import MediaError, open_regular
 from encoder_graphs.app.walk import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS, MediaFile
 
 if TYPE_CHECKING:
@@ -146,6 +147,20 @@ def _saved_dataset(folder: Path) -> list[InputShard]:
         splits = ", ".join(printable(folder / split) for split in loaded)
         raise UsageError(f"{printable(folder)} holds splits: give one of {splits}")
     return [InputShard(Path(f["filename"]).stem, Path(f["filename"]), "arrow") for f in loaded.cache_files]
+
+
+def arrow_errors() -> tuple[type[Exception], ...]:
+    """pyarrow's read errors, where it is installed (tar shards need none of it)."""
+    try:
+        import pyarrow as pa
+    except ImportError:
+        return ()
+    return (pa.ArrowException,)
+
+
+def unreadable() -> tuple[type[Exception], ...]:
+    """What reading a shard raises where the shard itself cannot be read on."""
+    return (OSError, EOFError, tarfile.TarError, zlib.error, MediaError, ShardError, *arrow_errors())
 
 
 def media_of(name: str) -> str | None:

@@ -16,6 +16,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 from encoder_graphs.app.lock import OPEN_FLAGS
 from encoder_graphs.app.names import as_text
@@ -195,11 +196,12 @@ def is_sidecar_line(record: dict) -> bool:
     return "sidecar_error" in record or record.get("error_kind") == "sidecar"
 
 
-def write_atomically(path: Path, text: str | bytes, *, replace: bool = True) -> bool:
-    """Write `text` to a temporary beside `path`, then rename it to `path`: a kill never leaves
-    half a file, and a symlink (or another name of a file) at `path` is replaced, never written
-    through. `replace=False` keeps whatever regular file is at `path` already: False then. An
-    OSError names `path` (its `filename`)."""
+def write_atomically(path: Path, text: "str | bytes | Callable[[BinaryIO], None]", *, replace: bool = True) -> bool:
+    """Write `text` (or what the callable writes to the file it is given: a stream too large to
+    hold) to a temporary beside `path`, then rename it to `path`: a kill never leaves half a
+    file, and a symlink (or another name of a file) at `path` is replaced, never written through.
+    `replace=False` keeps whatever regular file is at `path` already: False then. An OSError
+    names `path` (its `filename`)."""
     try:
         fd, temp = tempfile.mkstemp(prefix=temp_prefix(path.name), dir=path.parent)
     except OSError as error:
@@ -212,9 +214,13 @@ def write_atomically(path: Path, text: str | bytes, *, replace: bool = True) -> 
         except FileNotFoundError:  # mkstemp makes 0600 files: a new one gets what the umask gives
             mode = 0o666 & ~_umask()
         os.fchmod(fd, mode)
-        data = memoryview(text if isinstance(text, bytes) else text.encode("utf-8"))
-        while data:
-            data = data[os.write(fd, data) :]
+        if callable(text):
+            with os.fdopen(os.dup(fd), "wb") as sink:
+                text(sink)
+        else:
+            data = memoryview(text if isinstance(text, bytes) else text.encode("utf-8"))
+            while data:
+                data = data[os.write(fd, data) :]
         os.fsync(fd)  # the data reaches the disk before the name does: a crash leaves the old file or the new
         if not replace:
             return _link_new(temp, path)

@@ -56,7 +56,8 @@ def make_plan(settings: Settings, job: Job) -> Plan:
     # abspath, as discover's file paths: `..` resolved, symlinks kept, so the two compare as text.
     roots = [Path(os.path.abspath(p)) for p in settings.paths] + ([SAMPLES_DIR] if settings.samples else [])
     for flag, given in (("--image-column", settings.image_column), ("--key-column", settings.key_column),
-                        ("--out-format", settings.out_format != "jsonl")):
+                        ("--out-format", settings.out_format != "jsonl"),
+                        ("--webdataset-copy", settings.webdataset_copy)):
         if given:
             raise UsageError(f"{flag} applies to dataset shards (.tar, .parquet, a saved dataset), not files and folders")
     listed, missing = listed_files(settings.manifest)

@@ -21,6 +21,7 @@ class Settings:
     image_column: str | None = None
     key_column: str | None = None
     out_format: str = "jsonl"
+    webdataset_copy: bool = False  # with tar shards, each also copied with its captions added
     # The model and what it sees.
     model: str | None = None  # a checkpoint directory or a preset; None: the embedded tiny default
     device: str = "auto"

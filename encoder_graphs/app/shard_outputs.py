@@ -22,9 +22,10 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from encoder_graphs.app.datasets import InputShard
+from encoder_graphs.app.datasets import InputShard, unreadable
 from encoder_graphs.app.errors import UsageError, printable
 from encoder_graphs.app.outputs import remove_unheld, write_atomically
+from encoder_graphs.app.webdataset_copy import copy_path, copy_writer
 
 PARTIAL_SUFFIX = ".encoder-graphs-partial.jsonl"
 FORMATS = ("jsonl", "parquet")
@@ -38,8 +39,11 @@ class ShardOutputs:
     """The output shards of one dataset run; `write` takes the caption run's records (each names
     its shard), as the folder run's `Outputs` does."""
 
-    def __init__(self, folder: Path, out_format: str, identity: dict, on_sealed: Callable[[str, int, int], None]) -> None:
+    def __init__(self, folder: Path, out_format: str, identity: dict, on_sealed: Callable[[str, int, int], None],
+                 webdataset_copy: bool = False) -> None:
         self.folder, self.format, self.identity = folder, out_format, identity
+        self.webdataset_copy = webdataset_copy  # also each tar shard's copy with the captions (`webdataset_copy`)
+        self._shards: dict[str, InputShard] = {}
         self.on_sealed = on_sealed  # (shard, records, errors): said as each shard completes
         self._partials: dict[str, int] = {}  # shard -> its partial file's descriptor (locked)
         self._written: Counter = Counter()  # new records a shard has had in this run
@@ -62,6 +66,8 @@ class ShardOutputs:
             raise UsageError(f"--out {printable(path)}: not a regular file where the output shard goes")
         self._check_settings(path, first_settings(path))
         remove_unheld(partial_path(self.folder, shard.name))  # a kill between the seal's rename and unlink
+        if self.webdataset_copy and not os.path.lexists(copy_path(self.folder, shard)):
+            self._write_copy(shard, sealed_records(path))  # asked for after the shard was sealed
         return True
 
     def begin(self, shard: InputShard) -> dict[str, bool] | None:
@@ -100,6 +106,7 @@ class ShardOutputs:
                 os.close(descriptor)
                 raise
         self._partials[shard.name] = descriptor
+        self._shards[shard.name] = shard
         return {record["key"]: "error" not in record for record in records}
 
     def write(self, records: Iterable[dict]) -> None:
@@ -135,11 +142,21 @@ class ShardOutputs:
     def _seal(self, name: str) -> None:
         latest = {record["key"]: record for record in partial_records(partial_path(self.folder, name))}
         records = list(latest.values())
+        if self.webdataset_copy:  # first: the output shard marks the shard complete
+            self._write_copy(self._shards[name], latest)
         write_atomically(self.final_path(name), encoded(records, self.format))
         os.unlink(partial_path(self.folder, name))
         self._release(name)
         self.sealed.append(name)
         self.on_sealed(name, len(records), sum("error" in record for record in records))
+
+    def _write_copy(self, shard: InputShard, records: dict[str, dict]) -> None:
+        """The shard's WebDataset copy; one that cannot be written (the input gone or cut since) is
+        the shard's failure, said at the end, and a rerun writes it again."""
+        try:
+            write_atomically(copy_path(self.folder, shard), copy_writer(shard, records))
+        except unreadable() as error:
+            self.failed[shard.name] = f"its WebDataset copy was not written: {type(error).__name__}: {error}"
 
     def _release(self, name: str) -> None:
         os.close(self._partials.pop(name))  # closing drops the lock
@@ -179,6 +196,22 @@ def partial_records(path: Path) -> Iterable[dict]:
                 continue
             if isinstance(record, dict) and "key" in record:
                 yield record
+
+
+def sealed_records(path: Path) -> dict[str, dict]:
+    """An output shard's records by key, as they were written (Parquet's JSON text columns read back)."""
+    if path.suffix != ".parquet":
+        return {record["key"]: record for record in partial_records(path)}
+    import pyarrow.parquet as pq
+
+    records = {}
+    for row in pq.read_table(path).to_pylist():
+        record = {name: value for name, value in row.items() if value is not None}
+        for name in ("captions", "texts", "settings", "timings", "video"):
+            if isinstance(record.get(name), str) and record[name][:1] in "{[":
+                record[name] = json.loads(record[name])
+        records[record["key"]] = record
+    return records
 
 
 def first_settings(path: Path) -> object:

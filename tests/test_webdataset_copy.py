@@ -1,0 +1,93 @@
+"""`--webdataset-copy` (issue 43): each tar shard copied into --out with its captions added, every
+input member kept byte for byte and in order; written for shards sealed earlier on a rerun;
+refused where it cannot apply or would write over its input."""
+
+import io
+import json
+import tarfile
+from pathlib import Path
+
+import pytest
+from test_cli import model_cache  # noqa: F401 (autouse: a private model cache for this module)
+from test_shards import FAST, records, write_shards
+
+from encoder_graphs.app.cli import main
+
+
+def members(path: Path) -> list[tuple[str, bytes]]:
+    with tarfile.open(path) as tar:
+        return [(member.name, tar.extractfile(member).read()) for member in tar if member.isfile()]
+
+
+def assert_copy_of(copy: Path, source: Path, by_key: dict[str, dict], named: tuple[str, ...] = ()) -> None:
+    """The copy is the source's members in order, each sample followed by its caption members."""
+    got, expected = members(copy), []
+    sample = None
+    for name, data in [*members(source), ("", b"")]:
+        key = name.rpartition("/")[0] + "/" + name.rpartition("/")[2].partition(".")[0] if name else None
+        if sample is not None and key != sample:
+            record = by_key[sample]
+            if record.get("error") is None:
+                texts = [(f"caption.{n}.txt", record["captions"][n]) for n in named] or [("caption.txt", record["caption"])]
+                expected += [(f"{sample}.{ext}", text.encode()) for ext, text in texts]
+            expected.append((f"{sample}.caption.json", None))
+        sample = key
+        if name and ".caption." not in name:
+            expected.append((name, data))
+    assert [name for name, _ in got] == [name for name, _ in expected]
+    for (name, data), (_, want) in zip(got, expected):
+        if want is not None:
+            assert data == want, name
+        else:
+            record = json.loads(data)
+            assert record["key"] == name.removesuffix(".caption.json") and record["status"] in ("ok", "error")
+            assert record.get("caption") == by_key[record["key"]].get("caption")
+
+
+def test_each_tar_shard_is_copied_with_its_captions_and_errors(tmp_path):
+    write_shards(tmp_path / "wds", 2, 5)
+    with tarfile.open(tmp_path / "wds" / "00001.tar", "a") as tar:  # a member named as ours is replaced
+        info = tarfile.TarInfo("s01/k0004.caption.txt")
+        info.size = 5
+        tar.addfile(info, io.BytesIO(b"stale"))
+    out = tmp_path / "o"
+    assert main(["caption", str(tmp_path / "wds" / "*.tar"), "--out", str(out), "--webdataset-copy"] + FAST) == 1
+    by_key = {record["key"]: record for record in records(out)}
+    assert len(by_key) == 10 and sum("error" in r for r in by_key.values()) == 2  # the corrupt JPEGs
+    for name in ("00000", "00001"):
+        assert_copy_of(out / f"{name}.tar", tmp_path / "wds" / f"{name}.tar", by_key)
+    assert sorted(p.name for p in out.iterdir()) == ["00000.jsonl", "00000.tar", "00001.jsonl", "00001.tar"]
+
+
+@pytest.mark.parametrize("out_format", ["jsonl", "parquet"])
+def test_a_rerun_with_the_flag_copies_shards_sealed_before(tmp_path, capsys, out_format):
+    pytest.importorskip("pyarrow") if out_format == "parquet" else None
+    write_shards(tmp_path / "wds", 1, 4)
+    named = ("short", "tags")
+    args = ["caption", str(tmp_path / "wds" / "00000.tar"), "--out", str(tmp_path / "o"), "--out-format", out_format,
+            "--prompt", "short=One line.", "--prompt", "tags=Tags."] + FAST
+    assert main(args) == 1
+    assert not (tmp_path / "o" / "00000.tar").exists()
+    assert main(args + ["--webdataset-copy"]) == 0  # nothing to caption: the copy only
+    assert "1 complete" in capsys.readouterr().err
+    by_key = {record["key"]: record for record in records(tmp_path / "o")}
+    for record in by_key.values():
+        if isinstance(record.get("captions"), str):  # Parquet keeps a mapping as JSON text
+            record["captions"] = json.loads(record["captions"])
+    assert_copy_of(tmp_path / "o" / "00000.tar", tmp_path / "wds" / "00000.tar", by_key, named)
+
+
+def test_the_copy_is_refused_where_it_cannot_apply(tmp_path, capsys):
+    write_shards(tmp_path / "wds", 1, 2)
+    tar = str(tmp_path / "wds" / "00000.tar")
+    assert main(["caption", tar, "--out", str(tmp_path / "wds"), "--webdataset-copy"] + FAST) == 2
+    assert "over the input shard" in capsys.readouterr().err
+    assert main(["caption", str(tmp_path / "wds"), "--out", str(tmp_path / "x.jsonl"), "--webdataset-copy"]) == 2
+    assert "--webdataset-copy applies to dataset shards" in capsys.readouterr().err
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+
+    pq.write_table(pa.table({"key": ["a"], "image": [b"x"]}), tmp_path / "t.parquet")
+    assert main(["caption", str(tmp_path / "t.parquet"), "--out", str(tmp_path / "p"), "--webdataset-copy"] + FAST) == 2
+    assert "copies .tar shards" in capsys.readouterr().err
+    assert not (tmp_path / "p").exists()
