@@ -28,7 +28,8 @@ def assert_copy_of(copy: Path, source: Path, by_key: dict[str, dict], named: tup
         if sample is not None and key != sample:
             record = by_key[sample]
             if record.get("error") is None:
-                texts = [(f"caption.{n}.txt", record["captions"][n]) for n in named] or [("caption.txt", record["caption"])]
+                texts = ([(f"caption.{n}.txt", record["captions"][n]) for n in named]
+                         or [("caption.txt", record["caption"])])
                 expected += [(f"{sample}.{ext}", text.encode()) for ext, text in texts]
             expected.append((f"{sample}.caption.json", None))
         sample = key
@@ -91,3 +92,35 @@ def test_the_copy_is_refused_where_it_cannot_apply(tmp_path, capsys):
     assert main(["caption", str(tmp_path / "t.parquet"), "--out", str(tmp_path / "p"), "--webdataset-copy"] + FAST) == 2
     assert "copies .tar shards" in capsys.readouterr().err
     assert not (tmp_path / "p").exists()
+
+
+def test_retry_failed_opens_sealed_shards_again_for_their_errors_only(tmp_path, capsys):
+    samples = write_shards(tmp_path / "wds", 2, 4)
+    args = ["caption", str(tmp_path / "wds" / "*.tar"), "--out", str(tmp_path / "o"), "--webdataset-copy"] + FAST
+    assert main(args) == 1
+    first = {record["key"]: record for record in records(tmp_path / "o")}
+    assert [key for key, record in first.items() if "error" in record] == ["s00/k0003", "s01/k0003"]
+    fixed = tmp_path / "wds" / "00001.tar"  # the bad member replaced: its retry now captions
+    with tarfile.open(fixed, "w") as tar:
+        for key, sample in samples[4:]:
+            for extension, data in sample.items():
+                if key == "s01/k0003" and extension == "jpg":
+                    data = members_of(samples, "s00/k0001")["jpg"]
+                info = tarfile.TarInfo(f"{key}.{extension}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    assert main(args) == 0 and "2 complete" in capsys.readouterr().err  # without the flag: done is done
+    assert main(args + ["--retry-failed"]) == 1  # 00000's JPEG is still corrupt
+    err = capsys.readouterr().err
+    assert "0 complete" in err and "2 to caption" in err
+    again = {record["key"]: record for record in records(tmp_path / "o")}
+    assert sorted(again) == sorted(first)
+    assert "error" in again["s00/k0003"] and "error" not in again["s01/k0003"]
+    for key in set(first) - {"s00/k0003", "s01/k0003"}:
+        assert again[key] == first[key]  # kept as sealed, not captioned again
+    assert not [p for p in (tmp_path / "o").iterdir() if p.name.startswith(".")]
+    assert_copy_of(tmp_path / "o" / "00001.tar", fixed, again)
+
+
+def members_of(samples: list[tuple[str, dict]], key: str) -> dict:
+    return next(members for name, members in samples if name == key)

@@ -178,7 +178,8 @@ def _output_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--hf-metadata", action="store_true", help="also write metadata.jsonl (file_name, text) in each folder given"
     )
-    group.add_argument("--retry-failed", action="store_true", help="try again the files whose latest record is an error")
+    group.add_argument("--retry-failed", action="store_true",
+                       help="try again the files (or dataset shards' samples) whose latest record is an error")
     group.add_argument(
         "--redo", action="store_true",
         help="caption every file again, also those --out holds (the latest record of a file wins); needed to "

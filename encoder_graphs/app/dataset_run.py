@@ -43,7 +43,7 @@ from encoder_graphs.app.webdataset_copy import copy_path
 
 # Flags of a folder run that a dataset run cannot honour: refused, never ignored.
 FOLDER_ONLY = {"sidecar": "--sidecar", "hf_metadata": "--hf-metadata", "manifest": "--manifest",
-               "samples": "--samples", "redo": "--redo", "limit": "--limit", "retry_failed": "--retry-failed",
+               "samples": "--samples", "redo": "--redo", "limit": "--limit",
                "include_hidden": "--include-hidden", "no_follow_links": "--no-follow-links"}
 COUNTED_SHARDS = 2  # shards counted ahead (their headers read) for sizing the job: the rest alike
 TABLE_ROWS_GUESS = 1000  # samples of a shard not counted ahead: they size batches and the compile choice
@@ -146,7 +146,8 @@ def shard_stream(
         if done is None:
             print(f"encoder-graphs: shard {shard.name}: {outputs.skipped[shard.name]}", file=sys.stderr)
             continue
-        skip = set(done)
+        # Finished keys are skipped; with --retry-failed, only those captioned (an error is tried again).
+        skip = {key for key, ok in done.items() if ok or not settings.retry_failed}
         handed: set[str] = set()
         for attempt in (1, 2):
             try:
@@ -200,7 +201,7 @@ def caption_shards(settings: Settings) -> int:
     folder = settings.out
     outputs = ShardOutputs(folder, settings.out_format, identity,
                            lambda name, n, errors: say_sealed(name, n, errors, folder, settings.out_format),
-                           settings.webdataset_copy)
+                           settings.webdataset_copy, settings.retry_failed)
     readable = []
     for shard in mine:
         try:

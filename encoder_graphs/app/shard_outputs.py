@@ -40,10 +40,12 @@ class ShardOutputs:
     its shard), as the folder run's `Outputs` does."""
 
     def __init__(self, folder: Path, out_format: str, identity: dict, on_sealed: Callable[[str, int, int], None],
-                 webdataset_copy: bool = False) -> None:
+                 webdataset_copy: bool = False, retry_failed: bool = False) -> None:
         self.folder, self.format, self.identity = folder, out_format, identity
         self.webdataset_copy = webdataset_copy  # also each tar shard's copy with the captions (`webdataset_copy`)
         self._shards: dict[str, InputShard] = {}
+        self.retry_failed = retry_failed  # sealed shards with error records are opened again for those keys
+        self._retrying: dict[str, list[dict]] = {}  # shard -> its sealed records, to carry into the new seal
         self.on_sealed = on_sealed  # (shard, records, errors): said as each shard completes
         self._partials: dict[str, int] = {}  # shard -> its partial file's descriptor (locked)
         self._written: Counter = Counter()  # new records a shard has had in this run
@@ -66,8 +68,13 @@ class ShardOutputs:
             raise UsageError(f"--out {printable(path)}: not a regular file where the output shard goes")
         self._check_settings(path, first_settings(path))
         remove_unheld(partial_path(self.folder, shard.name))  # a kill between the seal's rename and unlink
-        if self.webdataset_copy and not os.path.lexists(copy_path(self.folder, shard)):
-            self._write_copy(shard, sealed_records(path))  # asked for after the shard was sealed
+        if self.retry_failed or self.webdataset_copy:
+            sealed = sealed_records(path)
+            if self.retry_failed and any("error" in record for record in sealed.values()):
+                self._retrying[shard.name] = list(sealed.values())  # whole until its new seal replaces it
+                return False
+            if self.webdataset_copy and not os.path.lexists(copy_path(self.folder, shard)):
+                self._write_copy(shard, sealed)  # asked for after the shard was sealed
         return True
 
     def begin(self, shard: InputShard) -> dict[str, bool] | None:
@@ -90,14 +97,19 @@ class ShardOutputs:
             self.skipped[shard.name] = "another process is captioning it: left to it"
             return None
         # Held now: a process that sealed the shard meanwhile unlinked this name (or its output is there).
-        if not os.path.exists(path) or not os.path.samestat(os.fstat(descriptor), os.lstat(path)) or (
-                os.path.lexists(self.final_path(shard.name))):
+        sealed = os.path.lexists(self.final_path(shard.name)) and shard.name not in self._retrying
+        if not os.path.exists(path) or not os.path.samestat(os.fstat(descriptor), os.lstat(path)) or sealed:
             if os.path.lexists(self.final_path(shard.name)) and os.path.lexists(path):
                 os.unlink(path)
             os.close(descriptor)
             self.skipped[shard.name] = "another process completed it meanwhile"
             return None
         cut_torn_line(descriptor)
+        if shard.name in self._retrying and not os.fstat(descriptor).st_size:  # the sealed records, to keep
+            data = memoryview(b"".join(map(json_line, self._retrying[shard.name])))
+            while data:
+                data = data[os.write(descriptor, data) :]
+            os.fsync(descriptor)
         records = list(partial_records(path))
         if records:
             try:
