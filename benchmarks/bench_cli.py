@@ -47,7 +47,6 @@ import time
 from pathlib import Path
 
 from baselines import PEER_RUNS, STOCK_BATCHES, run_peer, stock_sweep, subset
-from clips import write_clip_folder, write_mixed_folder
 from pages import write_page_folder
 from photos import write_photo_folder
 from processes import run_measured
@@ -236,10 +235,10 @@ def unit(args: argparse.Namespace) -> str:
 def write_folder(args: argparse.Namespace, folder: Path) -> dict:
     """The generated folder every run reads: its kind, files, bytes and the time it took."""
     kind, started = folder_kind(args), time.perf_counter()
-    if kind == "clips":
-        paths = write_clip_folder(folder, args.clips)
-    elif kind == "mixed":
-        paths = write_mixed_folder(folder, *args.mixed)
+    if kind in ("clips", "mixed"):
+        from clips import write_clip_folder, write_mixed_folder  # PyAV, only where clips are written
+
+        paths = write_clip_folder(folder, args.clips) if kind == "clips" else write_mixed_folder(folder, *args.mixed)
     else:
         paths = (write_page_folder if kind == "pages" else write_photo_folder)(folder, args.images)
     written = {"kind": kind, "files": len(paths), "bytes": sum(path.stat().st_size for path in paths),
