@@ -96,3 +96,30 @@ def test_a_missing_or_clashing_column_is_named(cluster):
     assert out["error"][0] is None and out["error_kind"][1] == "unreadable" and "holds int" in out["error"][1]
     with pytest.raises(ValueError, match="columns named as RayCaptioner's outputs \\(caption\\)"):
         captioner({"key": ["a"], "image": [png.getvalue()], "caption": ["an old one"]})
+
+
+def test_named_prompts_give_the_commands_captions_under_their_names(cluster, tmp_path):
+    from encoder_graphs.app.ray_data import RayCaptioner
+
+    everything = photos(tmp_path / "photos")
+    for extra in everything[4:]:
+        extra.unlink()
+    files = everything[:4]
+    named = {"short": "One line about {name}.", "tags": "Tags."}
+    (tmp_path / "p.json").write_text(json.dumps(named))
+    assert main(["caption", str(tmp_path / "photos"), "--out", str(tmp_path / "c.jsonl"), "--max-new-tokens", "5",
+                 "--quiet", "--device", "cpu", "--prompt-file", str(tmp_path / "p.json")]) == 0
+    expected = {record["relative_path"]: record for record in map(json.loads, (tmp_path / "c.jsonl").read_text().splitlines())}
+    rows = {"key": [f.name for f in files], "image": [f.read_bytes() for f in files]}
+    settings = {"fn_constructor_kwargs": {"max_new_tokens": 5, "batch_size": 2, "device": "cpu", "prompts": named},
+                "batch_size": 2}
+    got = {row["key"]: row for row in ray.data.from_items([dict(zip(rows, v)) for v in zip(*rows.values())])
+           .map_batches(RayCaptioner, concurrency=1, **settings).take_all()}
+    assert sorted(got) == sorted(expected)
+    for name, record in expected.items():
+        assert got[name]["captions"] == record["captions"] and got[name]["prompt"] == record["prompt"], name
+        assert got[name]["caption"] == record["captions"]["short"]
+    with pytest.raises(ValueError, match="not both"):
+        RayCaptioner(prompt="x", prompts=named, device="cpu")
+    with pytest.raises(ValueError, match="is empty"):
+        RayCaptioner(prompts={"a": " "}, device="cpu")

@@ -26,16 +26,20 @@ from pathlib import Path
 from typing import Any
 
 from encoder_graphs.app.config import DEFAULT_IMAGE_TOKENS, CaptionConfig
+from encoder_graphs.app.errors import UsageError
 from encoder_graphs.app.media import LoadLimits, MediaError, decode_image, load_image, upright_size
 from encoder_graphs.app.pipeline import Captioner, Pending
 from encoder_graphs.app.plan import Plan
+from encoder_graphs.app.prompts import NAME, checked
 from encoder_graphs.app.runstats import RunStats
 from encoder_graphs.app.settings import Settings
 from encoder_graphs.app.walk import MediaFile
 
-# The columns each row gains (a failed row: its error's; the others None).
+# The columns each row gains (a failed row: its error's; the others None); with named prompts also
+# `captions` and `texts`, and `tokens`, `truncated`, `prompt` map each name to its own.
 OUTPUT_COLUMNS = ("caption", "text", "tokens", "truncated", "prompt", "width", "height", "vision_tokens", "model",
                   "error_kind", "error")
+NAMED_COLUMNS = ("captions", "texts")
 
 
 class RowCaptioner(Captioner):
@@ -70,8 +74,9 @@ class RowCaptioner(Captioner):
             return self._error_record(file, error.kind, str(error))
         except Exception as error:  # noqa: BLE001 (a processor refusing one row costs that row only)
             return self._error_record(file, "preprocess", f"{key}: {type(error).__name__}: {error}")
-        prompt = self.config.prompt_for(Path(key).stem, "", *size)
-        return Pending(file, item, 1000.0 * (time.perf_counter() - started), prompt, size)
+        prompts = self.config.prompts_for(Path(key).stem, "", *size)
+        named = tuple(prompts) if self.config.named else ()
+        return Pending(file, item, 1000.0 * (time.perf_counter() - started), prompts[0], size, None, named)
 
     def _identity(self, file: MediaFile) -> dict:
         return {"key": self._keys[file.path], "kind": file.kind}
@@ -102,22 +107,42 @@ def decode_row_image(value: Any, key: str, limits: LoadLimits, read_paths: bool)
     raise MediaError(key, "unreadable", f"the image column holds {type(value).__name__}, not bytes or a path")
 
 
-def one_batch_plan(settings: Settings, batch_size: int) -> Plan:
+def named_prompts(prompt: str | None, prompts: dict[str, str] | None) -> tuple[tuple[str, str], ...]:
+    """`prompts` (names to prompts, as a `--prompt-file`'s JSON) checked as the command checks its
+    named prompts; given with `prompt`, a ValueError (one or the other)."""
+    if not prompts:
+        return ()
+    if prompt is not None:
+        raise ValueError("RayCaptioner: give prompt= (one prompt) or prompts= (named ones), not both")
+    for name in prompts:
+        if not isinstance(name, str) or not NAME.fullmatch(name):
+            raise ValueError(f"RayCaptioner: the prompt name {name!r} is not 1-64 letters, digits, '_', '-' or '.'")
+    try:
+        return checked(list(prompts.items()), "prompts=")
+    except UsageError as error:
+        raise ValueError(f"RayCaptioner: {error}") from error
+
+
+def one_batch_plan(settings: Settings, batch_size: int, named: tuple[tuple[str, str], ...] = ()) -> Plan:
     """The plan the caption command would make for `batch_size` images (no files, no outputs):
-    an actor's job is sized for the batches Ray hands it."""
+    an actor's job is sized for the batches Ray hands it (a row a prompt with named prompts)."""
     todo = [MediaFile(Path(f"row-{index}"), "image") for index in range(batch_size)]
-    config = CaptionConfig(prompt=settings.prompt, max_new_tokens=settings.max_new_tokens)
+    config = CaptionConfig(prompt=named[0][1] if named else settings.prompt, named=named,
+                           max_new_tokens=settings.max_new_tokens)
     return Plan(settings, [], todo, todo, config, sidecars=None, results=None)
 
 
 class RayCaptioner:
     """For `Dataset.map_batches(RayCaptioner, fn_constructor_kwargs=..., batch_size=N, num_gpus=1,
     concurrency=...)`: one model with its graphs per actor. `model`: a checkpoint directory, Hub
-    id or preset (None: the embedded tiny default); `batch_size`: rows a generate call takes at
+    id or preset (None: the embedded tiny default); `prompt`: one prompt, or `prompts`: names to
+    prompts (as a `--prompt-file`'s JSON: each image encoded and prefilled once, a caption a
+    name, in the `captions` column); `batch_size`: rows a generate call takes at
     most (give map_batches the same); `image_column`, `key_column`: the columns read; `read_paths`:
     whether an image column of paths is read (the module's docstring says why not by default)."""
 
-    def __init__(self, model: str | None = None, *, prompt: str | None = None, max_new_tokens: int = 32,
+    def __init__(self, model: str | None = None, *, prompt: str | None = None, prompts: dict[str, str] | None = None,
+                 max_new_tokens: int = 32,
                  batch_size: int = 32, image_column: str = "image", key_column: str = "key",
                  max_image_tokens: int | None = DEFAULT_IMAGE_TOKENS, max_tiles: int | None = None,
                  no_graphs: bool = False, read_paths: bool = False, device: str = "auto") -> None:
@@ -127,8 +152,9 @@ class RayCaptioner:
 
         settings = Settings(model=model, prompt=prompt, max_new_tokens=max_new_tokens, batch_size=batch_size,
                             max_image_tokens=max_image_tokens, max_tiles=max_tiles, no_graphs=no_graphs, device=device)
+        named = named_prompts(prompt, prompts)
         source = open_model(model, max_tiles=max_tiles, max_image_tokens=max_image_tokens)
-        plan = one_batch_plan(settings, batch_size)
+        plan = one_batch_plan(settings, batch_size, named)
         job = open_job(plan, source, pick_device(device))
         self.model = load_model(source, job.device)
         self.job = sized_job(job, plan, self.model)
@@ -136,16 +162,17 @@ class RayCaptioner:
         self.captioner = RowCaptioner(self.model, source.inputs, self.job.config, self.job.limits,
                                       model_name=self.job.model_name, read_paths=read_paths)
         self.image_column, self.key_column = image_column, key_column
+        self.outputs = OUTPUT_COLUMNS + (NAMED_COLUMNS if named else ())
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, list]:
         for column in (self.image_column, self.key_column):
             if column not in batch:
                 raise KeyError(f"the dataset has no column {column!r} (columns: {', '.join(batch)}); "
                                f"name it with {'image' if column == self.image_column else 'key'}_column=")
-        if clashes := sorted(set(batch) & set(OUTPUT_COLUMNS)):
+        if clashes := sorted(set(batch) & set(self.outputs)):
             raise ValueError(f"the dataset has columns named as RayCaptioner's outputs ({', '.join(clashes)}): "
                              "rename them first (Dataset.rename_columns), or they would be overwritten")
         keys = [str(key) for key in batch[self.key_column]]
         records = self.captioner.caption_rows(keys, list(batch[self.image_column]))
         carried = {name: list(values) for name, values in batch.items() if name != self.image_column}
-        return {**carried, **{name: [record.get(name) for record in records] for name in OUTPUT_COLUMNS}}
+        return {**carried, **{name: [record.get(name) for record in records] for name in self.outputs}}
