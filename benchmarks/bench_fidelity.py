@@ -96,7 +96,7 @@ def main() -> None:
     parser.add_argument("--attribute", action="store_true",
                         help="also ours with graphs off (enabled=False) and without the decoder's (decoder=False)")
     parser.add_argument("--no-compile", action="store_true",
-                        help="without ours compiled (the caption command compiles from 2,000 files only)")
+                        help="without ours compiled (the caption command compiles from 40,000 files a GPU only)")
     parser.add_argument("--json", help="write results here")
     args = parser.parse_args()
     device = torch.device(args.device)

@@ -123,3 +123,6 @@ def test_named_prompts_give_the_commands_captions_under_their_names(cluster, tmp
         RayCaptioner(prompt="x", prompts=named, device="cpu")
     with pytest.raises(ValueError, match="is empty"):
         RayCaptioner(prompts={"a": " "}, device="cpu")
+    for bad in ({}, {"a": 5}, {"a b": "x"}):
+        with pytest.raises((ValueError, TypeError), match="RayCaptioner"):
+            RayCaptioner(prompts=bad, device="cpu")

@@ -124,3 +124,62 @@ def test_retry_failed_opens_sealed_shards_again_for_their_errors_only(tmp_path, 
 
 def members_of(samples: list[tuple[str, dict]], key: str) -> dict:
     return next(members for name, members in samples if name == key)
+
+
+def test_a_second_retry_of_a_shard_another_process_retried_meanwhile_leaves_it(tmp_path):
+    from encoder_graphs.app.datasets import InputShard
+    from encoder_graphs.app.shard_outputs import ShardOutputs, first_settings
+
+    write_shards(tmp_path / "wds", 1, 4)
+    out = tmp_path / "o"
+    assert main(["caption", str(tmp_path / "wds" / "00000.tar"), "--out", str(out)] + FAST) == 1
+    settings = first_settings(out / "00000.jsonl")
+    shard = InputShard("00000", tmp_path / "wds" / "00000.tar", "webdataset")
+    first, second = (ShardOutputs(out, "jsonl", settings, lambda *_: None, retry_failed=True) for _ in range(2))
+    assert not first.is_complete(shard) and not second.is_complete(shard)  # both see the error
+    assert first.begin(shard)["s00/k0003"] is False
+    first.write([{"key": "s00/k0003", "shard": "00000", "kind": "image", "caption": "fixed", "settings": settings}])
+    first.ended("00000", 1)
+    assert second.begin(shard) is None and "completed it meanwhile" in second.skipped["00000"]
+    assert {r["key"]: r.get("caption") for r in records(out)}["s00/k0003"] == "fixed"
+
+
+def test_parquet_named_retries_keep_the_other_rows_as_written(tmp_path):
+    pytest.importorskip("pyarrow")
+    samples = write_shards(tmp_path / "wds", 1, 4)
+    args = ["caption", str(tmp_path / "wds" / "00000.tar"), "--out", str(tmp_path / "o"), "--out-format", "parquet",
+            "--prompt", "short=One line.", "--prompt", "tags=Tags."] + FAST
+    assert main(args) == 1
+    before = {r["key"]: r for r in records(tmp_path / "o")}
+    with tarfile.open(tmp_path / "wds" / "00000.tar", "w") as tar:  # the corrupt JPEG replaced
+        for key, sample in samples:
+            for extension, data in sample.items():
+                data = members_of(samples, "s00/k0001")["jpg"] if key == "s00/k0003" and extension == "jpg" else data
+                info = tarfile.TarInfo(f"{key}.{extension}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    assert main(args + ["--retry-failed"]) == 0
+    after = {r["key"]: r for r in records(tmp_path / "o")}
+    for key in ("s00/k0000", "s00/k0001", "s00/k0002"):
+        assert after[key] == before[key]
+        assert isinstance(json.loads(after[key]["tokens"]), dict)  # encoded once, as first written
+    assert after["s00/k0003"]["error"] is None
+
+
+def test_copies_in_dry_runs_stale_temporaries_and_odd_members(tmp_path):
+    write_shards(tmp_path / "wds", 1, 2)
+    with tarfile.open(tmp_path / "wds" / "00000.tar", "a") as tar:  # a member of the sample's own, kept
+        info = tarfile.TarInfo("s00/k0001.caption")
+        info.size = 4
+        tar.addfile(info, io.BytesIO(b"mine"))
+    out, tar = tmp_path / "o", str(tmp_path / "wds" / "00000.tar")
+    assert main(["caption", tar, "--out", str(out)] + FAST) == 0
+    assert main(["caption", tar, "--out", str(out), "--webdataset-copy", "--dry-run"] + FAST) == 0
+    assert not (out / "00000.tar").exists()  # a dry run writes nothing
+    stale = out / ".00000.tar.encoder-graphs-tmp-abcdefgh"
+    stale.write_bytes(b"x" * 100)
+    (out / "00000.tar").symlink_to(tmp_path / "nowhere")  # a dangling link where the copy goes: replaced
+    assert main(["caption", tar, "--out", str(out), "--webdataset-copy"] + FAST) == 0
+    assert not stale.exists() and not (out / "00000.tar").is_symlink()
+    assert dict(members(out / "00000.tar"))["s00/k0001.caption"] == b"mine"
+    assert_copy_of(out / "00000.tar", tmp_path / "wds" / "00000.tar", {r["key"]: r for r in records(out)})

@@ -117,12 +117,13 @@ def check_copies(settings: Settings, shards: list[InputShard]) -> None:
     """`--webdataset-copy` copies tar shards, each to a name of its own in --out: never over an input."""
     if not settings.webdataset_copy:
         return
-    others = [shard.name for shard in shards if shard.format != "webdataset"]
+    others = [shard for shard in shards if shard.format != "webdataset"]
     if others:
-        raise UsageError(f"--webdataset-copy copies .tar shards; {others[0]} is {shards[0].format}: leave the flag out")
+        raise UsageError(f"--webdataset-copy copies .tar shards; {others[0].name} is {others[0].format}: leave the flag "
+                         "out")
     for shard in shards:
         copy = copy_path(settings.out, shard)
-        if os.path.lexists(copy) and os.path.samefile(copy, shard.path):
+        if os.path.exists(copy) and os.path.samefile(copy, shard.path):
             raise UsageError(f"--webdataset-copy would write {printable(copy)} over the input shard it copies: "
                              "give another --out")
 
@@ -201,7 +202,7 @@ def caption_shards(settings: Settings) -> int:
     folder = settings.out
     outputs = ShardOutputs(folder, settings.out_format, identity,
                            lambda name, n, errors: say_sealed(name, n, errors, folder, settings.out_format),
-                           settings.webdataset_copy, settings.retry_failed)
+                           settings.webdataset_copy and not settings.dry_run, settings.retry_failed)
     readable = []
     for shard in mine:
         try:
@@ -212,7 +213,8 @@ def caption_shards(settings: Settings) -> int:
             print(f"encoder-graphs: shard {shard.name}: cannot be read ({outputs.failed[shard.name]})", file=sys.stderr)
     if not settings.dry_run:
         folder.mkdir(parents=True, exist_ok=True)
-        remove_stale_temporaries(outputs.final_path(shard.name) for shard in mine)
+        remove_stale_temporaries([*(outputs.final_path(shard.name) for shard in mine),
+                                  *(copy_path(folder, shard) for shard in mine if shard.format == "webdataset")])
     todo = [shard for shard in readable if not outputs.is_complete(shard)]
     share = f" (part {part} of 0-{parts - 1}: {len(mine)})" if parts > 1 else ""
     print(f"encoder-graphs: {len(shards)} shards{share}; {len(mine) - len(todo)} complete in {printable(folder)}, "

@@ -116,13 +116,19 @@ def decode_row_image(value: Any, key: str, limits: LoadLimits, read_paths: bool)
 def named_prompts(prompt: str | None, prompts: dict[str, str] | None) -> tuple[tuple[str, str], ...]:
     """`prompts` (names to prompts, as a `--prompt-file`'s JSON) checked as the command checks its
     named prompts; given with `prompt`, a ValueError (one or the other)."""
-    if not prompts:
+    if prompts is None:
         return ()
     if prompt is not None:
         raise ValueError("RayCaptioner: give prompt= (one prompt) or prompts= (named ones), not both")
-    for name in prompts:
+    if not isinstance(prompts, dict):
+        raise TypeError("RayCaptioner: prompts= maps names to prompts, e.g. {'short': 'One sentence.'}")
+    if not prompts:
+        raise ValueError("RayCaptioner: prompts= is empty; give one prompt a name at least, or prompt=")
+    for name, text in prompts.items():
         if not isinstance(name, str) or not NAME.fullmatch(name):
             raise ValueError(f"RayCaptioner: the prompt name {name!r} is not 1-64 letters, digits, '_', '-' or '.'")
+        if not isinstance(text, str):
+            raise TypeError(f"RayCaptioner: the prompt {name!r} is {type(text).__name__}, not text")
     try:
         return checked(list(prompts.items()), "prompts=")
     except UsageError as error:

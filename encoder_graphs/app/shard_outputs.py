@@ -44,8 +44,11 @@ class ShardOutputs:
         self.folder, self.format, self.identity = folder, out_format, identity
         self.webdataset_copy = webdataset_copy  # also each tar shard's copy with the captions (`webdataset_copy`)
         self._shards: dict[str, InputShard] = {}
+        prompt = identity.get("prompt")  # named prompts: [[name, text], ...]
+        self.names = tuple(name for name, _ in prompt) if isinstance(prompt, list) else ()
+        self.named = bool(self.names)
         self.retry_failed = retry_failed  # sealed shards with error records are opened again for those keys
-        self._retrying: dict[str, list[dict]] = {}  # shard -> its sealed records, to carry into the new seal
+        self._retrying: set[str] = set()  # sealed shards opened again for their errors (read under the lock)
         self.on_sealed = on_sealed  # (shard, records, errors): said as each shard completes
         self._partials: dict[str, int] = {}  # shard -> its partial file's descriptor (locked)
         self._written: Counter = Counter()  # new records a shard has had in this run
@@ -68,13 +71,11 @@ class ShardOutputs:
             raise UsageError(f"--out {printable(path)}: not a regular file where the output shard goes")
         self._check_settings(path, first_settings(path))
         remove_unheld(partial_path(self.folder, shard.name))  # a kill between the seal's rename and unlink
-        if self.retry_failed or self.webdataset_copy:
-            sealed = sealed_records(path)
-            if self.retry_failed and any("error" in record for record in sealed.values()):
-                self._retrying[shard.name] = list(sealed.values())  # whole until its new seal replaces it
-                return False
-            if self.webdataset_copy and not os.path.lexists(copy_path(self.folder, shard)):
-                self._write_copy(shard, sealed)  # asked for after the shard was sealed
+        if self.retry_failed and has_errors(path):
+            self._retrying.add(shard.name)  # whole under its name until its new seal replaces it
+            return False
+        if self.webdataset_copy and not is_regular(copy_path(self.folder, shard)):
+            self._write_copy(shard, sealed_records(path, self.named))  # asked for after the shard was sealed
         return True
 
     def begin(self, shard: InputShard) -> dict[str, bool] | None:
@@ -97,7 +98,9 @@ class ShardOutputs:
             self.skipped[shard.name] = "another process is captioning it: left to it"
             return None
         # Held now: a process that sealed the shard meanwhile unlinked this name (or its output is there).
-        sealed = os.path.lexists(self.final_path(shard.name)) and shard.name not in self._retrying
+        final = self.final_path(shard.name)
+        # Retried: sealed still with errors (another process may have retried it meanwhile).
+        sealed = os.path.lexists(final) and not (shard.name in self._retrying and has_errors(final))
         if not os.path.exists(path) or not os.path.samestat(os.fstat(descriptor), os.lstat(path)) or sealed:
             if os.path.lexists(self.final_path(shard.name)) and os.path.lexists(path):
                 os.unlink(path)
@@ -106,7 +109,7 @@ class ShardOutputs:
             return None
         cut_torn_line(descriptor)
         if shard.name in self._retrying and not os.fstat(descriptor).st_size:  # the sealed records, to keep
-            data = memoryview(b"".join(map(json_line, self._retrying[shard.name])))
+            data = memoryview(b"".join(map(json_line, sealed_records(final, self.named).values())))
             while data:
                 data = data[os.write(descriptor, data) :]
             os.fsync(descriptor)
@@ -154,8 +157,10 @@ class ShardOutputs:
     def _seal(self, name: str) -> None:
         latest = {record["key"]: record for record in partial_records(partial_path(self.folder, name))}
         records = list(latest.values())
-        if self.webdataset_copy:  # first: the output shard marks the shard complete
-            self._write_copy(self._shards[name], latest)
+        shard = self._shards[name]
+        # First: the output shard marks the shard complete. A copy written before is kept current.
+        if shard.format == "webdataset" and (self.webdataset_copy or is_regular(copy_path(self.folder, shard))):
+            self._write_copy(shard, latest)
         write_atomically(self.final_path(name), encoded(records, self.format))
         os.unlink(partial_path(self.folder, name))
         self._release(name)
@@ -166,7 +171,7 @@ class ShardOutputs:
         """The shard's WebDataset copy; one that cannot be written (the input gone or cut since) is
         the shard's failure, said at the end, and a rerun writes it again."""
         try:
-            write_atomically(copy_path(self.folder, shard), copy_writer(shard, records))
+            write_atomically(copy_path(self.folder, shard), copy_writer(shard, records, self.names))
         except unreadable() as error:
             self.failed[shard.name] = f"its WebDataset copy was not written: {type(error).__name__}: {error}"
 
@@ -210,20 +215,40 @@ def partial_records(path: Path) -> Iterable[dict]:
                 yield record
 
 
-def sealed_records(path: Path) -> dict[str, dict]:
-    """An output shard's records by key, as they were written (Parquet's JSON text columns read back)."""
+def sealed_records(path: Path, named: bool) -> dict[str, dict]:
+    """An output shard's records by key, as they were written: Parquet's mappings, stored as JSON
+    text (`encoded`), read back (with named prompts also each one's tokens, truncation, prompt)."""
     if path.suffix != ".parquet":
         return {record["key"]: record for record in partial_records(path)}
     import pyarrow.parquet as pq
 
+    mappings = ("captions", "texts", "settings", "timings", "video", *(("tokens", "truncated", "prompt") if named else ()))
     records = {}
     for row in pq.read_table(path).to_pylist():
         record = {name: value for name, value in row.items() if value is not None}
-        for name in ("captions", "texts", "settings", "timings", "video"):
-            if isinstance(record.get(name), str) and record[name][:1] in "{[":
+        for name in mappings:
+            if isinstance(record.get(name), str):
                 record[name] = json.loads(record[name])
         records[record["key"]] = record
     return records
+
+
+def is_regular(path: Path) -> bool:
+    """A regular file at `path` (not a link to one): what a copy written before is."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except FileNotFoundError:
+        return False
+
+
+def has_errors(path: Path) -> bool:
+    """Whether an output shard holds error records (reading its error column, or its lines, only)."""
+    if path.suffix != ".parquet":
+        return any("error" in record for record in partial_records(path))
+    import pyarrow.parquet as pq
+
+    errors = pq.read_table(path, columns=["error"]).column(0)
+    return errors.null_count < len(errors)
 
 
 def first_settings(path: Path) -> object:

@@ -5,8 +5,9 @@ Each sample's members are copied as they are (regular files; links and folder en
 sample data and are left out), in their order, streamed (a member is never held whole), and
 after a sample's last member come its own: `<key>.caption.txt` (the caption; with named prompts
 `<key>.caption.<NAME>.txt` each) where it has one, and `<key>.caption.json` (its whole record,
-an error's too). A member of the input already named so (a copy given back as input) is
-replaced, not repeated. The copy is written to a temporary name and renamed when whole, before
+an error's too). A member of the input named as one of these (a copy given back as input) is
+replaced, not repeated; every other member is kept. Each is written as a plain file (a sparse
+member's data expanded: readers of the copy need no GNU extensions). The copy is written to a temporary name and renamed when whole, before
 the output shard that marks the shard complete."""
 
 import io
@@ -27,8 +28,10 @@ def copy_path(folder: Path, shard: InputShard) -> Path:
     return folder / f"{shard.name}.tar"
 
 
-def copy_writer(shard: InputShard, records: dict[str, dict]) -> Callable[[BinaryIO], None]:
-    """What writes the copy of `shard` (a tar) with `records` (by key) added, to a file."""
+def copy_writer(shard: InputShard, records: dict[str, dict], names: tuple[str, ...] = ()) -> Callable[[BinaryIO], None]:
+    """What writes the copy of `shard` (a tar) with `records` (by key) added, to a file; `names`:
+    the run's named prompts."""
+    ours = {f"{OURS}.txt", f"{OURS}.json", *(f"{OURS}.{name}.txt" for name in names)}
 
     def write(sink: BinaryIO) -> None:
         added: set[str] = set()
@@ -36,16 +39,23 @@ def copy_writer(shard: InputShard, records: dict[str, dict]) -> Callable[[Binary
                 tarfile.open(fileobj=sink, mode="w|", format=tarfile.PAX_FORMAT) as target:
             key = None
             for member in source:
-                source.members = []  # a stream keeps every header otherwise
+                source.members, target.members = [], []  # a stream keeps every header otherwise
                 this, extension = sample_key(member.name)
                 if this is not None and this != key:
                     _add_ours(target, key, records, added)
                     key = this
-                if member.isfile() and not (extension == OURS or extension.startswith(f"{OURS}.")):
-                    target.addfile(member, source.extractfile(member))
+                if member.isfile() and extension not in ours:
+                    target.addfile(plain(member), source.extractfile(member))
             _add_ours(target, key, records, added)
 
     return write
+
+
+def plain(member: tarfile.TarInfo) -> tarfile.TarInfo:
+    """A regular file's header of `member`'s name, size, time and mode (a sparse member as the data it holds)."""
+    info = tarfile.TarInfo(member.name)
+    info.size, info.mtime, info.mode = member.size, member.mtime, member.mode & 0o7777
+    return info
 
 
 def _add_ours(target: tarfile.TarFile, key: str | None, records: dict[str, dict], added: set[str]) -> None:
