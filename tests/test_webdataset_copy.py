@@ -12,6 +12,7 @@ from test_cli import model_cache  # noqa: F401 (autouse: a private model cache f
 from test_shards import FAST, records, write_shards
 
 from encoder_graphs.app.cli import main
+from encoder_graphs.app.datasets import sample_key
 
 
 def members(path: Path) -> list[tuple[str, bytes]]:
@@ -24,7 +25,7 @@ def assert_copy_of(copy: Path, source: Path, by_key: dict[str, dict], named: tup
     got, expected = members(copy), []
     sample = None
     for name, data in [*members(source), ("", b"")]:
-        key = name.rpartition("/")[0] + "/" + name.rpartition("/")[2].partition(".")[0] if name else None
+        key = sample_key(name)[0] if name else None
         if sample is not None and key != sample:
             record = by_key[sample]
             if record.get("error") is None:

@@ -213,7 +213,12 @@ class Captioner:
         # must not stop the run: an exception escaping here would end it from `future.result()`.
         except Exception as error:  # noqa: BLE001
             return self._error_record(file, "preprocess", f"{file.path}: {type(error).__name__}: {error}")
-        prompts = self.config.prompts_for(file.path.stem, file.path.parent.name, *size)
+        return self._pending(file, item, started, size, video, file.path.stem, file.path.parent.name)
+
+    def _pending(self, file: MediaFile, item: "EncodedMedia", started: float, size: tuple[int, int],
+                 video: dict | None, name: str, folder: str) -> Pending:
+        """The encoded file with its prompt (with named prompts, each one's) filled for it."""
+        prompts = self.config.prompts_for(name, folder, *size)
         named = tuple(prompts) if self.config.named else ()
         return Pending(file, item, 1000.0 * (time.perf_counter() - started), prompts[0], size, video, named)
 

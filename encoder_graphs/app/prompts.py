@@ -50,9 +50,13 @@ def split_named(value: str) -> tuple[str | None, str]:
 
 
 def checked(named: Sequence[tuple[str | None, str]], flag: str) -> Named:
-    """The named prompts, each name once, each prompt not empty."""
+    """The named prompts, each name a word (`NAME`) given once, each prompt text and not empty."""
     seen: set[str] = set()
     for name, text in named:
+        if not isinstance(name, str) or not NAME.fullmatch(name):
+            raise UsageError(f"{flag}: the prompt name {name!r} is not 1-64 letters, digits, '_', '-' or '.'")
+        if not isinstance(text, str):
+            raise UsageError(f"{flag}: the prompt {name!r} is {type(text).__name__}, not text")
         if name in seen:
             raise UsageError(f"{flag}: the prompt name {name!r} is given twice")
         if not text.strip():
@@ -82,9 +86,6 @@ def read_prompt_file(path: Path) -> tuple[str | None, Named]:
     if not isinstance(mapping, _Pairs) or not mapping or not all(isinstance(v, str) for _, v in mapping):
         raise UsageError(f"{flag}: a .json prompt file is an object mapping names to prompts, e.g. "
                          '{"short": "One sentence.", "tags": "Comma-separated tags."}')
-    for name, _ in mapping:
-        if not NAME.fullmatch(name):
-            raise UsageError(f"{flag}: the prompt name {name!r} is not 1-64 letters, digits, '_', '-' or '.'")
     return None, checked(mapping, flag)
 
 

@@ -31,7 +31,7 @@ from encoder_graphs.app.errors import UsageError
 from encoder_graphs.app.media import LoadLimits, MediaError, decode_image, load_image, upright_size
 from encoder_graphs.app.pipeline import Captioner, Pending
 from encoder_graphs.app.plan import Plan
-from encoder_graphs.app.prompts import NAME, checked
+from encoder_graphs.app.prompts import checked
 from encoder_graphs.app.runstats import RunStats
 from encoder_graphs.app.settings import Settings
 from encoder_graphs.app.walk import MediaFile
@@ -80,9 +80,7 @@ class RowCaptioner(Captioner):
             return self._error_record(file, error.kind, str(error))
         except Exception as error:  # noqa: BLE001 (a processor refusing one row costs that row only)
             return self._error_record(file, "preprocess", f"{key}: {type(error).__name__}: {error}")
-        prompts = self.config.prompts_for(Path(key).stem, "", *size)
-        named = tuple(prompts) if self.config.named else ()
-        return Pending(file, item, 1000.0 * (time.perf_counter() - started), prompts[0], size, None, named)
+        return self._pending(file, item, started, size, None, Path(key).stem, "")
 
     def _identity(self, file: MediaFile) -> dict:
         return {"key": self._keys[file.path], "kind": file.kind}
@@ -124,11 +122,6 @@ def named_prompts(prompt: str | None, prompts: dict[str, str] | None) -> tuple[t
         raise TypeError("RayCaptioner: prompts= maps names to prompts, e.g. {'short': 'One sentence.'}")
     if not prompts:
         raise ValueError("RayCaptioner: prompts= is empty; give one prompt a name at least, or prompt=")
-    for name, text in prompts.items():
-        if not isinstance(name, str) or not NAME.fullmatch(name):
-            raise ValueError(f"RayCaptioner: the prompt name {name!r} is not 1-64 letters, digits, '_', '-' or '.'")
-        if not isinstance(text, str):
-            raise TypeError(f"RayCaptioner: the prompt {name!r} is {type(text).__name__}, not text")
     try:
         return checked(list(prompts.items()), "prompts=")
     except UsageError as error:

@@ -99,20 +99,18 @@ class ShardOutputs:
             return None
         # Held now: a process that sealed the shard meanwhile unlinked this name (or its output is there).
         final = self.final_path(shard.name)
-        # Retried: sealed still with errors (another process may have retried it meanwhile).
-        sealed = os.path.lexists(final) and not (shard.name in self._retrying and has_errors(final))
+        # Retried: read under the lock, still with errors (another process may have retried it meanwhile).
+        kept = sealed_records(final, self.named) if shard.name in self._retrying and os.path.lexists(final) else {}
+        sealed = os.path.lexists(final) and not any("error" in record for record in kept.values())
         if not os.path.exists(path) or not os.path.samestat(os.fstat(descriptor), os.lstat(path)) or sealed:
-            if os.path.lexists(self.final_path(shard.name)) and os.path.lexists(path):
+            if os.path.lexists(final) and os.path.lexists(path):
                 os.unlink(path)
             os.close(descriptor)
             self.skipped[shard.name] = "another process completed it meanwhile"
             return None
         cut_torn_line(descriptor)
-        if shard.name in self._retrying and not os.fstat(descriptor).st_size:  # the sealed records, to keep
-            data = memoryview(b"".join(map(json_line, sealed_records(final, self.named).values())))
-            while data:
-                data = data[os.write(descriptor, data) :]
-            os.fsync(descriptor)
+        if kept and not os.fstat(descriptor).st_size:  # the sealed records, carried into the new seal
+            append_synced(descriptor, b"".join(map(json_line, kept.values())))
         records = list(partial_records(path))
         if records:
             try:
@@ -131,11 +129,7 @@ class ShardOutputs:
             line = json_line(record)
             by_shard.setdefault(record["shard"], []).append(line)
         for name, lines in by_shard.items():
-            descriptor = self._partials[name]
-            data = memoryview(b"".join(lines))
-            while data:
-                data = data[os.write(descriptor, data) :]
-            os.fsync(descriptor)
+            append_synced(self._partials[name], b"".join(lines))
             self._written[name] += len(lines)
             if self.progress is not None:
                 self.progress(len(lines))
@@ -184,6 +178,14 @@ class ShardOutputs:
         if settings is not None and settings != self.identity:
             raise UsageError(f"{printable(path)} holds captions of other settings ({settings}): caption into another "
                              "--out folder, or remove it")
+
+
+def append_synced(descriptor: int, data: bytes) -> None:
+    """`data` appended whole and synced: a kill after this loses none of it."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(descriptor, view) :]
+    os.fsync(descriptor)
 
 
 def cut_torn_line(descriptor: int) -> None:

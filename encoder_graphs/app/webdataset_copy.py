@@ -7,8 +7,8 @@ after a sample's last member come its own: `<key>.caption.txt` (the caption; wit
 `<key>.caption.<NAME>.txt` each) where it has one, and `<key>.caption.json` (its whole record,
 an error's too). A member of the input named as one of these (a copy given back as input) is
 replaced, not repeated; every other member is kept. Each is written as a plain file (a sparse
-member's data expanded: readers of the copy need no GNU extensions). The copy is written to a temporary name and renamed when whole, before
-the output shard that marks the shard complete."""
+member's data expanded: readers of the copy need no GNU extensions). The copy is written to a
+temporary name and renamed when whole, before the output shard that marks the shard complete."""
 
 import io
 import json
