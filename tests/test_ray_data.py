@@ -55,8 +55,9 @@ def test_ray_data_gives_the_commands_captions(cluster, tmp_path):
     images.insert(4, b"\x89PNG not really")
     rows = {"key": keys, "image": images, "shard": list(range(len(keys)))}
     pq.write_table(pa.table(rows), tmp_path / "rows.parquet")
-    settings = {"fn_constructor_kwargs": {"max_new_tokens": 6, "batch_size": 4, "device": "cpu", "prompt": prompt},
-                "batch_size": 4}
+    # Calls of 6 rows captioned in generate batches of 3 (the broken row leaves a short one).
+    settings = {"fn_constructor_kwargs": {"max_new_tokens": 6, "batch_size": 3, "device": "cpu", "prompt": prompt},
+                "batch_size": 6}
     dataset = ray.data.read_parquet(str(tmp_path / "rows.parquet"), override_num_blocks=3)  # both actors get rows
     captioned = dataset.map_batches(RayCaptioner, concurrency=2, **settings).take_all()
     got = {row["key"]: row for row in captioned}
@@ -126,3 +127,12 @@ def test_named_prompts_give_the_commands_captions_under_their_names(cluster, tmp
     for bad in ({}, {"a": 5}, {"a b": "x"}):
         with pytest.raises((ValueError, TypeError), match="RayCaptioner"):
             RayCaptioner(prompts=bad, device="cpu")
+
+
+def test_an_actor_takes_its_gpus_share_of_the_nodes_cores():
+    from encoder_graphs.app.ray_data import actor_load_workers, share_of_cores
+
+    assert share_of_cores(64, 4, 1, 16) == 16 and share_of_cores(32, 8, 1, 16) == 4
+    assert share_of_cores(32, 8, 2, 16) == 8 and share_of_cores(4, 8, 1, 16) == 1  # at least one thread
+    assert share_of_cores(64, 0, 0, 7) == 7 and share_of_cores(64, 4, 0, 7) == 7  # no GPU held: the default
+    assert actor_load_workers(5) == 5  # outside an actor

@@ -4,8 +4,8 @@ each actor holds one model with its graphs and captions the batches Ray streams 
 paths to images) and a key column:
 
     ds = ray.data.read_parquet("shards/")
-    captions = ds.map_batches(RayCaptioner, fn_constructor_kwargs={"model": "qwen2.5-vl-3b"},
-                              batch_size=64, num_gpus=1, concurrency=4)
+    captions = ds.map_batches(RayCaptioner, fn_constructor_kwargs={"model": "qwen2.5-vl-3b", "batch_size": 64},
+                              batch_size=256, num_gpus=1, concurrency=4)
     captions.write_parquet("captions/")
 
 A row's image is decoded and checked as a file of the caption command is (`media.decode_image`:
@@ -17,7 +17,8 @@ as one of the outputs is refused, not overwritten). A prompt template's `{name}`
 stem, `{folder}` empty, `{width}` and `{height}` the image's size as seen, as the command's. A
 column of paths is read only with `read_paths=True`: a dataset names files on the worker's host,
 which the command reads only where the user points it. Ray itself is an optional extra
-(`pip install "encoder-graphs[ray]"`): this module imports nothing of it."""
+(`pip install "encoder-graphs[ray]"`): this module imports it only inside an actor, to size
+its loader threads."""
 
 import io
 import os
@@ -54,20 +55,31 @@ class RowCaptioner(Captioner):
 
     def caption_rows(self, keys: list[str], images: list[Any]) -> list[dict]:
         """One record per row, in order: its caption, or why it has none. The rows are decoded and
-        preprocessed on the command's loader threads (`load_workers`): one after another, each
-        row's decode would add to the batch's time on the GPU (bench_ray.py, RESULTS.md)."""
+        preprocessed on loader threads, in order, while the GPU captions the rows before them:
+        a call of several generate batches (map_batches' `batch_size` a multiple of the
+        captioner's) waits only for its first batch's files, as the command's loop does."""
         if self._decoders is None:
-            self._decoders = ThreadPoolExecutor(self.config.load_workers, thread_name_prefix="ray-rows")
-        outcomes: list[dict | Pending] = list(self._decoders.map(
-            self._prepare_row, range(len(keys)), keys, images))
-        ready = [outcome for outcome in outcomes if isinstance(outcome, Pending)]
-        stats, captioned = RunStats(), {}
-        size = self.config.batch_size
-        for start in range(0, len(ready), size):
-            batch = ready[start : start + size]
-            for pending, record in zip(batch, self.caption_batch(batch, stats)):
-                captioned[pending.file.path] = record
-        return [captioned[outcome.file.path] if isinstance(outcome, Pending) else outcome for outcome in outcomes]
+            self._decoders = ThreadPoolExecutor(actor_load_workers(self.config.load_workers),
+                                                thread_name_prefix="ray-rows")
+        records: list[dict | None] = []
+        waiting: list[tuple[int, Pending]] = []
+        stats = RunStats()
+
+        def caption_waiting() -> None:
+            batch = [pending for _, pending in waiting]
+            for (index, _), record in zip(waiting, self.caption_batch(batch, stats), strict=True):
+                records[index] = record
+            waiting.clear()
+
+        for index, outcome in enumerate(self._decoders.map(self._prepare_row, range(len(keys)), keys, images)):
+            records.append(outcome if isinstance(outcome, dict) else None)
+            if isinstance(outcome, Pending):
+                waiting.append((index, outcome))
+                if len(waiting) == self.config.batch_size:
+                    caption_waiting()
+        if waiting:
+            caption_waiting()
+        return records  # type: ignore[return-value] (every None was replaced)
 
     def _prepare_row(self, index: int, key: str, image: Any) -> "Pending | dict":
         file = MediaFile(Path(f"row-{index}"), "image")  # rows are named by their keys (`_identity`)
@@ -88,6 +100,30 @@ class RowCaptioner(Captioner):
     def _failure_record(self, file: MediaFile, error: Exception) -> dict:
         record = super()._failure_record(file, error)
         return {**record, "error": record["error"].replace(str(file.path), self._keys[file.path], 1)}
+
+
+def actor_load_workers(default: int) -> int:
+    """Loader threads for a Ray actor: its node's cores shared among the node's GPUs in proportion
+    to the GPUs it holds (as torchrun's ranks share a host's), at most `default` (the command's).
+    Outside an actor, or on an actor without a GPU, `default`."""
+    try:
+        import ray
+
+        if not ray.is_initialized():
+            return default
+        context = ray.get_runtime_context()
+        held = context.get_assigned_resources().get("GPU", 0)
+        node = next(node for node in ray.nodes() if node["NodeID"] == context.get_node_id())
+    except Exception:  # noqa: BLE001 (not in an actor, or a Ray that answers otherwise: the default serves)
+        return default
+    return share_of_cores(node["Resources"].get("CPU", 0), node["Resources"].get("GPU", 0), held, default)
+
+
+def share_of_cores(cores: float, gpus: float, held: float, default: int) -> int:
+    """`cores` shared among `gpus` GPUs, the share of `held` of them; at most `default`, at least 1."""
+    if not gpus or not held:
+        return default
+    return max(1, min(default, int(cores * held / gpus)))
 
 
 def decode_row_image(value: Any, key: str, limits: LoadLimits, read_paths: bool) -> tuple[Any, tuple[int, int]]:
@@ -143,7 +179,8 @@ class RayCaptioner:
     id or preset (None: the embedded tiny default); `prompt`: one prompt, or `prompts`: names to
     prompts (as a `--prompt-file`'s JSON: each image encoded and prefilled once, a caption a
     name, in the `captions` column); `batch_size`: rows a generate call takes at
-    most (give map_batches the same); `image_column`, `key_column`: the columns read; `read_paths`:
+    most (give map_batches a multiple of it: a call's rows are decoded while the GPU captions the
+    batches before them); `image_column`, `key_column`: the columns read; `read_paths`:
     whether an image column of paths is read (the module's docstring says why not by default)."""
 
     def __init__(self, model: str | None = None, *, prompt: str | None = None, prompts: dict[str, str] | None = None,
