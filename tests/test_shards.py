@@ -330,3 +330,28 @@ def test_a_shard_sealed_meanwhile_is_left_alone_and_a_seal_cut_short_is_tidied(t
     partial_path(out, "00000").write_text("")  # as a kill between the seal's rename and unlink leaves it
     assert ShardOutputs(out, "jsonl", identity, lambda *said: None).is_complete(shard)
     assert sorted(p.name for p in out.iterdir()) == ["00000.jsonl"]
+
+
+def test_a_retried_parquet_shard_keeps_its_json_text_columns_as_a_clean_run_writes_them(tmp_path):
+    """A carried column of mixed kinds (a map's [key, value] pairs) is stored as JSON text; a
+    retry reads the sealed rows back and seals them again: each value encoded once, as a run
+    without failures writes it (it was encoded twice: a string holding the JSON text)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    def table(broken: set[int]) -> pa.Table:
+        media = [b"\xff\xd8 not a jpeg" if n in broken else image_bytes(n, "PNG") for n in range(4)]
+        tags = pa.array([[("a", n), ("b", 2 * n)] for n in range(4)], pa.map_(pa.string(), pa.int64()))
+        return pa.table({"key": [f"k{n}" for n in range(4)], "image": media, "tags": tags, "n": list(range(4))})
+
+    (tmp_path / "in").mkdir()
+    pq.write_table(table({1, 3}), tmp_path / "in" / "p.parquet")
+    args = ["caption", str(tmp_path / "in" / "p.parquet"), "--out-format", "parquet"] + FAST
+    assert main(args + ["--out", str(tmp_path / "o")]) == 1
+    pq.write_table(table(set()), tmp_path / "in" / "p.parquet")  # the broken rows mended
+    assert main(args + ["--out", str(tmp_path / "o"), "--retry-failed"]) == 0
+    assert main(args + ["--out", str(tmp_path / "clean")]) == 0
+    retried, clean = ({r["key"]: r for r in records(tmp_path / name)} for name in ("o", "clean"))
+    assert json.loads(clean["k2"]["tags"]) == [["a", 2], ["b", 4]]
+    assert {k: (r["tags"], r["n"]) for k, r in retried.items()} == {k: (r["tags"], r["n"]) for k, r in clean.items()}
+    assert {k: r["caption"] for k, r in retried.items()} == {k: r["caption"] for k, r in clean.items()}

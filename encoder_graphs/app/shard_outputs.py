@@ -29,6 +29,7 @@ from encoder_graphs.app.webdataset_copy import copy_path, copy_writer
 
 PARTIAL_SUFFIX = ".encoder-graphs-partial.jsonl"
 FORMATS = ("jsonl", "parquet")
+JSON_COLUMNS = b"encoder_graphs.json_columns"  # a Parquet output shard's metadata: its JSON text columns
 
 
 def partial_path(folder: Path, name: str) -> Path:
@@ -218,21 +219,31 @@ def partial_records(path: Path) -> Iterable[dict]:
 
 
 def sealed_records(path: Path, named: bool) -> dict[str, dict]:
-    """An output shard's records by key, as they were written: Parquet's mappings, stored as JSON
-    text (`encoded`), read back (with named prompts also each one's tokens, truncation, prompt)."""
+    """An output shard's records by key, as they were written: Parquet's JSON text columns
+    (`encoded`) read back, so that sealing them again encodes each value once, as at first."""
     if path.suffix != ".parquet":
         return {record["key"]: record for record in partial_records(path)}
     import pyarrow.parquet as pq
 
-    mappings = ("captions", "texts", "settings", "timings", "video", *(("tokens", "truncated", "prompt") if named else ()))
+    table = pq.read_table(path)
+    texts = json_columns(table.schema.metadata or {}, named)
     records = {}
-    for row in pq.read_table(path).to_pylist():
+    for row in table.to_pylist():
         record = {name: value for name, value in row.items() if value is not None}
-        for name in mappings:
+        for name in texts:
             if isinstance(record.get(name), str):
                 record[name] = json.loads(record[name])
         records[record["key"]] = record
     return records
+
+
+def json_columns(metadata: dict, named: bool) -> list[str]:
+    """The columns of a Parquet output shard stored as JSON text, as its schema's metadata names
+    them; a shard sealed before it named them holds so only the mappings (with named prompts also
+    each one's tokens, truncation, prompt)."""
+    if JSON_COLUMNS in metadata:
+        return json.loads(metadata[JSON_COLUMNS])
+    return ["captions", "texts", "settings", "timings", "video", *(("tokens", "truncated", "prompt") if named else ())]
 
 
 def is_regular(path: Path) -> bool:
@@ -290,23 +301,31 @@ def encoded(records: list[dict], out_format: str) -> bytes:
     types = parquet_types()
     # The record's own fields always, in one type whatever a shard holds (a shard of no errors
     # has an all-null error column: typed so, every shard loads as one dataset); a mapping (named
-    # prompts' captions, the settings, timings) as JSON text.
+    # prompts' captions, the settings, timings), or a carried column of mixed kinds, as JSON text:
+    # the schema's metadata names those columns, read back by a retry (`sealed_records`).
     names = list(dict.fromkeys([*types, *(name for record in records for name in record)]))
-    columns = {}
+    columns, texts = {}, []
     for name in names:
         values = [record.get(name) for record in records]
         if any(isinstance(v, (dict, list)) for v in values) and name in types:
-            values = [json.dumps(v, sort_keys=True, default=str) if v is not None else None for v in values]
-            columns[name] = pa.array(values, pa.string())
+            columns[name] = pa.array(json_texts(values, sort_keys=True), pa.string())
+            texts.append(name)
             continue
         try:
             columns[name] = pa.array(values, types.get(name) or (pa.string() if all(
                 v is None for v in values) else None))
         except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError):  # mixed kinds of values
-            columns[name] = pa.array([json.dumps(v, default=str) if v is not None else None for v in values])
+            columns[name] = pa.array(json_texts(values), pa.string())
+            texts.append(name)
+    table = pa.table(columns).replace_schema_metadata({JSON_COLUMNS: json.dumps(texts)})
     sink = io.BytesIO()
-    pq.write_table(pa.table(columns), sink)
+    pq.write_table(table, sink)
     return sink.getvalue()
+
+
+def json_texts(values: list, **how: bool) -> list[str | None]:
+    """Each value as JSON text (None stays null)."""
+    return [json.dumps(v, default=str, **how) if v is not None else None for v in values]
 
 
 def say_sealed(name: str, records: int, errors: int, folder: Path, out_format: str) -> None:
