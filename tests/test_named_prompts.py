@@ -7,13 +7,23 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from PIL import Image
 from test_cli import lines_of
+from transformers import Qwen2VLForConditionalGeneration
 
 from encoder_graphs.app.cli import main
+from encoder_graphs.app.config import CaptionConfig
 from encoder_graphs.app.errors import UsageError
+from encoder_graphs.app.media import LoadLimits
+from encoder_graphs.app.outputs import Outputs, SidecarPolicy
+from encoder_graphs.app.pipeline import Captioner
 from encoder_graphs.app.prompt_batches import common_prefix
 from encoder_graphs.app.prompts import read_prompts
+from encoder_graphs.app.results import ResultsFile
+from encoder_graphs.app.walk import discover
+from encoder_graphs.models.qwen.inputs import QwenVLInputs
+from encoder_graphs.presets.default_model import default_model_dir
 
 PROMPTS = {"short": "Describe this in one sentence.", "tags": "List tags.", "long": "Describe every detail of it."}
 RUN = ["--max-new-tokens", "8", "--quiet", "--batch-size", "2"]
@@ -152,3 +162,72 @@ def test_a_checkpoint_setting_the_runner_lacks_runs_every_prompt_whole(tmp_path)
         alone = tmp_path / f"{name}.jsonl"
         assert main([*argv, "--prompt", text, "--out", str(alone)]) == 0
         assert all(records[r["relative_path"]]["captions"][name] == r["caption"] for r in lines_of(alone))
+
+
+OUT_OF_MEMORY = "CUDA out of memory. Tried to allocate 20.00 GiB"
+
+
+class RowBoundInputs(QwenVLInputs):
+    """The real inputs, whose move to the device runs out of memory past `rows` rows, as a small
+    device would (test_cli_usage's seam of a CUDA OOM, without a stand-in for torch or the model)."""
+
+    rows = 1
+
+    def to_model(self, collated, device, dtype):
+        if collated["input_ids"].shape[0] > self.rows:
+            raise torch.OutOfMemoryError(OUT_OF_MEMORY)
+        return super().to_model(collated, device, dtype)
+
+
+def bound_shared_rows(decoder, rows: int) -> None:
+    """The runner's shared-prefix generation out of memory past `rows` rows: its inputs hold a row
+    a file, its rows are the files' prompts (the same seam, one step on)."""
+    real = decoder.generate_shared
+
+    def generate_shared(ids, mask, shared, **settings):
+        if shared.rows > rows:
+            raise torch.OutOfMemoryError(OUT_OF_MEMORY)
+        return real(ids, mask, shared, **settings)
+
+    decoder.generate_shared = generate_shared
+
+
+@pytest.mark.parametrize(
+    ("rows", "graphs", "sampling"),
+    [(1, False, {}), (1, True, {}), (1, True, {"temperature": 1.0, "seed": 7}), (0, False, {})],
+    ids=["whole prompts", "shared prefix", "shared prefix, sampled", "no prompt fits"],
+)
+def test_a_file_whose_prompts_run_out_of_memory_together_is_captioned_a_prompt_at_a_time(
+    tmp_path, rows, graphs, sampling
+):
+    """A batch of one file is three rows with three prompts: out of memory, its prompts are tried
+    apart, and its record holds the captions of an undisturbed run (sampled: each row drawing
+    from the file's seed); an error record only where a prompt alone does not fit (before, any
+    OOM of the file's rows was its error record)."""
+    from encoder_graphs import enable_cuda_graphs
+
+    folder = photos(tmp_path / "in", 1)
+    model = Qwen2VLForConditionalGeneration.from_pretrained(default_model_dir()).eval()
+    handle = enable_cuda_graphs(model) if graphs else None  # on the CPU: the runner's eager step
+    config = CaptionConfig(named=tuple(PROMPTS.items()), max_new_tokens=8, batch_size=1, **sampling)
+    RowBoundInputs.rows = rows
+
+    def run(inputs: QwenVLInputs, out: Path) -> tuple[dict, object]:
+        with ResultsFile(out) as results:
+            stats = Captioner(model, inputs, config, LoadLimits()).run(discover([folder]), Outputs(results, SidecarPolicy()))
+        (record,) = lines_of(out)
+        return record, stats
+
+    undisturbed, whole = run(QwenVLInputs.from_pretrained(default_model_dir()), tmp_path / "whole.jsonl")
+    if handle is not None:
+        bound_shared_rows(handle.decoder, rows)
+    record, stats = run(RowBoundInputs.from_pretrained(default_model_dir()), tmp_path / "apart.jsonl")
+    if handle is not None:
+        handle.disable()
+    if rows == 0:
+        assert record["error_kind"] == "out_of_memory" and stats.failed == 1
+        return
+    assert whole.failed == stats.failed == 0 and stats.retried_batches >= 1
+    assert set(stats.prompt_batches) == {"shared prefix" if graphs else "whole prompts"}
+    for field in ("caption", "captions", "texts", "tokens", "truncated", "prompt"):
+        assert record[field] == undisturbed[field], field

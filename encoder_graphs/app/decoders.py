@@ -5,7 +5,8 @@ Why processes: decoding and converting frames on threads held the GIL (benchmark
 worker processes run side by side, and one that hangs or takes too long on a hostile file is killed
 at its time limit and replaced (pebble), its file an error record, the other files unharmed.
 Workers fork from a server that imported the decoder (and torch and PyAV) once, so a new one
-starts at once, and inherit no CUDA state or threads of the caption process.
+starts at once, and inherit no CUDA state or threads of the caption process. `load` reads one
+file's media for the Captioner's loader threads: an image there, a video's frames here.
 """
 
 import math
@@ -16,8 +17,11 @@ import signal
 from collections.abc import Iterable
 from pathlib import Path
 
-from encoder_graphs.app.media import LoadLimits, MediaError
+from PIL import Image
+
+from encoder_graphs.app.media import LoadLimits, MediaError, load_image
 from encoder_graphs.app.video import DecodedVideo, decode_video
+from encoder_graphs.app.walk import MediaFile, folder_reason
 
 # Memory a worker may allocate (a backstop: frames are refused by their header's size first). A
 # decoder holds up to 17 of its stream's frames (up to DCI 8K by `LoadLimits.max_video_pixels`,
@@ -178,3 +182,15 @@ def _death(exitcode: int | None) -> str:
         except ValueError:
             return f"signal {-exitcode}"
     return f"exit status {exitcode}"
+
+
+def load(file: MediaFile, limits: LoadLimits, videos: VideoDecoders | None = None) -> "Image.Image | DecodedVideo":
+    """An RGB image (`app/media.py`), or a video's frames (`app/video.py`) decoded by `videos`'
+    worker processes (None: in this process); a file that cannot be read raises `MediaError`."""
+    if file.reason:
+        raise MediaError(file.path, file.error_kind, file.reason)
+    if file.kind == "folder":
+        raise MediaError(file.path, "unreadable", f"cannot list this folder: {folder_reason(file.path)}")
+    if file.kind == "image":
+        return load_image(file.path, limits)
+    return videos.decode(file.path) if videos is not None else decode_video(file.path, limits)

@@ -11,17 +11,15 @@ from itertools import islice
 from pathlib import Path
 
 import torch
-from PIL import Image
 from transformers import PreTrainedModel
 
 from encoder_graphs.app.config import CaptionConfig
-from encoder_graphs.app.decoders import VideoDecoders, video_workers
-from encoder_graphs.app.media import LoadLimits, MediaError, fingerprint, load_image, upright_size
+from encoder_graphs.app.decoders import VideoDecoders, load, video_workers
+from encoder_graphs.app.media import LoadLimits, MediaError, fingerprint, upright_size
 from encoder_graphs.app.outputs import Outputs, relative_path
-from encoder_graphs.app.prompt_batches import SHARED, collate_named
+from encoder_graphs.app.prompt_batches import SHARED, collate_named, rows_apart
 from encoder_graphs.app.runstats import RunStats
-from encoder_graphs.app.video import DecodedVideo, decode_video
-from encoder_graphs.app.walk import MediaFile, list_folder, os_reason
+from encoder_graphs.app.walk import MediaFile
 from encoder_graphs.decoder.sampling import RUNNER_SETTINGS
 from encoder_graphs.decoder.step import prompt_positions
 from encoder_graphs.enable import graphs_of
@@ -244,31 +242,50 @@ class Captioner:
     ) -> list[dict]:
         """The records of one batch (`collated`: its `collate`, when already under way). Only a
         file that fails alone gets an error record: a batch out of memory is split in halves (the
-        memory is not one file's fault), one that fails otherwise is retried one by one (one item
-        can break a whole batch)."""
+        memory is not one file's fault), and a file's named prompts too (`_failed_alone`); one
+        that fails otherwise is retried one by one (one item can break a whole batch)."""
         try:
-            return self._generate(batch, stats, collated)
+            if self._warming is not None:  # the warm-up's first calls end before the model's
+                # Waited for, not raised: an error there is the real first call's to meet (and report).
+                self._warming.exception()
+                self._warming = None
+            started = time.perf_counter()
+            return self._records(batch, self._new_tokens(batch, stats, collated), started, stats)
         except Exception as error:  # noqa: BLE001
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
+            self._free_memory()
             out_of_memory = isinstance(error, torch.OutOfMemoryError)
             if len(batch) == 1:
-                record = self._failure_record(batch[0].file, error)
-                self._count_failure(record, stats)
-                return [record]
+                return [self._failed_alone(batch[0], stats, error)]
         stats.retried_batches += 1
         half = (len(batch) + 1) // 2
         parts = [batch[:half], batch[half:]] if out_of_memory else [[pending] for pending in batch]
         return [record for part in parts for record in self.caption_batch(part, stats)]
 
-    def _generate(
+    def _failed_alone(self, pending: Pending, stats: RunStats, error: Exception) -> dict:
+        """The record of a file whose batch of one failed: out of memory with several named
+        prompts, its prompts in halves (`rows_apart`), so a file whose prompts do not fit together
+        gets its captions still; else, or where one prompt alone fails too, its error record."""
+        if isinstance(error, torch.OutOfMemoryError) and len(pending.prompts) > 1:
+            stats.retried_batches += 1
+            started = time.perf_counter()
+            try:
+                rows = rows_apart(pending, lambda part: self._new_tokens([part], stats, None), self._free_memory)
+                return self._records([pending], rows, started, stats)[0]
+            except Exception as alone:  # noqa: BLE001
+                self._free_memory()
+                error = alone
+        record = self._failure_record(pending.file, error)
+        self._count_failure(record, stats)
+        return record
+
+    def _free_memory(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _new_tokens(
         self, batch: list[Pending], stats: RunStats, collated: "Future[dict[str, torch.Tensor]] | None"
-    ) -> list[dict]:
-        if self._warming is not None:  # the warm-up's first calls end before the model's
-            # Waited for, not raised: an error there is the real first call's to meet (and report).
-            self._warming.exception()
-            self._warming = None
-        started = time.perf_counter()
+    ) -> list[list[int]]:
+        """The batch's rows' new tokens: a row a file, or with named prompts a row a file's prompt."""
         # Pixels normalised on the model's device into its dtype; ids, masks, grids and other
         # metadata (float32 times of video frames too, as the processor gives them) as they are.
         host = dict(collated.result() if collated is not None else self._collate(batch))
@@ -284,12 +301,12 @@ class Captioner:
             new_ids = graphs_of(self.model).decoder.generate_shared(
                 ids, mask, shared, **model_inputs, **settings, **self._generators(batch))
             stats.prompt_batches["shared prefix"] += 1  # once it ran: a batch split on OOM counts its halves
-            return self._records(batch, new_ids.tolist(), started, stats)
+            return new_ids.tolist()
         with torch.inference_mode():
             output = self.model.generate(**model_inputs, **self.generate_settings, **self._generators(batch))
         if self.config.named:
             stats.prompt_batches["whole prompts"] += 1
-        return self._records(batch, output[:, prompt_length:].tolist(), started, stats)
+        return output[:, prompt_length:].tolist()
 
     def _records(self, batch: list[Pending], new_tokens: list[list[int]], started: float, stats: RunStats) -> list[dict]:
         """The batch's records from its rows' new tokens (the host copy waits for the device): a
@@ -309,10 +326,10 @@ class Captioner:
         and the file's path within its root (`CaptionConfig.seed_for`)."""
         if self.config.seed is None or self.config.temperature == 0:
             return {}
-        names = [relative_path(pending.file.path, self.roots) for pending in batch]
-        per = len(self.config.named) or 1  # a file's prompts draw as it would alone with each
-        return {"generator": [torch.Generator(self.device).manual_seed(self.config.seed_for(n)) for n in names
-                              for _ in range(per)]}
+        seeds = [self.config.seed_for(relative_path(pending.file.path, self.roots)) for pending in batch]
+        # A file's prompts (those of its rows here) draw as it would alone with each.
+        return {"generator": [torch.Generator(self.device).manual_seed(seed) for seed, pending in zip(seeds, batch)
+                              for _ in range(len(pending.prompts) or 1)]}
 
     def _record(self, pending: Pending, rows: list[list[int]], batch_ms: float, batch_size: int, stats: RunStats) -> dict:
         """A file's record from its rows' new tokens: one; with named prompts one a prompt, whose
@@ -374,23 +391,3 @@ class Captioner:
         stats.by_kind[record["kind"]] += 1
         stats.failures[record["error_kind"]] += 1
 
-
-def load(file: MediaFile, limits: LoadLimits, videos: VideoDecoders | None = None) -> "Image.Image | DecodedVideo":
-    """An RGB image (`app/media.py`), or a video's frames (`app/video.py`) decoded by `videos`'
-    worker processes (None: in this process); a file that cannot be read raises `MediaError`."""
-    if file.reason:
-        raise MediaError(file.path, file.error_kind, file.reason)
-    if file.kind == "folder":
-        raise MediaError(file.path, "unreadable", f"cannot list this folder: {folder_reason(file.path)}")
-    if file.kind == "image":
-        return load_image(file.path, limits)
-    return videos.decode(file.path) if videos is not None else decode_video(file.path, limits)
-
-
-def folder_reason(path: Path) -> str:
-    """Why a folder entry made without a `reason` cannot be listed (now)."""
-    try:
-        list_folder(path)
-    except OSError as error:
-        return os_reason(error)
-    return "it could not be listed when the files were gathered"

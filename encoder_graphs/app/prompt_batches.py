@@ -3,7 +3,9 @@ to the end of the image, and any text all prompts begin with) collated once, eac
 as one row's suffix (`decoder/shared.py` prefills the prefixes once and decodes every row); or,
 where a family's template puts prompt text before the image, every prompt whole, a row each."""
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import Any
 
 import torch
 
@@ -100,3 +102,23 @@ def whole_rows(
     the way without a shared prefix, which encodes and prefills each item once per prompt."""
     return inputs.collate([item for item, own in zip(items, prompts, strict=True) for _ in own],
                           [prompt for own in prompts for prompt in own])
+
+
+def rows_apart(
+    pending: Any, new_tokens: Callable[[Any], list[list[int]]], free_memory: Callable[[], None]
+) -> list[list[int]]:
+    """The rows (a row a prompt, in order) of a file (`Pending`) whose prompts ran out of memory
+    together: its prompts in halves, each half halved again while it runs out of memory, so a
+    file whose prompts do not fit together gets them still. OutOfMemoryError where one prompt
+    alone does not fit."""
+    half = (len(pending.prompts) + 1) // 2
+    rows = []
+    for part in (replace(pending, prompts=pending.prompts[:half]), replace(pending, prompts=pending.prompts[half:])):
+        try:
+            rows += new_tokens(part)
+        except torch.OutOfMemoryError:
+            if len(part.prompts) == 1:
+                raise
+            free_memory()
+            rows += rows_apart(part, new_tokens, free_memory)
+    return rows

@@ -229,3 +229,12 @@ def os_reason(error: OSError) -> str:
     if isinstance(error, PermissionError):
         return "permission denied"
     return error.strerror or str(error)
+
+
+def folder_reason(path: Path) -> str:
+    """Why a folder entry made without a `reason` cannot be listed (now)."""
+    try:
+        list_folder(path)
+    except OSError as error:
+        return os_reason(error)
+    return "it could not be listed when the files were gathered"
