@@ -184,3 +184,69 @@ def test_copies_in_dry_runs_stale_temporaries_and_odd_members(tmp_path):
     assert not stale.exists() and not (out / "00000.tar").is_symlink()
     assert dict(members(out / "00000.tar"))["s00/k0001.caption"] == b"mine"
     assert_copy_of(out / "00000.tar", tmp_path / "wds" / "00000.tar", {r["key"]: r for r in records(out)})
+
+
+def test_a_copy_at_start_is_written_under_its_shards_lock_and_once(tmp_path):
+    """Sealed shards copied on a rerun: each copy under the shard's lock (its partial file's, which
+    a process captioning or copying the shard holds): one held elsewhere is left to its holder,
+    one written before is not written again, and each is what a run with the flag writes."""
+    import fcntl
+    import os
+    import shutil
+
+    from encoder_graphs.app.shard_outputs import partial_path
+
+    write_shards(tmp_path / "wds", 2, 3)
+    shards, out, single = str(tmp_path / "wds" / "*.tar"), tmp_path / "o", tmp_path / "single"
+    assert main(["caption", shards, "--out", str(out)] + FAST) == 0
+    shutil.copytree(out, single)  # the same records, copied by one run alone
+    assert main(["caption", shards, "--out", str(single), "--webdataset-copy"] + FAST) == 0
+    held = os.open(partial_path(out, "00000"), os.O_RDWR | os.O_CREAT, 0o600)  # as another process holds it
+    fcntl.flock(held, fcntl.LOCK_EX)
+    try:
+        assert main(["caption", shards, "--out", str(out), "--webdataset-copy"] + FAST) == 0
+        assert not (out / "00000.tar").exists() and (out / "00001.tar").exists()
+    finally:
+        os.unlink(partial_path(out, "00000"))  # its holder's, gone with it
+        os.close(held)
+    first = (out / "00001.tar").stat()
+    assert main(["caption", shards, "--out", str(out), "--webdataset-copy"] + FAST) == 0
+    again = (out / "00001.tar").stat()
+    assert (again.st_ino, again.st_mtime_ns) == (first.st_ino, first.st_mtime_ns)  # written once
+    for name in ("00000", "00001"):
+        assert members(out / f"{name}.tar") == members(single / f"{name}.tar")
+    assert sorted(p.name for p in out.iterdir()) == ["00000.jsonl", "00000.tar", "00001.jsonl", "00001.tar"]
+
+
+def test_two_processes_copying_the_same_sealed_shards_at_once_leave_each_copy_whole(tmp_path):
+    """Two ShardOutputs (as two processes: each its own descriptors, so their locks meet) copy
+    the same sealed shards at once: every copy whole, each as a run alone writes it, no partial
+    file left."""
+    import shutil
+    import threading
+
+    from encoder_graphs.app.datasets import find_shards
+    from encoder_graphs.app.shard_outputs import ShardOutputs, first_settings
+
+    write_shards(tmp_path / "wds", 6, 2)
+    shards, out, single = str(tmp_path / "wds" / "*.tar"), tmp_path / "o", tmp_path / "single"
+    assert main(["caption", shards, "--out", str(out)] + FAST) == 0
+    shutil.copytree(out, single)
+    assert main(["caption", shards, "--out", str(single), "--webdataset-copy"] + FAST) == 0
+    settings, found = first_settings(out / "00000.jsonl"), find_shards([shards])
+    start, complete = threading.Barrier(2), []
+
+    def copy_all() -> None:
+        outputs = ShardOutputs(out, "jsonl", settings, lambda *_: None, webdataset_copy=True)
+        start.wait()
+        complete.append(all(outputs.is_complete(shard) for shard in found) and not outputs.failed)
+
+    threads = [threading.Thread(target=copy_all) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert complete == [True, True]
+    for shard in found:
+        assert members(out / f"{shard.name}.tar") == members(single / f"{shard.name}.tar")
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]

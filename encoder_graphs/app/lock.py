@@ -83,7 +83,7 @@ class FileLock:
                 raise
             # A holder before us removes an empty file it created before it lets go: if we locked
             # that unlinked file, the file at the path is another one (or none): try again on it.
-            if _same_file(fd, self.guarded):
+            if same_file(fd, self.guarded):
                 break
             os.close(fd)
         self.fd = fd
@@ -105,9 +105,9 @@ class FileLock:
         if fd is None:
             return
         try:  # unlink before unlocking: see `acquire`
-            if holder_fd is not None and _same_file(holder_fd, self.path):
+            if holder_fd is not None and same_file(holder_fd, self.path):
                 os.unlink(self.path)
-            if self._created and os.fstat(fd).st_size == 0 and _same_file(fd, self.guarded):
+            if self._created and os.fstat(fd).st_size == 0 and same_file(fd, self.guarded):
                 os.unlink(self.guarded)
         except OSError:
             pass  # a lock file we cannot remove is harmless: the next holder rewrites it
@@ -213,7 +213,7 @@ def _write_holder(path: Path) -> tuple[int | None, str | None]:
         except BaseException:
             os.close(fd)
             raise
-        current = _same_file(fd, path)  # not one a holder removed as we opened it
+        current = same_file(fd, path)  # not one a holder removed as we opened it
         if current and not foreign:
             break
         if current:  # another user kept a descriptor of an old one: a new file
@@ -235,7 +235,8 @@ def _no_symlink(error: OSError, path: Path) -> OSError:
     return error
 
 
-def _same_file(fd: int, path: Path) -> bool:
+def same_file(fd: int, path: Path) -> bool:
+    """Whether `path` names `fd`'s file still (not removed, nor replaced by another, since it was opened)."""
     try:
         here, there = os.fstat(fd), os.lstat(path)
     except FileNotFoundError:

@@ -8,7 +8,9 @@ and a rerun skips the shard's finished keys. The partial file is created without
 links, must be the user's own, and is held with an exclusive lock while a process writes it: a
 second process given the same shard (an overlapping array task) leaves it alone and says so.
 Sealing keeps the last record of each key (a retried failure replaces its error), writes the
-output shard to a temporary name and renames it, then removes the partial file.
+output shard to a temporary name and renames it, then removes the partial file. A WebDataset
+copy of a shard sealed before is written on a rerun under the same lock (the partial file made
+for it and removed after), so two processes never both write it.
 """
 
 import errno
@@ -24,6 +26,7 @@ from pathlib import Path
 
 from encoder_graphs.app.datasets import InputShard, unreadable
 from encoder_graphs.app.errors import UsageError, printable
+from encoder_graphs.app.lock import same_file
 from encoder_graphs.app.outputs import remove_unheld, write_atomically
 from encoder_graphs.app.webdataset_copy import copy_path, copy_writer
 
@@ -75,14 +78,29 @@ class ShardOutputs:
         if self.retry_failed and has_errors(path):
             self._retrying.add(shard.name)  # whole under its name until its new seal replaces it
             return False
-        if self.webdataset_copy and not is_regular(copy_path(self.folder, shard)):
-            self._write_copy(shard, sealed_records(path, self.named))  # asked for after the shard was sealed
+        if self.webdataset_copy:
+            self._copy_sealed(shard, path)  # asked for after the shard was sealed
         return True
 
-    def begin(self, shard: InputShard) -> dict[str, bool] | None:
-        """Open the shard's partial file: the keys it holds records of already (True: a caption,
-        False: an error), or None where another process holds it."""
-        path = partial_path(self.folder, shard.name)
+    def _copy_sealed(self, shard: InputShard, final: Path) -> None:
+        """The copy of a shard sealed without one, written under the shard's lock: a process
+        holding it (copying the shard, or captioning it again: its seal writes the copy) is left
+        to it, and a copy written meanwhile is not written again."""
+        path, copy = partial_path(self.folder, shard.name), copy_path(self.folder, shard)
+        while not is_regular(copy) and (descriptor := self._locked_partial(path)) is not None:
+            try:
+                if not same_file(descriptor, path):
+                    continue  # locked as its holder removed it: again, on the file there now
+                if not is_regular(copy):
+                    self._write_copy(shard, sealed_records(final, self.named))
+                os.unlink(path)  # before the lock goes, as a seal does
+                return
+            finally:
+                os.close(descriptor)
+
+    def _locked_partial(self, path: Path) -> int | None:
+        """The shard's partial file `path` opened (created when missing; never through a link,
+        only the user's own) and locked: its descriptor, or None where another process holds it."""
         try:  # 0600: a user who cannot open it cannot hold its lock either
             descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         except OSError as error:
@@ -96,6 +114,15 @@ class ShardOutputs:
             fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(descriptor)
+            return None
+        return descriptor
+
+    def begin(self, shard: InputShard) -> dict[str, bool] | None:
+        """Open the shard's partial file: the keys it holds records of already (True: a caption,
+        False: an error), or None where another process holds it."""
+        path = partial_path(self.folder, shard.name)
+        descriptor = self._locked_partial(path)
+        if descriptor is None:
             self.skipped[shard.name] = "another process is captioning it: left to it"
             return None
         # Held now: a process that sealed the shard meanwhile unlinked this name (or its output is there).
