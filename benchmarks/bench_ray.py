@@ -5,7 +5,7 @@ by `ray.data.read_parquet(...).map_batches(RayCaptioner, batch_size=MAP_BATCH, n
 concurrency=GPUS).write_parquet(...)`, each a fresh process, start included (Ray's cluster
 start, each actor's model load and graphs). Reported per run: wall time, images/s end to end,
 the ratio to one GPU, rows written, errors, peak host memory of the process tree; for Ray a
-timeline (Ray up, actors ready, first and last call, each actor's time in its calls). Random
+timeline (the driver's imports, Ray up, actors ready, first and last call, each actor's time in its calls). Random
 weights (presets): captions are noise, speed is real.
     python3 benchmarks/bench_ray.py [--images 1024] [--gpus 4] [--shards 16] [--runs one_gpu,torchrun,ray]
         [--json out.json]
@@ -36,6 +36,8 @@ note("driver_start")
 import ray
 from encoder_graphs.app.ray_data import RayCaptioner
 
+note("imported")
+
 
 class Timed(RayCaptioner):
     def __init__(self, *args, **kwargs):
@@ -63,9 +65,10 @@ note("written")
 
 
 def timeline(log: Path, started: float) -> dict:
-    """Where a Ray run's time went, in seconds from its process start: Ray up, the first actor's
-    constructor entered, the actors ready (first, last), the first call, the last call's end, the output written; each actor's time in
-    its calls (mean, max) and the calls' rows."""
+    """Where a Ray run's time went, in seconds from its process start: the driver's imports done,
+    Ray up, the first actor's constructor entered, the actors ready (first, last), the first call,
+    the last call's end, the output written; each actor's time in its calls (mean, max) and the
+    calls' rows."""
     import json
 
     events = [json.loads(line) for line in log.read_text().splitlines()]
@@ -78,7 +81,7 @@ def timeline(log: Path, started: float) -> dict:
         elif e["event"] == "call_end":
             busy[e["pid"]] = busy.get(e["pid"], 0.0) + e["t"] - begun.pop(e["pid"])
     ready, calls = at("actor_ready"), at("call_start")
-    return {"ray_ready_s": at("ray_ready")[0], "first_actor_start_s": at("actor_start")[0],
+    return {"imported_s": at("imported")[0], "ray_ready_s": at("ray_ready")[0], "first_actor_start_s": at("actor_start")[0],
             "first_actor_ready_s": ready[0], "last_actor_ready_s": ready[-1],
             "first_call_s": calls[0], "last_call_end_s": at("call_end")[-1], "written_s": at("written")[-1],
             "calls": len(calls), "rows_per_call": sorted({e["rows"] for e in events if e["event"] == "call_start"}),

@@ -130,9 +130,20 @@ def test_named_prompts_give_the_commands_captions_under_their_names(cluster, tmp
 
 
 def test_an_actor_takes_its_gpus_share_of_the_nodes_cores():
-    from encoder_graphs.app.ray_data import actor_load_workers, share_of_cores
+    from encoder_graphs.app.ray_rows import actor_load_workers, share_of_cores
 
     assert share_of_cores(64, 4, 1, 16) == 16 and share_of_cores(32, 8, 1, 16) == 4
     assert share_of_cores(32, 8, 2, 16) == 8 and share_of_cores(4, 8, 1, 16) == 1  # at least one thread
     assert share_of_cores(64, 0, 0, 7) == 7 and share_of_cores(64, 4, 0, 7) == 7  # no GPU held: the default
     assert actor_load_workers(5) == 5  # outside an actor
+
+
+def test_a_driver_imports_neither_torch_nor_transformers():
+    """The driver builds the pipeline only; an actor loads the model (`app/ray_rows.py`)."""
+    import subprocess
+    import sys
+
+    loaded = subprocess.run([sys.executable, "-c", "import sys, encoder_graphs.app.ray_data; "
+                             "print(sorted({'torch', 'transformers'} & set(sys.modules)))"],
+                            capture_output=True, text=True, check=True).stdout.strip()
+    assert loaded == "[]"

@@ -17,23 +17,16 @@ as one of the outputs is refused, not overwritten). A prompt template's `{name}`
 stem, `{folder}` empty, `{width}` and `{height}` the image's size as seen, as the command's. A
 column of paths is read only with `read_paths=True`: a dataset names files on the worker's host,
 which the command reads only where the user points it. Ray itself is an optional extra
-(`pip install "encoder-graphs[ray]"`): this module imports it only inside an actor, to size
-its loader threads."""
+(`pip install "encoder-graphs[ray]"`): this module imports none of it, nor torch or
+transformers, which only an actor needs (`app/ray_rows.py`), so a driver starts without them."""
 
-import io
-import os
-import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from encoder_graphs.app.config import DEFAULT_IMAGE_TOKENS, CaptionConfig
 from encoder_graphs.app.errors import UsageError
-from encoder_graphs.app.media import LoadLimits, MediaError, decode_image, load_image, upright_size
-from encoder_graphs.app.pipeline import Captioner, Pending
 from encoder_graphs.app.plan import Plan
 from encoder_graphs.app.prompts import checked
-from encoder_graphs.app.runstats import RunStats
 from encoder_graphs.app.settings import Settings
 from encoder_graphs.app.walk import MediaFile
 
@@ -42,109 +35,6 @@ from encoder_graphs.app.walk import MediaFile
 OUTPUT_COLUMNS = ("caption", "text", "tokens", "truncated", "prompt", "width", "height", "vision_tokens", "model",
                   "error_kind", "error")
 NAMED_COLUMNS = ("captions", "texts")
-
-
-class RowCaptioner(Captioner):
-    """A Captioner of a dataset's rows: a row is named by its key, not by a file."""
-
-    def __init__(self, *args: Any, read_paths: bool = False, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._keys: dict[Path, str] = {}  # a row's stand-in path -> its key
-        self.read_paths = read_paths
-        self._decoders: ThreadPoolExecutor | None = None
-
-    def caption_rows(self, keys: list[str], images: list[Any]) -> list[dict]:
-        """One record per row, in order: its caption, or why it has none. The rows are decoded and
-        preprocessed on loader threads, in order, while the GPU captions the rows before them:
-        a call of several generate batches (map_batches' `batch_size` a multiple of the
-        captioner's) waits only for its first batch's files, as the command's loop does."""
-        if self._decoders is None:
-            self._decoders = ThreadPoolExecutor(actor_load_workers(self.config.load_workers),
-                                                thread_name_prefix="ray-rows")
-        records: list[dict | None] = []
-        waiting: list[tuple[int, Pending]] = []
-        stats = RunStats()
-
-        def caption_waiting() -> None:
-            batch = [pending for _, pending in waiting]
-            for (index, _), record in zip(waiting, self.caption_batch(batch, stats), strict=True):
-                records[index] = record
-            waiting.clear()
-
-        for index, outcome in enumerate(self._decoders.map(self._prepare_row, range(len(keys)), keys, images)):
-            records.append(outcome if isinstance(outcome, dict) else None)
-            if isinstance(outcome, Pending):
-                waiting.append((index, outcome))
-                if len(waiting) == self.config.batch_size:
-                    caption_waiting()
-        if waiting:
-            caption_waiting()
-        return records  # type: ignore[return-value] (every None was replaced)
-
-    def _prepare_row(self, index: int, key: str, image: Any) -> "Pending | dict":
-        file = MediaFile(Path(f"row-{index}"), "image")  # rows are named by their keys (`_identity`)
-        self._keys[file.path] = key
-        started = time.perf_counter()
-        try:
-            picture, size = decode_row_image(image, key, self.limits, self.read_paths)
-            item = self.inputs.encode_image(picture)
-        except MediaError as error:
-            return self._error_record(file, error.kind, str(error))
-        except Exception as error:  # noqa: BLE001 (a processor refusing one row costs that row only)
-            return self._error_record(file, "preprocess", f"{key}: {type(error).__name__}: {error}")
-        return self._pending(file, item, started, size, None, Path(key).stem, "")
-
-    def _identity(self, file: MediaFile) -> dict:
-        return {"key": self._keys[file.path], "kind": file.kind}
-
-    def _failure_record(self, file: MediaFile, error: Exception) -> dict:
-        record = super()._failure_record(file, error)
-        return {**record, "error": record["error"].replace(str(file.path), self._keys[file.path], 1)}
-
-
-def actor_load_workers(default: int) -> int:
-    """Loader threads for a Ray actor: its node's cores shared among the node's GPUs in proportion
-    to the GPUs it holds (as torchrun's ranks share a host's), at most `default` (the command's).
-    Outside an actor, or on an actor without a GPU, `default`."""
-    try:
-        import ray
-
-        if not ray.is_initialized():
-            return default
-        context = ray.get_runtime_context()
-        held = context.get_assigned_resources().get("GPU", 0)
-        node = next(node for node in ray.nodes() if node["NodeID"] == context.get_node_id())
-    except Exception:  # noqa: BLE001 (not in an actor, or a Ray that answers otherwise: the default serves)
-        return default
-    return share_of_cores(node["Resources"].get("CPU", 0), node["Resources"].get("GPU", 0), held, default)
-
-
-def share_of_cores(cores: float, gpus: float, held: float, default: int) -> int:
-    """`cores` shared among `gpus` GPUs, the share of `held` of them; at most `default`, at least 1."""
-    if not gpus or not held:
-        return default
-    return max(1, min(default, int(cores * held / gpus)))
-
-
-def decode_row_image(value: Any, key: str, limits: LoadLimits, read_paths: bool) -> tuple[Any, tuple[int, int]]:
-    """A row's image (bytes, an HF image struct {"bytes": ..., "path": ...}, or with `read_paths`
-    a path) decoded within `limits`, and its width and height as seen (its header's, upright)."""
-    if isinstance(value, dict):
-        value = value.get("bytes") or value.get("path")
-    if value is None:
-        raise MediaError(key, "missing", "the row has no image")
-    if isinstance(value, (bytes, bytearray, memoryview)):
-        if not value:
-            raise MediaError(key, "empty", "zero bytes")
-        data = bytes(value)
-        image = decode_image(io.BytesIO(data), key, limits)
-        return image, upright_size(io.BytesIO(data))
-    if isinstance(value, (str, os.PathLike)):
-        if not read_paths:
-            raise MediaError(key, "unreadable", "the image column holds a path: give read_paths=True to read files "
-                             "the dataset names")
-        return load_image(Path(value), limits), upright_size(Path(value))
-    raise MediaError(key, "unreadable", f"the image column holds {type(value).__name__}, not bytes or a path")
 
 
 def named_prompts(prompt: str | None, prompts: dict[str, str] | None) -> tuple[tuple[str, str], ...]:
@@ -191,6 +81,7 @@ class RayCaptioner:
         from encoder_graphs import enable_cuda_graphs
         from encoder_graphs.app.job import open_job, sized_job
         from encoder_graphs.app.loading import load_model, open_model, pick_device
+        from encoder_graphs.app.ray_rows import RowCaptioner
 
         settings = Settings(model=model, prompt=prompt, max_new_tokens=max_new_tokens, batch_size=batch_size,
                             max_image_tokens=max_image_tokens, max_tiles=max_tiles, no_graphs=no_graphs, device=device)
