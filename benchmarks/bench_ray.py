@@ -5,8 +5,8 @@ by `ray.data.read_parquet(...).map_batches(RayCaptioner, batch_size=MAP_BATCH, n
 concurrency=GPUS).write_parquet(...)`, each a fresh process, start included (Ray's cluster
 start, each actor's model load and graphs). Reported per run: wall time, images/s end to end,
 the ratio to one GPU, rows written, errors, peak host memory of the process tree; for Ray a
-timeline (the driver's imports, Ray up, actors ready, first and last call, each actor's time in its calls). Random
-weights (presets): captions are noise, speed is real.
+timeline (the driver's imports, Ray up, actors ready, first and last call, each actor's time in
+its calls). Random weights (presets): captions are noise, speed is real.
     python3 benchmarks/bench_ray.py [--images 1024] [--gpus 4] [--shards 16] [--runs one_gpu,torchrun,ray]
         [--json out.json]
 """
@@ -72,7 +72,10 @@ def timeline(log: Path, started: float) -> dict:
     import json
 
     events = [json.loads(line) for line in log.read_text().splitlines()]
-    at = lambda name: sorted(e["t"] - started for e in events if e["event"] == name)  # noqa: E731
+
+    def at(name: str) -> list[float]:
+        return sorted(e["t"] - started for e in events if e["event"] == name)
+
     busy: dict[int, float] = {}
     begun: dict[int, float] = {}
     for e in events:

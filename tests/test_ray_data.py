@@ -143,7 +143,7 @@ def test_a_driver_imports_neither_torch_nor_transformers():
     import subprocess
     import sys
 
-    loaded = subprocess.run([sys.executable, "-c", "import sys, encoder_graphs.app.ray_data; "
-                             "print(sorted({'torch', 'transformers'} & set(sys.modules)))"],
+    script = "import sys, encoder_graphs.app.ray_data; print(sorted({'torch', 'transformers'} & set(sys.modules)))"
+    loaded = subprocess.run([sys.executable, "-c", script],
                             capture_output=True, text=True, check=True).stdout.strip()
     assert loaded == "[]"
