@@ -113,3 +113,21 @@ def test_the_vllm_paragraph_is_its_jsons():
                    f"(ours {ours['start_s']:.1f} s to the loop)",
                    f"vLLM** {cold['settings']['vllm']}"):
         assert phrase in said, phrase
+
+
+def test_the_4096_photo_sentence_is_its_jsons():
+    """The 4,096-photo ratio: ours against the stock script's two halves, combined by
+    `timing.in_parts` (files over summed times), then `timing.speedup`."""
+    from timing import in_parts
+
+    start = README.index("On 4,096 photos")
+    said = " ".join(README[start:README.index("\n\n", start)].split())
+    names = re.findall(r"`(?:benchmarks/)?(bench_cli_photos_4096[\w.]+\.json)`", said)
+    ours_name, *halves = names
+    ours = json.loads((ROOT / "benchmarks" / ours_name).read_text())["runs"]["defaults"]
+    parts = [json.loads((ROOT / "benchmarks" / name).read_text())["runs"]["stock"] for name in halves]
+    assert len(parts) == 2 and sum(part["images"] for part in parts) == ours["images"] == 4096
+    ratio = speedup(ours, in_parts(parts))
+    assert (f"ran {ours['images_per_s_end_to_end']:.1f} images/s end to end and "
+            f"{ours['images_per_s_in_loop']:.1f} in the loop, {ratio['end_to_end']:.1f}x and "
+            f"{ratio['in_loop']:.1f}x the stock script") in said
