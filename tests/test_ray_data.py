@@ -147,3 +147,41 @@ def test_a_driver_imports_neither_torch_nor_transformers():
     loaded = subprocess.run([sys.executable, "-c", script],
                             capture_output=True, text=True, check=True).stdout.strip()
     assert loaded == "[]"
+
+
+def test_a_call_decodes_at_most_two_batches_ahead_and_keeps_its_rows_in_order(cluster):
+    """A call of many rows holds at most two generate batches of decoded rows beyond the one the
+    GPU captions (a preprocessed photo is megabytes); its records stay in the rows' order."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from encoder_graphs.app.ray_data import RayCaptioner
+
+    class Counting(ThreadPoolExecutor):
+        submitted = 0
+
+        def submit(self, *args, **kwargs):
+            Counting.submitted += 1
+            return super().submit(*args, **kwargs)
+
+    captioner = RayCaptioner(max_new_tokens=2, batch_size=2, device="cpu")
+    rows = captioner.captioner
+    rows._decoders = Counting(2)
+    seen = []
+    caption_batch = rows.caption_batch
+
+    def watched(batch, stats):
+        seen.append((Counting.submitted, (seen[-1][1] if seen else 0) + len(batch)))
+        return caption_batch(batch, stats)
+
+    rows.caption_batch = watched
+    images = []
+    for index in range(24):
+        png = io.BytesIO()
+        Image.new("RGB", (28 + index, 30), (10 * index, 0, 0)).save(png, "PNG")
+        images.append(png.getvalue() if index != 5 else b"broken")
+    out = captioner({"key": [f"k{i}" for i in range(24)], "image": images})
+    assert out["key"] == [f"k{i}" for i in range(24)]
+    assert out["error_kind"][5] == "corrupt" and all(out["caption"][i] is not None for i in range(24) if i != 5)
+    # When a batch is captioned, at most two batches (4 rows) and the one taken are submitted beyond
+    # it (a failed row counts among them); a whole call's 24 rows at once was the old way.
+    assert len(seen) == 12 and all(submitted <= captioned + 4 + 1 + 1 for submitted, captioned in seen), seen

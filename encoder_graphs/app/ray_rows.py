@@ -5,7 +5,9 @@ Imported by the actor only (it pulls in torch and transformers; the driver needs
 import io
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +30,8 @@ class RowCaptioner(Captioner):
         """One record per row, in order: its caption, or why it has none. The rows are decoded and
         preprocessed on loader threads, in order, while the GPU captions the rows before them:
         a call of several generate batches (map_batches' `batch_size` a multiple of the
-        captioner's) waits only for its first batch's files, as the command's loop does."""
+        captioner's) waits only for its first batch's files, as the command's loop does. At most
+        two batches are decoded ahead (a preprocessed photo is megabytes of pixels)."""
         if self._decoders is None:
             self._decoders = ThreadPoolExecutor(actor_load_workers(self.config.load_workers),
                                                 thread_name_prefix="ray-rows")
@@ -42,7 +45,7 @@ class RowCaptioner(Captioner):
                 records[index] = record
             waiting.clear()
 
-        for index, outcome in enumerate(self._decoders.map(self._prepare_row, range(len(keys)), keys, images)):
+        for index, outcome in enumerate(self._prepared(keys, images, 2 * self.config.batch_size)):
             records.append(outcome if isinstance(outcome, dict) else None)
             if isinstance(outcome, Pending):
                 waiting.append((index, outcome))
@@ -51,6 +54,17 @@ class RowCaptioner(Captioner):
         if waiting:
             caption_waiting()
         return records  # type: ignore[return-value] (every None was replaced)
+
+    def _prepared(self, keys: list[str], images: list[Any], ahead: int) -> Iterator["Pending | dict"]:
+        """Each row's outcome (`_prepare_row`) in order, at most `ahead` rows decoding or decoded
+        beyond the one taken."""
+        futures: deque[Future] = deque()
+        for index, (key, image) in enumerate(zip(keys, images, strict=True)):
+            futures.append(self._decoders.submit(self._prepare_row, index, key, image))
+            if len(futures) > ahead:
+                yield futures.popleft().result()
+        while futures:
+            yield futures.popleft().result()
 
     def _prepare_row(self, index: int, key: str, image: Any) -> "Pending | dict":
         file = MediaFile(Path(f"row-{index}"), "image")  # rows are named by their keys (`_identity`)
