@@ -186,7 +186,7 @@ def test_copies_in_dry_runs_stale_temporaries_and_odd_members(tmp_path):
     assert_copy_of(out / "00000.tar", tmp_path / "wds" / "00000.tar", {r["key"]: r for r in records(out)})
 
 
-def test_a_copy_at_start_is_written_under_its_shards_lock_and_once(tmp_path):
+def test_a_copy_at_start_is_written_under_its_shards_lock_and_once(tmp_path, capsys):
     """Sealed shards copied on a rerun: each copy under the shard's lock (its partial file's, which
     a process captioning or copying the shard holds): one held elsewhere is left to its holder,
     one written before is not written again, and each is what a run with the flag writes."""
@@ -204,8 +204,10 @@ def test_a_copy_at_start_is_written_under_its_shards_lock_and_once(tmp_path):
     held = os.open(partial_path(out, "00000"), os.O_RDWR | os.O_CREAT, 0o600)  # as another process holds it
     fcntl.flock(held, fcntl.LOCK_EX)
     try:
+        capsys.readouterr()
         assert main(["caption", shards, "--out", str(out), "--webdataset-copy"] + FAST) == 0
         assert not (out / "00000.tar").exists() and (out / "00001.tar").exists()
+        assert "shard 00000: its WebDataset copy is left to the process holding the shard" in capsys.readouterr().err
     finally:
         os.unlink(partial_path(out, "00000"))  # its holder's, gone with it
         os.close(held)

@@ -84,10 +84,14 @@ class ShardOutputs:
 
     def _copy_sealed(self, shard: InputShard, final: Path) -> None:
         """The copy of a shard sealed without one, written under the shard's lock: a process
-        holding it (copying the shard, or captioning it again: its seal writes the copy) is left
-        to it, and a copy written meanwhile is not written again."""
+        holding it is left to it (said in `skipped`: a holder run without the flag writes none, and
+        a rerun with it does), and a copy written meanwhile is not written again."""
         path, copy = partial_path(self.folder, shard.name), copy_path(self.folder, shard)
-        while not is_regular(copy) and (descriptor := self._locked_partial(path)) is not None:
+        while not is_regular(copy):
+            if (descriptor := self._locked_partial(path)) is None:
+                self.skipped[shard.name] = "its WebDataset copy is left to the process holding the shard"
+                print(f"encoder-graphs: shard {shard.name}: {self.skipped[shard.name]}", file=sys.stderr)
+                return
             try:
                 if not same_file(descriptor, path):
                     continue  # locked as its holder removed it: again, on the file there now
@@ -115,27 +119,33 @@ class ShardOutputs:
         except BlockingIOError:
             os.close(descriptor)
             return None
+        except OSError:  # no locks on this filesystem (ENOLCK): said by the caller's error
+            os.close(descriptor)
+            raise
         return descriptor
 
     def begin(self, shard: InputShard) -> dict[str, bool] | None:
         """Open the shard's partial file: the keys it holds records of already (True: a caption,
         False: an error), or None where another process holds it."""
-        path = partial_path(self.folder, shard.name)
-        descriptor = self._locked_partial(path)
-        if descriptor is None:
-            self.skipped[shard.name] = "another process is captioning it: left to it"
-            return None
-        # Held now: a process that sealed the shard meanwhile unlinked this name (or its output is there).
-        final = self.final_path(shard.name)
-        # Retried: read under the lock, still with errors (another process may have retried it meanwhile).
-        kept = sealed_records(final, self.named) if shard.name in self._retrying and os.path.lexists(final) else {}
-        sealed = os.path.lexists(final) and not any("error" in record for record in kept.values())
-        if not os.path.exists(path) or not os.path.samestat(os.fstat(descriptor), os.lstat(path)) or sealed:
-            if os.path.lexists(final) and os.path.lexists(path):
-                os.unlink(path)
+        path, final = partial_path(self.folder, shard.name), self.final_path(shard.name)
+        while True:
+            descriptor = self._locked_partial(path)
+            if descriptor is None:
+                self.skipped[shard.name] = "another process is captioning it: left to it"
+                return None
+            # Retried: read under the lock, still with errors (another process may have retried it meanwhile).
+            kept = sealed_records(final, self.named) if shard.name in self._retrying and os.path.lexists(final) else {}
+            if os.path.lexists(final) and not any("error" in record for record in kept.values()):
+                if same_file(descriptor, path):
+                    os.unlink(path)  # ours: left by a seal cut short, or made just now
+                os.close(descriptor)
+                self.skipped[shard.name] = "another process completed it meanwhile"
+                return None
+            if same_file(descriptor, path):
+                break
+            # Locked as its holder removed it (a copier of the sealed shard, a seal's tidying) while
+            # the shard still wants this process: again, on the file there now.
             os.close(descriptor)
-            self.skipped[shard.name] = "another process completed it meanwhile"
-            return None
         cut_torn_line(descriptor)
         if kept and not os.fstat(descriptor).st_size:  # the sealed records, carried into the new seal
             append_synced(descriptor, b"".join(map(json_line, kept.values())))
