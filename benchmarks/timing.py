@@ -123,10 +123,10 @@ def speedup(ours: dict, stock: dict) -> dict[str, float]:
 
 
 def in_parts(parts: list[dict]) -> dict:
-    """One run of all the files from runs of disjoint parts of them (the stock script on 4,096
-    photos as two halves, each under the device's 10-minute limit): the files summed over the
-    summed wall and loop times, so the ratio against it is `speedup`'s. Each part pays its own
-    start, so the whole is slower by a start a part than one run of all the files would be."""
+    """One run of all the files from runs of disjoint parts of them (a run too long for one call
+    of the GPU machine, split): the files summed over the summed wall and loop times, so the
+    ratio against it is `speedup`'s. Each part pays its own start, so the whole is slower than
+    one run of all the files by a start for each part but the first."""
     images = sum(part["images"] for part in parts)
     return {"images": images, "images_per_s_end_to_end": images / sum(part["wall_s"] for part in parts),
             "images_per_s_in_loop": images / sum(part["images"] / part["images_per_s_in_loop"] for part in parts)}

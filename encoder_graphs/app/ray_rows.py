@@ -89,8 +89,8 @@ class RowCaptioner(Captioner):
 
 def actor_load_workers(default: int) -> int:
     """Loader threads for a Ray actor: its node's cores shared among the node's GPUs in proportion
-    to the GPUs it holds (as torchrun's ranks share a host's), at most `default` (the command's).
-    Outside an actor, or on an actor without a GPU, `default`."""
+    to the GPUs it holds (actors a GPU each share the node's cores, not oversubscribe them), at
+    most `default` (the command's). Outside an actor, or on an actor without a GPU, `default`."""
     try:
         import ray
 
