@@ -83,9 +83,13 @@ def caption(folder: Path, out: Path, *extra: str, kill_after: float | None = Non
     return process.returncode, output
 
 
-def latest(out: Path) -> dict[str, dict]:
-    records = {}
-    for line in out.read_text().splitlines():
+def latest(out: Path, killed: bool = False) -> dict[str, dict]:
+    """The last record of each path; after a kill the last line may be cut mid-write (the next run repairs it)."""
+    records, text = {}, out.read_text()
+    lines = text.splitlines()
+    if killed and not text.endswith("\n"):
+        lines = lines[:-1]
+    for line in lines:
         record = json.loads(line)
         if "sidecar_error" not in record:
             records[record["path"]] = record
@@ -107,7 +111,7 @@ def main() -> int:
     started = time.perf_counter()
     for kill in range(args.kills):
         status, _ = caption(root, out, kill_after=rng.uniform(5, 7))  # after the load (about 4 s here)
-        have = len(latest(out)) if out.exists() else 0
+        have = len(latest(out, killed=True)) if out.exists() else 0
         print(f"kill {kill + 1}: status {status}, {have} files recorded", flush=True)
     status, report = caption(root, out)
     print(f"to the end: status {status} in {time.perf_counter() - started:.0f} s\n{report}", flush=True)
