@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from transformers import GenerationConfig
 
-from encoder_graphs.decoder.generation import StockOnly, runner_arguments
+from encoder_graphs.decoder.generation import StockOnly, runner_arguments, runner_settings
 from encoder_graphs.decoder.layers.stack import pointwise_parts, warm_up_parts
 from encoder_graphs.decoder.runner import DecoderGraphRunner
 from encoder_graphs.engine.compile import CompiledBlocks, compile_blocks
@@ -79,6 +79,17 @@ class EncoderGraphsHandle:
 
     def format_stats(self) -> str:
         return format_graph_stats(self.stats())
+
+    def decode_route(self, settings: dict[str, Any]) -> tuple[DecoderGraphRunner, dict[str, Any]] | None:
+        """The decoder runner and the settings of its calls for generate calls made with
+        `settings` (a caller's that gives every call the same, as the caption command does, and
+        calls the runner itself), or None where such calls go to the stock `generate`."""
+        if self.decoder is None:
+            return None
+        try:
+            return self.decoder, runner_settings(self.model, settings)
+        except StockOnly:
+            return None
 
     def disable(self) -> None:
         """Undo every change to the model, last first, and free the graphs: each parameter is
@@ -184,8 +195,7 @@ def _graphed_generate(handle: EncoderGraphsHandle, runner: DecoderGraphRunner, o
             if args:
                 raise StockOnly("positional arguments after generation_config")
             arguments = runner_arguments(model, inputs, generation_config, kwargs)
-            batch, prompt_len = arguments["input_ids"].shape
-            if arguments["max_new_tokens"] > 1 and (unfit := runner.unfit_reason(batch, prompt_len + arguments["max_new_tokens"] - 1)):
+            if unfit := runner.call_unfit(*arguments["input_ids"].shape, arguments["max_new_tokens"]):
                 raise StockOnly(unfit)
         except StockOnly as why:
             if generator is not None:

@@ -231,3 +231,49 @@ def test_a_file_whose_prompts_run_out_of_memory_together_is_captioned_a_prompt_a
     assert set(stats.prompt_batches) == {"shared prefix" if graphs else "whole prompts"}
     for field in ("caption", "captions", "texts", "tokens", "truncated", "prompt"):
         assert record[field] == undisturbed[field], field
+
+
+@pytest.mark.parametrize("max_batch", [8, 1], ids=["the runner's", "over its batch: generate's"])
+def test_the_captioner_calls_the_decoder_runner_itself_and_generate_only_for_what_it_cannot_hold(
+    tmp_path, monkeypatch, max_batch
+):
+    """With graphs enabled the command's batches go to the decoder runner directly (the patched
+    `generate` is for library users): here it is made to raise, so any batch routed through it
+    fails. A batch over the runner's static cache goes to `generate`, which counts why. Either way
+    fp32 greedy captions equal a run without graphs."""
+    from encoder_graphs import enable_cuda_graphs
+    from encoder_graphs.options import GraphOptions
+
+    folder = photos(tmp_path / "in", 4)
+    model = Qwen2VLForConditionalGeneration.from_pretrained(default_model_dir()).eval()
+    inputs = QwenVLInputs.from_pretrained(default_model_dir())
+    config = CaptionConfig(max_new_tokens=8, batch_size=2)
+
+    def run(out: Path) -> list[dict]:
+        with ResultsFile(out) as results:
+            stats = Captioner(model, inputs, config, LoadLimits()).run(discover([folder]), Outputs(results, SidecarPolicy()))
+        assert stats.failed == 0
+        return sorted(lines_of(out), key=lambda r: r["path"])
+
+    stock = run(tmp_path / "stock.jsonl")
+    handle = enable_cuda_graphs(model, GraphOptions(decoder_max_batch_size=max_batch))  # on the CPU: the eager step
+    patched = model.generate
+
+    def not_through_generate(*args, **kwargs):
+        if max_batch > 1:
+            raise AssertionError("a batch the runner holds went through model.generate")
+        return patched(*args, **kwargs)
+
+    monkeypatch.setattr(model, "generate", not_through_generate)
+    try:
+        graphed = run(tmp_path / "graphed.jsonl")
+        stats = handle.stats()
+    finally:
+        monkeypatch.undo()
+        handle.disable()
+    assert [r["tokens"] for r in graphed] == [r["tokens"] for r in stock]
+    if max_batch > 1:
+        assert stats["decoder"]["calls"] == 2 and not stats["generate_fallbacks"]
+    else:
+        assert stats["decoder"]["calls"] == 0 and sum(stats["generate_fallbacks"].values()) == 2
+        assert "max_batch_size" in next(iter(stats["generate_fallbacks"]))

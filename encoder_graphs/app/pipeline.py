@@ -17,10 +17,9 @@ from encoder_graphs.app.config import CaptionConfig
 from encoder_graphs.app.decoders import VideoDecoders, load, video_workers
 from encoder_graphs.app.media import LoadLimits, MediaError, fingerprint, upright_size
 from encoder_graphs.app.outputs import Outputs, relative_path
-from encoder_graphs.app.prompt_batches import SHARED, collate_named, rows_apart
+from encoder_graphs.app.prompt_batches import SHARED, collate_named, placeholder_ids, rows_apart
 from encoder_graphs.app.runstats import RunStats
 from encoder_graphs.app.walk import MediaFile
-from encoder_graphs.decoder.sampling import RUNNER_SETTINGS
 from encoder_graphs.decoder.step import prompt_positions
 from encoder_graphs.enable import graphs_of
 from encoder_graphs.protocols import CaptionInputs, EncodedMedia
@@ -62,6 +61,10 @@ class Captioner:
         self.run_settings = run_settings  # each caption record's "settings" (`settings.run_identity`)
         # What every generate call of the run is given: the family's overrides of its checkpoint's settings.
         self.generate_settings = {**config.sampling, **inputs.generation_overrides, "max_new_tokens": config.max_new_tokens}
+        # The decoder runner, called here for every batch it can hold (the rest go to `generate`,
+        # which counts why), and its calls' settings, resolved once (None: the stock `generate`).
+        handle = graphs_of(model)
+        self.runner, self.runner_settings = (handle and handle.decode_route(self.generate_settings)) or (None, {})
         self.warm_up = warm_up  # run beside the first files' loading and collation, joined before the first batch
         self._warming: Future | None = None
         self.device = next(model.parameters()).device
@@ -172,7 +175,8 @@ class Captioner:
         so `to_model`'s copies run asynchronously instead of stalling the model's thread."""
         items = [p.item for p in batch]
         if self.config.named:
-            collated = collate_named(self.model, self.inputs, items, [p.prompts for p in batch], self.generate_settings)
+            collated = collate_named(self.inputs, items, [p.prompts for p in batch], self.runner,
+                                     self.config.max_new_tokens, placeholder_ids(self.model.config))
         else:
             collated = self.inputs.collate(items, [p.prompt for p in batch])
         shared = {SHARED: collated.pop(SHARED)} if SHARED in collated else {}
@@ -294,16 +298,18 @@ class Captioner:
         prompt_length = model_inputs["input_ids"].shape[1]
         stats.prompt_tokens += int(host["attention_mask"].sum())  # the host copy: no device sync
         stats.padded_prompt_tokens += host["attention_mask"].numel()
-        if shared is not None:
+        generators = self._generators(batch)
+        if shared is not None:  # `collate_named` shared only where the runner takes the rows
             ids, mask = model_inputs.pop("input_ids"), model_inputs.pop("attention_mask")
-            # `collate_named` shared only where `generate` would have taken the runner's route too.
-            settings = {k: v for k, v in self.generate_settings.items() if k in RUNNER_SETTINGS}
-            new_ids = graphs_of(self.model).decoder.generate_shared(
-                ids, mask, shared, **model_inputs, **settings, **self._generators(batch))
+            new_ids = self.runner.generate_shared(ids, mask, shared, **model_inputs, **self.runner_settings, **generators)
             stats.prompt_batches["shared prefix"] += 1  # once it ran: a batch split on OOM counts its halves
             return new_ids.tolist()
-        with torch.inference_mode():
-            output = self.model.generate(**model_inputs, **self.generate_settings, **self._generators(batch))
+        rows = model_inputs["input_ids"].shape[0]
+        if self.runner is not None and not self.runner.call_unfit(rows, prompt_length, self.config.max_new_tokens):
+            output = self.runner.generate(**model_inputs, **self.runner_settings, **generators)
+        else:
+            with torch.inference_mode():  # the stock generate (the patched one counts why it is not ours)
+                output = self.model.generate(**model_inputs, **self.generate_settings, **generators)
         if self.config.named:
             stats.prompt_batches["whole prompts"] += 1
         return output[:, prompt_length:].tolist()

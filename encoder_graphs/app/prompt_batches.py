@@ -5,7 +5,7 @@ where a family's template puts prompt text before the image, every prompt whole,
 
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -13,27 +13,24 @@ from encoder_graphs.decoder.shared import SharedPrompts
 from encoder_graphs.protocols import CaptionInputs, EncodedMedia
 from encoder_graphs.seam.attention import TOKEN_INPUTS
 
+if TYPE_CHECKING:
+    from encoder_graphs.decoder.runner import DecoderGraphRunner
+
 SHARED = "shared"  # the collated batch's key of its rows (`SharedPrompts`), taken out before the model
 
 
 def collate_named(
-    model: torch.nn.Module, inputs: CaptionInputs, items: Sequence[EncodedMedia], prompts: Sequence[Sequence[str]],
-    settings: dict,
+    inputs: CaptionInputs, items: Sequence[EncodedMedia], prompts: Sequence[Sequence[str]],
+    runner: "DecoderGraphRunner | None", max_new_tokens: int, placeholders: set[int],
 ) -> dict:
     """Each item with each of its named prompts: their shared prefixes and suffixes (`SHARED`)
-    where the model's decoder runner can take the batch's rows by the generation `settings` (the
-    checkpoint's and the run's, as `generate` would merge them), else every prompt whole."""
-    from encoder_graphs.decoder.generation import settings_refusal
-    from encoder_graphs.enable import graphs_of
-
-    handle = graphs_of(model)
-    runner = handle.decoder if handle is not None else None
-    max_new_tokens = settings["max_new_tokens"]
-    if runner is not None and settings_refusal(model, settings) is None:
-        collated = collate_shared(inputs, items, prompts, placeholder_ids(model.config))
+    where the decoder `runner` (None: the run's calls go to the stock `generate`) can take the
+    batch's rows, else every prompt whole."""
+    if runner is not None:
+        collated = collate_shared(inputs, items, prompts, placeholders)
         if collated is not None:
             rows, length = collated[SHARED].rows, collated[SHARED].length(collated["input_ids"].shape[1])
-            if runner.unfit_reason(rows, length + max_new_tokens - 1) is None:
+            if runner.call_unfit(rows, length, max_new_tokens) is None:
                 return collated
     return whole_rows(inputs, items, prompts)
 

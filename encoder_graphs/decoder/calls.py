@@ -104,7 +104,7 @@ class GenerateCalls:
             raise ValueError(f"{len(generator)} generators for {batch} rows")
         eos_ids = token_id_list(self.model.generation_config.eos_token_id if sampling.eos_token_id is None
                                 else sampling.eos_token_id)
-        if max_new_tokens > 1 and (unfit := self.unfit_reason(batch, prompt_len + max_new_tokens - 1)):
+        if unfit := self.call_unfit(batch, prompt_len, max_new_tokens):
             raise ValueError(f"the decoder's static cache cannot hold this call: {unfit}")
         tokens = NewTokens(batch, max_new_tokens, eos_ids, self._pad_id(sampling.pad_token_id, eos_ids), self.device)
         sample = partial(select_next_tokens, params=sampling.params, generator=generator)

@@ -109,11 +109,7 @@ def runner_arguments(
             raise StockOnly(f"argument {name}")
     kwargs = {name: value for name, value in kwargs.items() if name not in generate_arguments()}
     config, model_inputs = prepare_generation_config(model, generation_config, kwargs)
-    if (refusal := config_refusal(config)) is not None:
-        raise StockOnly(refusal)
-    if config.max_new_tokens is None:
-        raise StockOnly("max_new_tokens not set")
-
+    settings = _runner_settings(config)
     model_inputs = {name: value for name, value in model_inputs.items() if value is not None}
     family = family_class(model)
     known = (*_RUNNER_INPUTS, *(family.generate_inputs if family is not None else ()))
@@ -129,15 +125,31 @@ def runner_arguments(
     if attention_mask is None:
         attention_mask = _inferred_attention_mask(input_ids, config)
 
+    return {"input_ids": input_ids, "attention_mask": attention_mask, **settings, **model_inputs}
+
+
+def runner_settings(model: torch.nn.Module, settings: dict[str, Any]) -> dict[str, Any]:
+    """The settings of the runner's own calls (`generate`, `generate_shared`) that decode as
+    `model.generate(**settings, ...)` would: the checkpoint's generation config merged with
+    `settings` as transformers merges them. For callers that give every call the same settings
+    (the caption command), resolved once. Raises StockOnly when only the stock `generate` can."""
+    config, _ = prepare_generation_config(model, None, dict(settings))
+    return _runner_settings(config)
+
+
+def _runner_settings(config: GenerationConfig) -> dict[str, Any]:
+    """`max_new_tokens`, EOS and pad ids and the sampling of a merged `config`; StockOnly where
+    the runner cannot decode by it."""
+    if (refusal := config_refusal(config)) is not None:
+        raise StockOnly(refusal)
+    if config.max_new_tokens is None:
+        raise StockOnly("max_new_tokens not set")
     sampling = {"do_sample": True, "temperature": config.temperature, "top_p": config.top_p}
     return {
-        "input_ids": input_ids,
-        "attention_mask": attention_mask,
         "max_new_tokens": config.max_new_tokens,
         "eos_token_id": config.eos_token_id,
         "pad_token_id": config.pad_token_id,
         **(sampling if config.do_sample else {}),
-        **model_inputs,
     }
 
 
@@ -147,14 +159,6 @@ def config_refusal(config: GenerationConfig) -> str | None:
     if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
         return f"generation mode {mode.value}"
     return unhandled_setting(config)
-
-
-def settings_refusal(model: torch.nn.Module, settings: dict[str, Any]) -> str | None:
-    """Why `model.generate(**settings, ...)` would go to the stock `generate` by its generation
-    settings (the checkpoint's merged with `settings`), or None: for callers of the runner's own
-    calls, which must decode by the same settings as `generate` would."""
-    config, _ = prepare_generation_config(model, None, dict(settings))
-    return config_refusal(config)
 
 
 def unhandled_setting(config: GenerationConfig) -> str | None:

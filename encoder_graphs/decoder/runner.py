@@ -202,6 +202,11 @@ class DecoderGraphRunner(GenerateCalls):
             return f"batch of {batch}, larger than decoder max_batch_size {self.config.max_batch_size}"
         return None
 
+    def call_unfit(self, rows: int, prompt_len: int, max_new_tokens: int) -> str | None:
+        """`unfit_reason` of a generate call of `rows` prompts `prompt_len` slots long (one new
+        token takes no decode step: any call of one fits)."""
+        return self.unfit_reason(rows, prompt_len + max_new_tokens - 1) if max_new_tokens > 1 else None
+
     def _route(self, batch: int, needed_slots: int) -> Route:
         assert self.unfit_reason(batch, needed_slots) is None, "generate refuses what the static cache cannot hold"
         bucket = next((b for b in self.config.buckets if b >= batch), None)

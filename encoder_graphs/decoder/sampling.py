@@ -25,11 +25,6 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 
 
-# The generation settings the runner's calls take (beside model inputs and generators): what a
-# caller hands them of the settings it gives `generate`, once `settings_refusal` found the rest neutral.
-RUNNER_SETTINGS = ("do_sample", "temperature", "top_p", "eos_token_id", "pad_token_id", "max_new_tokens")
-
-
 @dataclass
 class Sampling:
     """How a generate call picks its tokens: the params, the generators (one, or one a row), the
