@@ -362,7 +362,8 @@ def test_a_retry_is_not_skipped_when_a_copier_removes_the_partial_it_locks(tmp_p
     """A --retry-failed process opens the partial file a --webdataset-copy process made to copy
     the sealed shard; the copier writes its copy, removes the file and lets go; the retry locks the
     removed file. The shard still has errors: the retry takes the file there now, not 'completed'."""
-    from encoder_graphs.app import shard_outputs
+    import fcntl
+
     from encoder_graphs.app.shard_outputs import ShardOutputs, first_settings, partial_path, sealed_records
 
     write_shards(tmp_path / "wds", 1, 4)  # sample 3 is a corrupt JPEG: an error record
@@ -375,17 +376,17 @@ def test_a_retry_is_not_skipped_when_a_copier_removes_the_partial_it_locks(tmp_p
     assert not retry.is_complete(shard)
     path = partial_path(out, "00000")
     held = copier._locked_partial(path)  # the copier holds the partial file it made
-    real = shard_outputs.fcntl.flock
+    real = fcntl.flock
 
     def flock(descriptor, operation):  # the retry opened the copier's file; the copier ends first
-        monkeypatch.setattr(shard_outputs.fcntl, "flock", real)
+        monkeypatch.setattr(fcntl, "flock", real)
         if descriptor != held:
             copier._write_copy(shard, sealed_records(out / "00000.jsonl", False))
             os.unlink(path)
             os.close(held)
         return real(descriptor, operation)
 
-    monkeypatch.setattr(shard_outputs.fcntl, "flock", flock)
+    monkeypatch.setattr(fcntl, "flock", flock)
     began = retry.begin(shard)
     assert began is not None, retry.skipped
     assert sorted(began.values()) == [False, True, True, True]  # the sealed records seed it, one an error

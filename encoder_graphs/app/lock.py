@@ -228,6 +228,30 @@ def _write_holder(path: Path) -> tuple[int | None, str | None]:
     return fd, None
 
 
+def lock_own_file(path: Path) -> int | None:
+    """`path` opened for appending (created 0600 when missing: a user who cannot open it cannot
+    hold its lock either) and `flock`ed: its descriptor, or None where another process holds it.
+    Never through a link; only this user's own regular file (else PermissionError). A file removed
+    or replaced while it was being locked (its holder's tidying) gives way to the one there now."""
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | OPEN_FLAGS, 0o600)
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
+            os.close(fd)
+            raise PermissionError(errno.EPERM, "not this user's own regular file", str(path))
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        except OSError:  # no locks on this filesystem (ENOLCK)
+            os.close(fd)
+            raise
+        if same_file(fd, path):
+            return fd
+        os.close(fd)
+
+
 def _no_symlink(error: OSError, path: Path) -> OSError:
     """ELOOP of O_NOFOLLOW said as what it means here."""
     if error.errno == errno.ELOOP:

@@ -14,7 +14,6 @@ for it and removed after), so two processes never both write it.
 """
 
 import errno
-import fcntl
 import io
 import json
 import os
@@ -26,7 +25,7 @@ from pathlib import Path
 
 from encoder_graphs.app.datasets import InputShard, unreadable
 from encoder_graphs.app.errors import UsageError, printable
-from encoder_graphs.app.lock import same_file
+from encoder_graphs.app.lock import lock_own_file
 from encoder_graphs.app.outputs import remove_unheld, write_atomically
 from encoder_graphs.app.webdataset_copy import copy_path, copy_writer
 
@@ -87,65 +86,46 @@ class ShardOutputs:
         holding it is left to it (said in `skipped`: a holder run without the flag writes none, and
         a rerun with it does), and a copy written meanwhile is not written again."""
         path, copy = partial_path(self.folder, shard.name), copy_path(self.folder, shard)
-        while not is_regular(copy):
-            if (descriptor := self._locked_partial(path)) is None:
-                self.skipped[shard.name] = "its WebDataset copy is left to the process holding the shard"
-                print(f"encoder-graphs: shard {shard.name}: {self.skipped[shard.name]}", file=sys.stderr)
-                return
-            try:
-                if not same_file(descriptor, path):
-                    continue  # locked as its holder removed it: again, on the file there now
-                if not is_regular(copy):
-                    self._write_copy(shard, sealed_records(final, self.named))
-                os.unlink(path)  # before the lock goes, as a seal does
-                return
-            finally:
-                os.close(descriptor)
+        if is_regular(copy):
+            return
+        if (descriptor := self._locked_partial(path)) is None:
+            self.skipped[shard.name] = "its WebDataset copy is left to the process holding the shard"
+            print(f"encoder-graphs: shard {shard.name}: {self.skipped[shard.name]}", file=sys.stderr)
+            return
+        try:
+            if not is_regular(copy):
+                self._write_copy(shard, sealed_records(final, self.named))
+            os.unlink(path)  # before the lock goes, as a seal does
+        finally:
+            os.close(descriptor)
 
-    def _locked_partial(self, path: Path) -> int | None:
-        """The shard's partial file `path` opened (created when missing; never through a link,
-        only the user's own) and locked: its descriptor, or None where another process holds it."""
-        try:  # 0600: a user who cannot open it cannot hold its lock either
-            descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    @staticmethod
+    def _locked_partial(path: Path) -> int | None:
+        """The shard's partial file `path` locked (`lock.lock_own_file`): its descriptor, or None
+        where another process holds it."""
+        try:
+            return lock_own_file(path)
         except OSError as error:
+            if error.errno == errno.ENOLCK:  # said by the caller's error
+                raise
             why = "a link" if error.errno == errno.ELOOP else error.strerror
             raise UsageError(f"--out: cannot open {printable(path)} ({why})") from error
-        info = os.fstat(descriptor)
-        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
-            os.close(descriptor)
-            raise UsageError(f"--out: {printable(path)} is not this user's own file: not written")
-        try:
-            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(descriptor)
-            return None
-        except OSError:  # no locks on this filesystem (ENOLCK): said by the caller's error
-            os.close(descriptor)
-            raise
-        return descriptor
 
     def begin(self, shard: InputShard) -> dict[str, bool] | None:
         """Open the shard's partial file: the keys it holds records of already (True: a caption,
         False: an error), or None where another process holds it."""
         path, final = partial_path(self.folder, shard.name), self.final_path(shard.name)
-        while True:
-            descriptor = self._locked_partial(path)
-            if descriptor is None:
-                self.skipped[shard.name] = "another process is captioning it: left to it"
-                return None
-            # Retried: read under the lock, still with errors (another process may have retried it meanwhile).
-            kept = sealed_records(final, self.named) if shard.name in self._retrying and os.path.lexists(final) else {}
-            if os.path.lexists(final) and not any("error" in record for record in kept.values()):
-                if same_file(descriptor, path):
-                    os.unlink(path)  # ours: left by a seal cut short, or made just now
-                os.close(descriptor)
-                self.skipped[shard.name] = "another process completed it meanwhile"
-                return None
-            if same_file(descriptor, path):
-                break
-            # Locked as its holder removed it (a copier of the sealed shard, a seal's tidying) while
-            # the shard still wants this process: again, on the file there now.
+        descriptor = self._locked_partial(path)
+        if descriptor is None:
+            self.skipped[shard.name] = "another process is captioning it: left to it"
+            return None
+        # Retried: read under the lock, still with errors (another process may have retried it meanwhile).
+        kept = sealed_records(final, self.named) if shard.name in self._retrying and os.path.lexists(final) else {}
+        if os.path.lexists(final) and not any("error" in record for record in kept.values()):
+            os.unlink(path)  # ours: left by a seal cut short, or made just now
             os.close(descriptor)
+            self.skipped[shard.name] = "another process completed it meanwhile"
+            return None
         cut_torn_line(descriptor)
         if kept and not os.fstat(descriptor).st_size:  # the sealed records, carried into the new seal
             append_synced(descriptor, b"".join(map(json_line, kept.values())))
