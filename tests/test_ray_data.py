@@ -150,30 +150,32 @@ def test_a_driver_imports_neither_torch_nor_transformers():
 
 
 def test_a_call_decodes_at_most_two_batches_ahead_and_keeps_its_rows_in_order(cluster):
-    """A call of many rows holds at most two generate batches of decoded rows beyond the one the
-    GPU captions (a preprocessed photo is megabytes); its records stay in the rows' order."""
-    from concurrent.futures import ThreadPoolExecutor
+    """A call of many rows runs the command's loop: at most two generate batches of rows decoding
+    or decoded ahead of a window being captioned (a preprocessed photo is megabytes), not the whole
+    call's at once; its records stay in the rows' order, a broken row's an error record."""
+    import threading
 
     from encoder_graphs.app.ray_data import RayCaptioner
-
-    class Counting(ThreadPoolExecutor):
-        submitted = 0
-
-        def submit(self, *args, **kwargs):
-            Counting.submitted += 1
-            return super().submit(*args, **kwargs)
+    from encoder_graphs.app.ray_rows import PREFETCH_BATCHES
 
     captioner = RayCaptioner(max_new_tokens=2, batch_size=2, device="cpu")
     rows = captioner.captioner
-    rows._decoders = Counting(2)
-    seen = []
-    caption_batch = rows.caption_batch
+    prepared, lock, seen = [0], threading.Lock(), []
+    prepare, caption_batch = rows.prepare, rows.caption_batch
 
-    def watched(batch, stats):
-        seen.append((Counting.submitted, (seen[-1][1] if seen else 0) + len(batch)))
-        return caption_batch(batch, stats)
+    def counted(file):
+        with lock:
+            prepared[0] += 1
+        return prepare(file)
 
-    rows.caption_batch = watched
+    captioned = [0]
+
+    def watched(batch, stats, collated=None):
+        seen.append((prepared[0], captioned[0]))  # rows submitted, rows captioned before this batch
+        captioned[0] += len(batch)
+        return caption_batch(batch, stats, collated)
+
+    rows.prepare, rows.caption_batch = counted, watched
     images = []
     for index in range(24):
         png = io.BytesIO()
@@ -182,6 +184,7 @@ def test_a_call_decodes_at_most_two_batches_ahead_and_keeps_its_rows_in_order(cl
     out = captioner({"key": [f"k{i}" for i in range(24)], "image": images})
     assert out["key"] == [f"k{i}" for i in range(24)]
     assert out["error_kind"][5] == "corrupt" and all(out["caption"][i] is not None for i in range(24) if i != 5)
-    # When a batch is captioned, at most two batches (4 rows) and the one taken are submitted beyond
-    # it (a failed row counts among them); a whole call's 24 rows at once was the old way.
-    assert len(seen) == 12 and all(submitted <= captioned + 4 + 1 + 1 for submitted, captioned in seen), seen
+    assert rows.config.prefetch_batches == PREFETCH_BATCHES == 2
+    # A window of 4 rows is captioned with at most 4 more submitted beyond it (and the failed row).
+    assert captioned[0] == 23 and len(seen) == 12
+    assert all(started <= done + 2 * 4 + 1 for started, done in seen), seen

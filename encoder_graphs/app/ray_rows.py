@@ -4,87 +4,69 @@ Imported by the actor only (it pulls in torch and transformers; the driver needs
 
 import io
 import os
-import time
-from collections import deque
-from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from encoder_graphs.app.media import LoadLimits, MediaError, decode_image, load_image, upright_size
-from encoder_graphs.app.pipeline import Captioner, Pending
-from encoder_graphs.app.runstats import RunStats
+from encoder_graphs.app.pipeline import Captioner
 from encoder_graphs.app.walk import MediaFile
+
+# A call decodes at most this many generate batches ahead of the GPU (a preprocessed photo is
+# megabytes of pixels; map_batches' batch is several generate batches).
+PREFETCH_BATCHES = 2
+
+
+@dataclass(frozen=True)
+class Row(MediaFile):
+    """A dataset row as the caption run takes a file: `path` is its key (a prompt's `{name}` is
+    the key's last part), `index` its place in the call, `value` its image column's value."""
+
+    key: str = ""
+    index: int = 0
+    value: Any = field(default=None, repr=False, compare=False)
+
+
+class Records(list):
+    """Where `Captioner.run` writes a call's records."""
+
+    def write(self, records: list[dict]) -> None:
+        self.extend(records)
 
 
 class RowCaptioner(Captioner):
-    """A Captioner of a dataset's rows: a row is named by its key, not by a file."""
+    """A Captioner of a dataset's rows: the command's loop (rows decoded on loader threads sized by
+    the actor's share of its node's cores, batched by cost, collated beside the GPU), rows named by
+    their keys."""
 
     def __init__(self, *args: Any, read_paths: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._keys: dict[Path, str] = {}  # a row's stand-in path -> its key
+        self.config = replace(self.config, load_workers=actor_load_workers(self.config.load_workers),
+                              prefetch_batches=PREFETCH_BATCHES)
         self.read_paths = read_paths
-        self._decoders: ThreadPoolExecutor | None = None
 
     def caption_rows(self, keys: list[str], images: list[Any]) -> list[dict]:
-        """One record per row, in order: its caption, or why it has none. The rows are decoded and
-        preprocessed on loader threads, in order, while the GPU captions the rows before them:
-        a call of several generate batches (map_batches' `batch_size` a multiple of the
-        captioner's) waits only for its first batch's files, as the command's loop does. At most
-        two batches are decoded ahead (a preprocessed photo is megabytes of pixels)."""
-        if self._decoders is None:
-            self._decoders = ThreadPoolExecutor(actor_load_workers(self.config.load_workers),
-                                                thread_name_prefix="ray-rows")
-        records: list[dict | None] = []
-        waiting: list[tuple[int, Pending]] = []
-        stats = RunStats()
+        """One record per row, in the rows' order: its caption, or why it has none. A call of
+        several generate batches (map_batches' `batch_size` a multiple of the captioner's) waits
+        only for its first batch's rows, as the command's loop waits for its first files."""
+        rows = [Row(Path(key), "image", key=key, index=index, value=image)
+                for index, (key, image) in enumerate(zip(keys, images, strict=True))]
+        records = Records()
+        self.run(rows, records)
+        ordered: list[dict] = [{}] * len(rows)
+        for record in records:
+            ordered[record.pop(ROW)] = record
+        return ordered
 
-        def caption_waiting() -> None:
-            batch = [pending for _, pending in waiting]
-            for (index, _), record in zip(waiting, self.caption_batch(batch, stats), strict=True):
-                records[index] = record
-            waiting.clear()
+    def _encoded(self, file: Row) -> tuple:
+        picture, size = decode_row_image(file.value, file.key, self.limits, self.read_paths)
+        return self.inputs.encode_image(picture), size, None
 
-        for index, outcome in enumerate(self._prepared(keys, images, 2 * self.config.batch_size)):
-            records.append(outcome if isinstance(outcome, dict) else None)
-            if isinstance(outcome, Pending):
-                waiting.append((index, outcome))
-                if len(waiting) == self.config.batch_size:
-                    caption_waiting()
-        if waiting:
-            caption_waiting()
-        return records  # type: ignore[return-value] (every None was replaced)
+    def _identity(self, file: Row) -> dict:
+        return {"key": file.key, "kind": file.kind, ROW: file.index}
 
-    def _prepared(self, keys: list[str], images: list[Any], ahead: int) -> Iterator["Pending | dict"]:
-        """Each row's outcome (`_prepare_row`) in order, at most `ahead` rows decoding or decoded
-        beyond the one taken."""
-        futures: deque[Future] = deque()
-        for index, (key, image) in enumerate(zip(keys, images, strict=True)):
-            futures.append(self._decoders.submit(self._prepare_row, index, key, image))
-            if len(futures) > ahead:
-                yield futures.popleft().result()
-        while futures:
-            yield futures.popleft().result()
 
-    def _prepare_row(self, index: int, key: str, image: Any) -> "Pending | dict":
-        file = MediaFile(Path(f"row-{index}"), "image")  # rows are named by their keys (`_identity`)
-        self._keys[file.path] = key
-        started = time.perf_counter()
-        try:
-            picture, size = decode_row_image(image, key, self.limits, self.read_paths)
-            item = self.inputs.encode_image(picture)
-        except MediaError as error:
-            return self._error_record(file, error.kind, str(error))
-        except Exception as error:  # noqa: BLE001 (a processor refusing one row costs that row only)
-            return self._error_record(file, "preprocess", f"{key}: {type(error).__name__}: {error}")
-        return self._pending(file, item, started, size, None, Path(key).stem, "")
-
-    def _identity(self, file: MediaFile) -> dict:
-        return {"key": self._keys[file.path], "kind": file.kind}
-
-    def _failure_record(self, file: MediaFile, error: Exception) -> dict:
-        record = super()._failure_record(file, error)
-        return {**record, "error": record["error"].replace(str(file.path), self._keys[file.path], 1)}
+ROW = "_row"  # a record's place in its call, taken out before the records are returned
 
 
 def actor_load_workers(default: int) -> int:
