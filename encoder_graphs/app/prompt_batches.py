@@ -5,7 +5,7 @@ where a family's template puts prompt text before the image, every prompt whole,
 
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -14,6 +14,7 @@ from encoder_graphs.protocols import CaptionInputs, EncodedMedia
 from encoder_graphs.seam.attention import TOKEN_INPUTS
 
 if TYPE_CHECKING:
+    from encoder_graphs.app.pipeline import Pending
     from encoder_graphs.decoder.runner import DecoderGraphRunner
 
 SHARED = "shared"  # the collated batch's key of its rows (`SharedPrompts`), taken out before the model
@@ -102,7 +103,7 @@ def whole_rows(
 
 
 def rows_apart(
-    pending: Any, new_tokens: Callable[[Any], list[list[int]]], free_memory: Callable[[], None]
+    pending: "Pending", new_tokens: "Callable[[Pending], list[list[int]]]", free_memory: Callable[[], None]
 ) -> list[list[int]]:
     """The rows (a row a prompt, in order) of a file (`Pending`) whose prompts ran out of memory
     together: its prompts in halves, each half halved again while it runs out of memory, so a
