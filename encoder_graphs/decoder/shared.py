@@ -85,7 +85,8 @@ def shared_prefill(
     `text_position_row`: `packed_prefill`'s."""
     prefilled = (packed_prefill(model, prefix_ids, prefix_mask, model_inputs, text_position_row) if packed
                  else prefill(model, prefix_ids, prefix_mask, model_inputs))
-    states = padded_states(prefilled, prefix_mask.shape)
+    states, prefix_positions = padded_states(prefilled, prefix_mask.shape), prefilled.next_positions
+    del prefilled  # a packed prefill's states, copied into `states`: not held twice while the groups run
     text_config = model.config.get_text_config(decoder=True)
     prefix_len = prefix_mask.shape[1]
     length = shared.length(prefix_len)
@@ -98,7 +99,7 @@ def shared_prefill(
         cache = continued_cache(dynamic_cache(text_config), [(a[items], b[items]) for a, b in states])
         mask = torch.cat([prefix_mask[items], prefix_mask.new_ones(count, n)], dim=1)
         steps = torch.arange(n, device=prefix_ids.device)
-        suffix_positions = prefilled.next_positions[..., items, :] + steps
+        suffix_positions = prefix_positions[..., items, :] + steps
         continued = prefill(model, suffix, mask, {"position_ids": suffix_positions}, cache)
         slots = torch.cat([torch.arange(prefix_len, device=steps.device), length - n + steps])
         if load is not None:
@@ -107,6 +108,7 @@ def shared_prefill(
         logits.append(continued.logits)
         masks.append(mask.new_zeros(count, length).index_copy(1, slots, mask))
         positions.append(continued.next_positions)
+        del cache, continued  # this group's states are in the store: freed before the next group's copies
     return SharedPrefill(torch.cat(logits), torch.cat(masks), torch.cat(positions, dim=-2))
 
 
