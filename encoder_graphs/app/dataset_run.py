@@ -15,6 +15,7 @@ import sys
 import tarfile
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import replace
 from itertools import islice
@@ -246,7 +247,7 @@ def run_shards(settings: Settings, todo: list[InputShard], outputs: ShardOutputs
     captioner = SampleCaptioner(model, source.inputs, job.config, job.limits, model_name=job.model_name,
                                 run_settings=identity, in_flight=in_flight)
     # Samples by the count the job was sized for (the first shards' counts standing for the rest).
-    progress = None if settings.quiet or os.environ.get("WORLD_SIZE", "1") != "1" else progress_bar(len(plan.todo))
+    progress = None if settings.quiet or os.environ.get("WORLD_SIZE", "1") != "1" else progress_bar(plan.todo_by_kind().total())
     outputs.progress = progress.update if progress is not None else None
     try:
         with stop_on_interrupt() as stop:
@@ -281,10 +282,9 @@ def run_shards(settings: Settings, todo: list[InputShard], outputs: ShardOutputs
 
 
 def stand_in_plan(settings: Settings, todo: list[InputShard], config: Any, identity: dict) -> Any:
-    """The plan a folder of this job's files would make, for sizing the job: one stand-in file a
-    sample (counted in the first shards), videos where the first shard's first samples hold any."""
+    """The plan that sizes the job: its samples counted by kind (in the first shards; videos
+    where the first shard's first samples hold any), no list of files."""
     from encoder_graphs.app.plan import Plan
-    from encoder_graphs.app.walk import MediaFile
 
     first = samples(todo[0], settings.image_column, settings.key_column)
     try:
@@ -296,8 +296,8 @@ def stand_in_plan(settings: Settings, todo: list[InputShard], config: Any, ident
     counted = todo[:COUNTED_SHARDS]  # a thousand shards' headers would take minutes: the rest alike
     count = round(sum(table_rows(shard) for shard in counted) * len(todo) / len(counted))
     videos = min(count, 64) if "video" in kinds else 0  # enough to size the videos' batch
-    files = [MediaFile(Path(f"sample-{n}"), "video" if n < videos else "image") for n in range(count)]
-    return Plan(settings, [], files, files, config, sidecars=None, results=None, identity=identity)
+    return Plan(settings, [], [], [], config, sidecars=None, results=None, identity=identity,
+                counted=Counter(image=count - videos, video=videos))
 
 
 def table_rows(shard: InputShard) -> int:

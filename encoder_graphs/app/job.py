@@ -97,7 +97,7 @@ def batched_config(job: CaptionJob, plan: Plan, model: "PreTrainedModel") -> Cap
     from encoder_graphs.app.sizing import fitting_batch_sizes
 
     settings, new_tokens = plan.settings, job.config.max_new_tokens
-    counts = {kind: sum(f.kind == kind for f in plan.todo) for kind in ("image", "video")}
+    counts = {kind: plan.todo_by_kind()[kind] for kind in ("image", "video")}
     prompts = {"image": job.longest_image - new_tokens}
     if counts["video"]:
         prompts["video"] = job.longest - new_tokens
@@ -139,5 +139,5 @@ def wants_compile(plan: Plan, device: "torch.device") -> bool:
     path as much."""
     if plan.settings.compile is not None:
         return plan.settings.compile
-    return device.type == "cuda" and len(plan.todo) >= COMPILE_FROM_FILES * plan.job.world_size
+    return device.type == "cuda" and plan.todo_by_kind().total() >= COMPILE_FROM_FILES * plan.job.world_size
 

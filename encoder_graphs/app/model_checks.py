@@ -61,7 +61,7 @@ def check_length(plan: Plan, config: "CaptionConfig", source: "ModelSource", lim
     flag = "--prompt" if plan.settings.prompt_file is None else f"--prompt-file {plan.settings.prompt_file}"
     try:
         longest_image = longest_sequence(inputs, config, limits, videos=False)
-        longest = longest_sequence(inputs, config, limits, videos=True) if any(f.kind == "video" for f in plan.todo) \
+        longest = longest_sequence(inputs, config, limits, videos=True) if plan.todo_by_kind()["video"] \
             else longest_image
     except ValueError as error:  # a prompt the model's inputs refuse (DeepSeek-OCR's with its own <image>)
         raise UsageError(f"{flag}: {error}") from error

@@ -46,6 +46,13 @@ class Plan:
     identity: dict = field(default_factory=dict)  # the settings each caption record carries (`run_identity`)
     temporary_out: bool = False  # `--samples` without `--out`: a demo's records, shown then removed
     later: int = 0  # files to do beyond `--limit`, left to a later run
+    # Files to do by kind, where there is no list of them: a dataset run's or a Ray actor's plan,
+    # which sizes the job (a million stand-in files would be a million objects).
+    counted: Counter | None = None
+
+    def todo_by_kind(self) -> Counter:
+        """The files still to do by kind ("image", "video")."""
+        return Counter(self.counted) if self.counted is not None else Counter(f.kind for f in self.todo)
 
 
 def make_plan(settings: Settings, job: Job) -> Plan:

@@ -20,7 +20,7 @@ which the command reads only where the user points it. Ray itself is an optional
 (`pip install "encoder-graphs[ray]"`): this module imports none of it, nor torch or
 transformers, which only an actor needs (`app/ray_rows.py`), so a driver starts without them."""
 
-from pathlib import Path
+from collections import Counter
 from typing import Any
 
 from encoder_graphs.app.config import DEFAULT_IMAGE_TOKENS, CaptionConfig
@@ -28,7 +28,6 @@ from encoder_graphs.app.errors import UsageError
 from encoder_graphs.app.plan import Plan
 from encoder_graphs.app.prompts import checked
 from encoder_graphs.app.settings import Settings
-from encoder_graphs.app.walk import MediaFile
 
 # The columns each row gains (a failed row: its error's; the others None); with named prompts also
 # `captions` and `texts`, and `tokens`, `truncated`, `prompt` map each name to its own.
@@ -57,10 +56,9 @@ def named_prompts(prompt: str | None, prompts: dict[str, str] | None) -> tuple[t
 def one_batch_plan(settings: Settings, batch_size: int, named: tuple[tuple[str, str], ...] = ()) -> Plan:
     """The plan the caption command would make for `batch_size` images (no files, no outputs):
     an actor's job is sized for the batches Ray hands it (a row a prompt with named prompts)."""
-    todo = [MediaFile(Path(f"row-{index}"), "image") for index in range(batch_size)]
     config = CaptionConfig(prompt=named[0][1] if named else settings.prompt, named=named,
                            max_new_tokens=settings.max_new_tokens)
-    return Plan(settings, [], todo, todo, config, sidecars=None, results=None)
+    return Plan(settings, [], [], [], config, sidecars=None, results=None, counted=Counter(image=batch_size))
 
 
 class RayCaptioner:
