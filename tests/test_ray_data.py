@@ -184,7 +184,7 @@ def test_a_call_decodes_at_most_two_batches_ahead_and_keeps_its_rows_in_order(cl
     out = captioner({"key": [f"k{i}" for i in range(24)], "image": images})
     assert out["key"] == [f"k{i}" for i in range(24)]
     assert out["error_kind"][5] == "corrupt" and all(out["caption"][i] is not None for i in range(24) if i != 5)
-    assert rows.config.prefetch_batches == PREFETCH_BATCHES == 2
+    assert rows.prefetch_batches == PREFETCH_BATCHES == 2
     # A window of 4 rows is captioned with at most 4 more submitted beyond it (and the failed row).
     assert captioned[0] == 23 and len(seen) == 12
     assert all(started <= done + 2 * 4 + 1 for started, done in seen), seen

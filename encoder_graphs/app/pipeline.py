@@ -66,6 +66,7 @@ class Captioner:
         handle = graphs_of(model)
         self.runner, self.runner_settings = (handle and handle.decode_route(self.generate_settings)) or (None, {})
         self.warm_up = warm_up  # run beside the first files' loading and collation, joined before the first batch
+        self.load_workers, self.prefetch_batches = config.load_workers, config.prefetch_batches  # a Ray actor's own
         self._warming: Future | None = None
         self.device = next(model.parameters()).device
         self._videos, self._own_videos = videos, videos is None
@@ -84,15 +85,15 @@ class Captioner:
         what is done (stats.interrupted); files loaded but not captioned are left to a rerun."""
         stats = RunStats()
         self._started, self._ended = time.perf_counter(), False
-        window = min(self.config.largest_batch, self.config.load_workers)
-        ahead = self.config.largest_batch * self.config.prefetch_batches
+        window = min(self.config.largest_batch, self.load_workers)
+        ahead = self.config.largest_batch * self.prefetch_batches
         ready: list[Pending] = []
         failures: list[dict] = []  # written with the next batch, so a kill loses at most one batch
         # Files load on worker threads a window ahead of the model (PIL and torch's CPU kernels
         # release the GIL; a video's thread waits on its decoder process, `app/decoders.py`); the
         # next batch is collated on its own thread while the model runs one, so neither waits
         # behind the other.
-        pool = ThreadPoolExecutor(self.config.load_workers)
+        pool = ThreadPoolExecutor(self.load_workers)
         self._collator = ThreadPoolExecutor(1)
         warming = ThreadPoolExecutor(1)
         self._warming = warming.submit(self.warm_up) if self.warm_up is not None else None

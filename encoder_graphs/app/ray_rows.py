@@ -4,7 +4,7 @@ Imported by the actor only (it pulls in torch and transformers; the driver needs
 
 import io
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -41,8 +41,8 @@ class RowCaptioner(Captioner):
 
     def __init__(self, *args: Any, read_paths: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.config = replace(self.config, load_workers=actor_load_workers(self.config.load_workers),
-                              prefetch_batches=PREFETCH_BATCHES)
+        # The actor's share of its node's cores; two batches ahead (map_batches hands several).
+        self.load_workers, self.prefetch_batches = actor_load_workers(self.config.load_workers), PREFETCH_BATCHES
         self.read_paths = read_paths
 
     def caption_rows(self, keys: list[str], images: list[Any]) -> list[dict]:
