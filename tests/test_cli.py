@@ -510,7 +510,8 @@ def test_compile_defaults_on_only_for_gpu_runs_that_pay_for_it():
 
     def plan(files: int, world_size: int = 1, *flags: str) -> Plan:
         settings = Settings.from_arguments(build_parser().parse_args(["caption", "x", *flags]))
-        return Plan(settings, [], [], [None] * files, CaptionConfig(), None, None, Job(world_size=world_size))
+        return Plan(settings, [], [], [], CaptionConfig(), None, None, Job(world_size=world_size),
+                    counted=Counter(image=files))
 
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
     assert wants_compile(plan(COMPILE_FROM_FILES), cuda)

@@ -52,7 +52,7 @@ class Plan:
 
     def todo_by_kind(self) -> Counter:
         """The files still to do by kind ("image", "video")."""
-        return Counter(self.counted) if self.counted is not None else Counter(f.kind for f in self.todo)
+        return +Counter(self.counted) if self.counted is not None else Counter(f.kind for f in self.todo)
 
 
 def make_plan(settings: Settings, job: Job) -> Plan:
