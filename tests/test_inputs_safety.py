@@ -287,7 +287,9 @@ def test_a_second_ctrl_c_during_a_long_video_decode_stops_at_once(tmp_path, mode
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
     assert process.returncode == 130, err
-    assert stopped_s < 3.0, (stopped_s, err)  # 1.5-1.6 s on 2 idle cores; a busy CI machine is slower
+    # 1.5-1.6 s on 2 idle cores; 3.0-4.1 s on a slower 2-core machine (2026-11-28, this code and
+    # the code before it alike); the hang this guards against ran to the 30 s timeout.
+    assert stopped_s < 5.0, (stopped_s, err)
     assert "Traceback" not in err
     assert [Path(r["path"]).name for r in lines_of(out)] == ["img00.png"]
     deadline = time.monotonic() + 5  # the decoder processes end with it (a moment to be reaped)
