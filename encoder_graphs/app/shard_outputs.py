@@ -25,7 +25,7 @@ from pathlib import Path
 
 from encoder_graphs.app.datasets import InputShard, unreadable
 from encoder_graphs.app.errors import UsageError, printable
-from encoder_graphs.app.lock import lock_own_file
+from encoder_graphs.app.lock import lock_own_file, same_file
 from encoder_graphs.app.outputs import remove_unheld, write_atomically
 from encoder_graphs.app.webdataset_copy import copy_path, copy_writer
 
@@ -122,7 +122,8 @@ class ShardOutputs:
         # Retried: read under the lock, still with errors (another process may have retried it meanwhile).
         kept = sealed_records(final, self.named) if shard.name in self._retrying and os.path.lexists(final) else {}
         if os.path.lexists(final) and not any("error" in record for record in kept.values()):
-            os.unlink(path)  # ours: left by a seal cut short, or made just now
+            if same_file(descriptor, path):  # still ours (a tidying may have swapped it meanwhile)
+                os.unlink(path)  # left by a seal cut short, or made just now
             os.close(descriptor)
             self.skipped[shard.name] = "another process completed it meanwhile"
             return None
