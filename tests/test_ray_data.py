@@ -188,3 +188,13 @@ def test_a_call_decodes_at_most_two_batches_ahead_and_keeps_its_rows_in_order(cl
     # A window of 4 rows is captioned with at most 4 more submitted beyond it (and the failed row).
     assert captioned[0] == 23 and len(seen) == 12
     assert all(started <= done + 2 * 4 + 1 for started, done in seen), seen
+
+
+def test_a_rows_prompt_takes_the_keys_stem_as_name_and_no_folder():
+    """`{name}` is the stem of the key's last part and `{folder}` empty, whatever slashes the key has."""
+    from encoder_graphs.app.ray_data import RayCaptioner
+
+    png = io.BytesIO()
+    Image.new("RGB", (32, 32)).save(png, "PNG")
+    captioner = RayCaptioner(max_new_tokens=2, batch_size=2, device="cpu", prompt="F={folder} N={name}")
+    assert captioner({"key": ["dir/sub/k0.jpg"], "image": [png.getvalue()]})["prompt"] == ["F= N=k0"]

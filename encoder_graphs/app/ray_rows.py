@@ -20,7 +20,8 @@ PREFETCH_BATCHES = 2
 @dataclass(frozen=True)
 class Row(MediaFile):
     """A dataset row as the caption run takes a file: `path` is its key (a prompt's `{name}` is
-    the key's last part), `index` its place in the call, `value` its image column's value."""
+    the stem of the key's last part, `{folder}` empty), `index` its place in the call, `value`
+    its image column's value."""
 
     key: str = ""
     index: int = 0
@@ -61,6 +62,10 @@ class RowCaptioner(Captioner):
     def _encoded(self, file: Row) -> tuple:
         picture, size = decode_row_image(file.value, file.key, self.limits, self.read_paths)
         return self.inputs.encode_image(picture), size, None
+
+    def _pending(self, file: Row, item: Any, started: float, size: tuple[int, int], video: dict | None,
+                 name: str, folder: str) -> Any:
+        return super()._pending(file, item, started, size, video, name, "")  # a row has no folder
 
     def _identity(self, file: Row) -> dict:
         return {"key": file.key, "kind": file.kind, ROW: file.index}
