@@ -247,7 +247,8 @@ def run_shards(settings: Settings, todo: list[InputShard], outputs: ShardOutputs
     captioner = SampleCaptioner(model, source.inputs, job.config, job.limits, model_name=job.model_name,
                                 run_settings=identity, in_flight=in_flight)
     # Samples by the count the job was sized for (the first shards' counts standing for the rest).
-    progress = None if settings.quiet or os.environ.get("WORLD_SIZE", "1") != "1" else progress_bar(plan.todo_by_kind().total())
+    quiet = settings.quiet or os.environ.get("WORLD_SIZE", "1") != "1"
+    progress = None if quiet else progress_bar(plan.todo_by_kind().total())
     outputs.progress = progress.update if progress is not None else None
     try:
         with stop_on_interrupt() as stop:

@@ -97,7 +97,8 @@ def batched_config(job: CaptionJob, plan: Plan, model: "PreTrainedModel") -> Cap
     from encoder_graphs.app.sizing import fitting_batch_sizes
 
     settings, new_tokens = plan.settings, job.config.max_new_tokens
-    counts = {kind: plan.todo_by_kind()[kind] for kind in ("image", "video")}
+    by_kind = plan.todo_by_kind()
+    counts = {kind: by_kind[kind] for kind in ("image", "video")}
     prompts = {"image": job.longest_image - new_tokens}
     if counts["video"]:
         prompts["video"] = job.longest - new_tokens
