@@ -149,17 +149,20 @@ def test_a_driver_imports_neither_torch_nor_transformers():
     assert loaded == "[]"
 
 
-def test_a_call_decodes_at_most_two_batches_ahead_and_keeps_its_rows_in_order(cluster):
-    """A call of many rows runs the command's loop: at most two generate batches of rows decoding
-    or decoded ahead of a window being captioned (a preprocessed photo is megabytes), not the whole
-    call's at once; its records stay in the rows' order, a broken row's an error record."""
+def test_a_call_cuts_full_batches_holds_two_windows_and_keeps_its_rows_in_order(cluster):
+    """A call of many rows runs the command's loop: its batches full from the first (fewer loader
+    threads than a batch must not make every call start with a short one), at most a window of
+    PREFETCH_BATCHES batches being captioned and as many decoding ahead of it (a preprocessed
+    photo is megabytes), not the whole call's at once; its records stay in the rows' order, a
+    broken row's an error record."""
     import threading
 
     from encoder_graphs.app.ray_data import RayCaptioner
     from encoder_graphs.app.ray_rows import PREFETCH_BATCHES
 
-    captioner = RayCaptioner(max_new_tokens=2, batch_size=2, device="cpu")
+    captioner = RayCaptioner(max_new_tokens=2, batch_size=3, device="cpu")
     rows = captioner.captioner
+    rows.load_workers = 1  # fewer loaders than a batch (an actor's share of a small node)
     prepared, lock, seen = [0], threading.Lock(), []
     prepare, caption_batch = rows.prepare, rows.caption_batch
 
@@ -171,23 +174,23 @@ def test_a_call_decodes_at_most_two_batches_ahead_and_keeps_its_rows_in_order(cl
     captioned = [0]
 
     def watched(batch, stats, collated=None):
-        seen.append((prepared[0], captioned[0]))  # rows submitted, rows captioned before this batch
+        seen.append((prepared[0], captioned[0], len(batch)))  # rows submitted, rows captioned before it, its size
         captioned[0] += len(batch)
         return caption_batch(batch, stats, collated)
 
     rows.prepare, rows.caption_batch = counted, watched
     images = []
-    for index in range(24):
+    for index in range(25):
         png = io.BytesIO()
         Image.new("RGB", (28 + index, 30), (10 * index, 0, 0)).save(png, "PNG")
         images.append(png.getvalue() if index != 5 else b"broken")
-    out = captioner({"key": [f"k{i}" for i in range(24)], "image": images})
-    assert out["key"] == [f"k{i}" for i in range(24)]
-    assert out["error_kind"][5] == "corrupt" and all(out["caption"][i] is not None for i in range(24) if i != 5)
-    assert rows.prefetch_batches == PREFETCH_BATCHES == 2
-    # A window of 4 rows is captioned with at most 4 more submitted beyond it (and the failed row).
-    assert captioned[0] == 23 and len(seen) == 12
-    assert all(started <= done + 2 * 4 + 1 for started, done in seen), seen
+    out = captioner({"key": [f"k{i}" for i in range(25)], "image": images})
+    assert out["key"] == [f"k{i}" for i in range(25)]
+    assert out["error_kind"][5] == "corrupt" and all(out["caption"][i] is not None for i in range(25) if i != 5)
+    assert PREFETCH_BATCHES == 2 and captioned[0] == 24
+    assert [size for _, _, size in seen] == [3] * 8, seen  # 24 good rows: eight full batches
+    # A window (2 batches of 3) held while as many load ahead (and the broken row): at most 12 + 1.
+    assert all(started <= done + 2 * PREFETCH_BATCHES * 3 + 1 for started, done, _ in seen), seen
 
 
 def test_a_rows_prompt_takes_the_keys_stem_as_name_and_no_folder():

@@ -66,7 +66,7 @@ class Captioner:
         handle = graphs_of(model)
         self.runner, self.runner_settings = (handle and handle.decode_route(self.generate_settings)) or (None, {})
         self.warm_up = warm_up  # run beside the first files' loading and collation, joined before the first batch
-        self.load_workers, self.prefetch_batches = config.load_workers, config.prefetch_batches  # a Ray actor's own
+        self.load_workers = config.load_workers  # a Ray actor's own share of its node's cores
         self._warming: Future | None = None
         self.device = next(model.parameters()).device
         self._videos, self._own_videos = videos, videos is None
@@ -75,24 +75,20 @@ class Captioner:
 
     def run(self, files: Iterable[MediaFile], outputs: Outputs, stop: Callable[[], bool] = lambda: False) -> RunStats:
         """Caption `files` (taken as the loaders need them: a torchrun rank claims them lazily),
-        writing each batch's records as it ends. Loaded files gather in a window of
-        `prefetch_batches` batches, cut into batches costliest first, so that a batch holds
-        prompts of similar length (in folder order, left padding was a large share of the
-        prefill's tokens, sorted windows cut it to about half; measured: benchmarks/HISTORY.md).
-        The first window is as many files as the loaders take at once (at most a batch), so the
-        first captions wait for neither four batches of files nor a whole batch of clips.
+        writing each batch's records as it ends. Loaded files gather in windows (`windows`), each
+        cut into batches costliest first, so that a batch holds prompts of similar length (in
+        folder order, left padding was a large share of the prefill's tokens, sorted windows cut
+        it to about half; measured: benchmarks/HISTORY.md), while the files after it load.
         `stop` is asked between files and batches: once it says so, the run ends after writing
         what is done (stats.interrupted); files loaded but not captioned are left to a rerun."""
         stats = RunStats()
         self._started, self._ended = time.perf_counter(), False
-        window = min(self.config.largest_batch, self.load_workers)
-        ahead = self.config.largest_batch * self.prefetch_batches
+        window, later_windows, ahead = self.windows()
         ready: list[Pending] = []
         failures: list[dict] = []  # written with the next batch, so a kill loses at most one batch
-        # Files load on worker threads a window ahead of the model (PIL and torch's CPU kernels
-        # release the GIL; a video's thread waits on its decoder process, `app/decoders.py`); the
-        # next batch is collated on its own thread while the model runs one, so neither waits
-        # behind the other.
+        # Files load on worker threads ahead of the model (PIL and torch's CPU kernels release the
+        # GIL; a video's thread waits on its decoder process, `app/decoders.py`); a window's next
+        # batch is collated on its own thread while the model runs one.
         pool = ThreadPoolExecutor(self.load_workers)
         self._collator = ThreadPoolExecutor(1)
         warming = ThreadPoolExecutor(1)
@@ -108,7 +104,7 @@ class Captioner:
                 ready.append(outcome)
                 if len(ready) == window:
                     self._caption_window(ready, failures, outputs, stats, stop)
-                    ready, window = [], ahead
+                    ready, window = [], later_windows
                 if stats.interrupted:
                     break
             if not stats.interrupted:
@@ -126,6 +122,13 @@ class Captioner:
             warming.shutdown(wait=True)  # its GPU work must not outlive the run
         stats.wall_s = time.perf_counter() - self._started
         return stats
+
+    def windows(self) -> tuple[int, int, int]:
+        """In files: the first window, later ones, and how many load ahead of the one captioned (at
+        most a window and those are held decoded). The first is what the loaders take at once (at
+        most a batch: the first captions wait for neither batches of files nor a batch of clips)."""
+        batch, prefetch = self.config.largest_batch, self.config.prefetch_batches
+        return min(batch, self.load_workers), batch * prefetch, batch * prefetch
 
     def _loaded(
         self, files: Iterable[MediaFile], pool: ThreadPoolExecutor, ahead: int, stats: RunStats, stop: Callable[[], bool]
@@ -171,9 +174,8 @@ class Captioner:
 
     def _collate(self, batch: list[Pending]) -> dict[str, torch.Tensor]:
         """The batch on the host, with its prompts' position ids (Qwen-VL's M-RoPE walks every
-        image on the host, work that the GPU waited for while it ran on the model's thread:
-        benchmarks/RESULTS.md); for a GPU in page-locked memory (copied here, on the worker thread),
-        so `to_model`'s copies run asynchronously instead of stalling the model's thread."""
+        image on the host: the GPU waited for it on the model's thread); for a GPU page-locked
+        here, so `to_model`'s copies run asynchronously instead of stalling the model's thread."""
         items = [p.item for p in batch]
         if self.config.named:
             collated = collate_named(self.inputs, items, [p.prompts for p in batch], self.runner,
@@ -242,9 +244,8 @@ class Captioner:
                 self._videos = VideoDecoders(video_workers(self.config.load_workers), self.limits).start()
             return self._videos
 
-    def caption_batch(
-        self, batch: list[Pending], stats: RunStats, collated: "Future[dict[str, torch.Tensor]] | None" = None
-    ) -> list[dict]:
+    def caption_batch(self, batch: list[Pending], stats: RunStats,
+                      collated: "Future[dict[str, torch.Tensor]] | None" = None) -> list[dict]:
         """The records of one batch (`collated`: its `collate`, when already under way). Only a
         file that fails alone gets an error record: a batch out of memory is split in halves (the
         memory is not one file's fault), and a file's named prompts too (`_failed_alone`); one
@@ -287,9 +288,8 @@ class Captioner:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    def _new_tokens(
-        self, batch: list[Pending], stats: RunStats, collated: "Future[dict[str, torch.Tensor]] | None"
-    ) -> list[list[int]]:
+    def _new_tokens(self, batch: list[Pending], stats: RunStats,
+                    collated: "Future[dict[str, torch.Tensor]] | None") -> list[list[int]]:
         """The batch's rows' new tokens: a row a file, or with named prompts a row a file's prompt."""
         # Pixels normalised on the model's device into its dtype; ids, masks, grids and other
         # metadata (float32 times of video frames too, as the processor gives them) as they are.

@@ -12,8 +12,8 @@ from encoder_graphs.app.media import LoadLimits, MediaError, decode_image, load_
 from encoder_graphs.app.pipeline import Captioner
 from encoder_graphs.app.walk import MediaFile
 
-# A call decodes at most this many generate batches ahead of the GPU (a preprocessed photo is
-# megabytes of pixels; map_batches' batch is several generate batches).
+# A call's window of rows captioned together, in generate batches, and as many decoding ahead of
+# it (a preprocessed photo is megabytes of pixels; map_batches' batch is several generate batches).
 PREFETCH_BATCHES = 2
 
 
@@ -42,14 +42,21 @@ class RowCaptioner(Captioner):
 
     def __init__(self, *args: Any, read_paths: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        # The actor's share of its node's cores; two batches ahead (map_batches hands several).
-        self.load_workers, self.prefetch_batches = actor_load_workers(self.config.load_workers), PREFETCH_BATCHES
+        self.load_workers = actor_load_workers(self.config.load_workers)
         self.read_paths = read_paths
+
+    def windows(self) -> tuple[int, int, int]:
+        """The command's windows, but the first a full batch (every map_batches call would start
+        with a short one), and later ones of `PREFETCH_BATCHES` batches, as many loading ahead:
+        at most twice that held decoded, a window being captioned (its next batch collated
+        while one runs) and the one after it decoding."""
+        batch = self.config.largest_batch
+        return batch, batch * PREFETCH_BATCHES, batch * PREFETCH_BATCHES
 
     def caption_rows(self, keys: list[str], images: list[Any]) -> list[dict]:
         """One record per row, in the rows' order: its caption, or why it has none. A call of
         several generate batches (map_batches' `batch_size` a multiple of the captioner's) waits
-        only for its first batch's rows, as the command's loop waits for its first files."""
+        only for its first batch's rows; the later batches' rows decode while it is captioned."""
         rows = [Row(Path(key), "image", key=key, index=index, value=image)
                 for index, (key, image) in enumerate(zip(keys, images, strict=True))]
         records = Records()
