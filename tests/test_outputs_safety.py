@@ -476,6 +476,25 @@ def test_temporaries_of_killed_runs_are_removed_and_nothing_else(tmp_path, capsy
     assert foreign.exists() or os.geteuid() != 0
 
 
+def test_a_temporary_swapped_while_it_was_locked_is_not_removed(tmp_path, monkeypatch):
+    """`remove_unheld` locks the file, then unlinks the name: where another process's tidying
+    put a new file at the name meanwhile (one it writes now), that file stays."""
+    from encoder_graphs.app import outputs
+
+    stale, new = tmp_path / "stale", tmp_path / "new"
+    stale.write_text("a killed run's")
+    new.write_text("a live run's")
+    flock = fcntl.flock
+
+    def swapping(fd, operation):
+        flock(fd, operation)
+        os.replace(new, stale)  # between the lock and the unlink
+
+    monkeypatch.setattr(outputs.fcntl, "flock", swapping)
+    assert outputs.remove_unheld(stale) is False
+    assert stale.read_text() == "a live run's"
+
+
 # -- issue 42: shared folders --------------------------------------------------------------------------
 
 

@@ -260,6 +260,20 @@ def test_a_planted_partial_link_is_refused(tmp_path):
     assert secret.read_text() == "keep"
 
 
+def test_a_planted_partial_hard_link_is_refused(tmp_path, capsys):
+    """A partial file of two names (a hard link to a file of the user's elsewhere) is not
+    appended to nor removed: its other name's contents stay."""
+    write_shards(tmp_path / "wds", 1, 2)
+    out = tmp_path / "o"
+    out.mkdir()
+    secret = tmp_path / "secret"
+    secret.write_text("keep")
+    os.link(secret, out / f".00000{PARTIAL_SUFFIX}")
+    assert main(["caption", str(tmp_path / "wds" / "00000.tar"), "--out", str(out)] + FAST) == 2
+    assert "not this user's own regular file of one name" in capsys.readouterr().err
+    assert secret.read_text() == "keep" and os.stat(secret).st_nlink == 2
+
+
 def test_the_job_is_sized_for_the_samples_the_shards_hold(tmp_path):
     """Counted, not guessed: a guess of a thousand a shard turned compile on for a small job."""
     from encoder_graphs.app.dataset_run import stand_in_plan

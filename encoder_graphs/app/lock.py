@@ -231,14 +231,15 @@ def _write_holder(path: Path) -> tuple[int | None, str | None]:
 def lock_own_file(path: Path) -> int | None:
     """`path` opened for appending (created 0600 when missing: a user who cannot open it cannot
     hold its lock either) and `flock`ed: its descriptor, or None where another process holds it.
-    Never through a link; only this user's own regular file (else PermissionError). A file removed
-    or replaced while it was being locked (its holder's tidying) gives way to the one there now."""
+    Never through a link, a symlink or a hard link: only this user's own regular file of one name
+    (else PermissionError). A file removed or replaced while it was being locked (its holder's
+    tidying) gives way to the one there now."""
     while True:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | OPEN_FLAGS, 0o600)
         info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid() or info.st_nlink != 1:
             os.close(fd)
-            raise PermissionError(errno.EPERM, "not this user's own regular file", str(path))
+            raise PermissionError(errno.EPERM, "not this user's own regular file of one name", str(path))
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

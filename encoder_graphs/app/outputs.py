@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from encoder_graphs.app.lock import OPEN_FLAGS
+from encoder_graphs.app.lock import OPEN_FLAGS, same_file
 from encoder_graphs.app.names import as_text
 from encoder_graphs.app.results import PathKeys, ResultsFile, iter_records, record_path
 from encoder_graphs.app.walk import media_kind
@@ -286,6 +286,8 @@ def remove_stale_temporaries(targets: Iterable[Path]) -> int:
 
 
 def remove_unheld(path: Path) -> bool:
+    """Remove `path` where it is this user's regular file that no process holds (a writer holds
+    its file's flock), and still the file locked (not swapped by another's tidying meanwhile)."""
     try:
         fd = os.open(path, os.O_RDONLY | OPEN_FLAGS)
     except OSError:  # a symlink, or gone
@@ -295,6 +297,8 @@ def remove_unheld(path: Path) -> bool:
         if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():  # another user's is not ours
             return False
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if not same_file(fd, path):
+            return False
         os.unlink(path)
         return True
     except OSError:  # held: a live run is writing it
