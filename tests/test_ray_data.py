@@ -201,3 +201,27 @@ def test_a_rows_prompt_takes_the_keys_stem_as_name_and_no_folder():
     Image.new("RGB", (32, 32)).save(png, "PNG")
     captioner = RayCaptioner(max_new_tokens=2, batch_size=2, device="cpu", prompt="F={folder} N={name}")
     assert captioner({"key": ["dir/sub/k0.jpg"], "image": [png.getvalue()]})["prompt"] == ["F= N=k0"]
+
+
+def test_a_rows_error_names_its_key_as_the_dataset_spells_it():
+    """An error record's message names the row by its key as given, not as a path would spell it."""
+    from encoder_graphs.app.ray_data import RayCaptioner
+
+    captioner = RayCaptioner(max_new_tokens=2, batch_size=2, device="cpu")
+    inputs = captioner.captioner.inputs
+    encode = inputs.encode_image
+
+    def refusing(picture):
+        if picture.size == (33, 31):
+            raise ValueError("the processor refuses this one")
+        return encode(picture)
+
+    inputs.encode_image = refusing
+    images = []
+    for size in [(32, 32), (33, 31)]:
+        png = io.BytesIO()
+        Image.new("RGB", size).save(png, "PNG")
+        images.append(png.getvalue())
+    out = captioner({"key": ["a//b/./k0.png", "./c//k1.png"], "image": images})
+    assert out["error_kind"] == [None, "preprocess"] and out["caption"][0] is not None
+    assert out["error"][1] == "./c//k1.png: ValueError: the processor refuses this one"

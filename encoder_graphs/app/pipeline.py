@@ -209,7 +209,7 @@ class Captioner:
         """Load and encode one file; a failure becomes its error record."""
         started = time.perf_counter()
         if file.kind == "video" and not self.inputs.reads_videos:  # refused before decoding its frames
-            return self._error_record(file, "unsupported", f"{file.path}: this model reads images, not videos")
+            return self._error_record(file, "unsupported", f"{file.label}: this model reads images, not videos")
         try:
             item, size, video = self._encoded(file)
         except MediaError as error:
@@ -217,7 +217,7 @@ class Captioner:
         # A processor rejecting one input (or a decoder failing in a way `load` does not foresee)
         # must not stop the run: an exception escaping here would end it from `future.result()`.
         except Exception as error:  # noqa: BLE001
-            return self._error_record(file, "preprocess", f"{file.path}: {type(error).__name__}: {error}")
+            return self._error_record(file, "preprocess", f"{file.label}: {type(error).__name__}: {error}")
         return self._pending(file, item, started, size, video, file.path.stem, file.path.parent.name)
 
     def _pending(self, file: MediaFile, item: "EncodedMedia", started: float, size: tuple[int, int],
@@ -386,8 +386,8 @@ class Captioner:
         """The error record of a file whose batch of one failed in the model."""
         if isinstance(error, torch.OutOfMemoryError):  # torch's message goes on with allocator advice
             first_line = (str(error).splitlines() or ["no details"])[0]
-            return self._error_record(file, "out_of_memory", f"{file.path}: out of memory even alone ({first_line})")
-        return self._error_record(file, "model", f"{file.path}: {type(error).__name__}: {error}")
+            return self._error_record(file, "out_of_memory", f"{file.label}: out of memory even alone ({first_line})")
+        return self._error_record(file, "model", f"{file.label}: {type(error).__name__}: {error}")
 
     def _error_record(self, file: MediaFile, kind: str, message: str) -> dict:
         return {**self._identity(file), "model": self.model_name, "error_kind": kind, "error": message}

@@ -27,6 +27,11 @@ class Row(MediaFile):
     index: int = 0
     value: Any = field(default=None, repr=False, compare=False)
 
+    @property
+    def label(self) -> str:
+        """The key as the dataset spells it (`path` is the key made a Path: `a//b` is `a/b`)."""
+        return self.key
+
 
 class Records(list):
     """Where `Captioner.run` writes a call's records."""

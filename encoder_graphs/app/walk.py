@@ -40,6 +40,11 @@ class MediaFile:
         """Every name of the file, `path` first."""
         return (self.path, *self.aliases)
 
+    @property
+    def label(self) -> str:
+        """How an error message names the file."""
+        return str(self.path)
+
 
 def media_kind(path: Path) -> str | None:
     suffix = path.suffix.lower()
