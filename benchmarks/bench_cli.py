@@ -27,7 +27,9 @@ a run of the defaults with only that much GPU memory free (a second process hold
 gives each one's median wall time: a start varies by a second or more between processes). Before
 the timed runs, one untimed run of the defaults on 16 files reads the libraries into the page
 cache and fills Triton's kernel cache, so the first timed run does not pay what a user pays once
-per machine. `--gpus 2,4` runs the defaults as one torchrun job of 2 GPUs, then of 4. `--runs defaults,prompts_3`
+per machine; still, a call's first timed run can differ by seconds: `--rounds R` runs our `--runs` R
+times, each round in the reverse order of the one before, and reports their medians (and the
+defaults over `--no-graphs` by them). `--gpus 2,4` runs the defaults as one torchrun job of 2 GPUs, then of 4. `--runs defaults,prompts_3`
 times three named prompts a file (one pass, the image prefilled once) against one. Random weights (presets):
 captions are noise, speed is real.
     python3 benchmarks/bench_cli.py [--preset qwen2.5-vl-3b] [--images 1024] [--runs defaults,no_graphs,stock]
@@ -192,6 +194,9 @@ def parse_args() -> argparse.Namespace:
                         help=f"of {', '.join(OUR_RUNS)}, stock, {', '.join(PEER_RUNS)} (vLLM's LLM.generate: peer_vllm.py)")
     parser.add_argument("--sizes", default="", help="also defaults and --no-graphs on the first N files, e.g. 32,256")
     parser.add_argument("--repeats", type=int, default=1, help="runs of each --sizes configuration")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run our --runs this many times, each round in the reverse order of the one before "
+                        "(the first run of a call can differ by seconds); the report gives their medians")
     parser.add_argument("--card-gib", type=float, default=0, help="also the defaults with only this much GPU memory free")
     parser.add_argument("--stock-images", type=int, default=0, help="run the stock script on the first N files only")
     parser.add_argument("--stock-batches", type=lambda t: [int(b) for b in t.split(",")], default=STOCK_BATCHES,
@@ -280,6 +285,11 @@ def main() -> None:
             else:
                 runs[name] = run_ours(folder, work, name, args, OUR_RUNS[name])
             save_partial(args, runs)
+        ours = [name for name in chosen if name in OUR_RUNS]
+        for round_ in range(2, args.rounds + 1):  # round 2 in reverse, round 3 as the first, ...
+            for name in ours if round_ % 2 else ours[::-1]:
+                runs[f"{name}_r{round_}"] = run_ours(folder, work, f"{name}_r{round_}", args, OUR_RUNS[name])
+                save_partial(args, runs)
         for count in [int(n) for n in args.sizes.split(",") if n]:
             small = subset(folder, work, count)
             for repeat in range(args.repeats):
@@ -313,6 +323,23 @@ def medians(args: argparse.Namespace, runs: dict[str, dict]) -> dict[str, float]
             result[f"{name}_{count}"] = statistics.median(walls)
             print(f"{name}_{count}: median wall {result[f'{name}_{count}']:.2f} s of {len(walls)} runs "
                   f"({', '.join(f'{w:.2f}' for w in walls)})")
+    return result
+
+
+def round_medians(args: argparse.Namespace, runs: dict[str, dict]) -> dict[str, dict]:
+    """Each of our runs' medians over its `--rounds` (wall s, items/s end to end and in the loop),
+    printed; with the defaults and `--no-graphs` both run, the ratio of their medians."""
+    result: dict[str, dict] = {}
+    for name in [name for name in args.runs.split(",") if name in OUR_RUNS]:
+        rounds = [runs[name], *(runs[f"{name}_r{k}"] for k in range(2, args.rounds + 1))]
+        result[name] = {key: statistics.median(r[key] for r in rounds)
+                        for key in ("wall_s", "items_per_s_end_to_end", "items_per_s_in_loop")}
+        print(f"{name}: medians of {len(rounds)} rounds: {result[name]}")
+    if "defaults" in result and "no_graphs" in result:
+        ours, theirs = result["defaults"], result["no_graphs"]
+        result["defaults_over_no_graphs"] = {"end_to_end": ours["items_per_s_end_to_end"] / theirs["items_per_s_end_to_end"],
+                                             "in_loop": ours["items_per_s_in_loop"] / theirs["items_per_s_in_loop"]}
+        print(f"defaults over no_graphs, medians: {result['defaults_over_no_graphs']}")
     return result
 
 
@@ -366,6 +393,8 @@ def report(args: argparse.Namespace, runs: dict[str, dict], written: dict) -> No
               "environment": env, "runs": runs}
     if args.repeats > 1:
         result["median_wall_s"] = medians(args, runs)
+    if args.rounds > 1:
+        result["rounds"] = round_medians(args, runs)
     if any(name == "stock" or name.startswith("stock_batch_") for name in runs) and "defaults" in runs:
         result.update(over_stock(runs))
         print(f"{result['speedup_of']} over {result['stock_baseline']}: {result['speedup_over_stock'] or result['no_speedup']}")

@@ -37,3 +37,36 @@ def test_a_peer_that_did_not_run_costs_its_row_only(monkeypatch, tmp_path, capsy
     assert written["stock_baseline"] == "stock_batch_64"
     assert set(written["speedup_over_peer"]) == {"vllm_warm"}
     assert written["speedup_over_peer"]["vllm_warm"] == pytest.approx(written["speedup_over_stock"])
+
+
+def test_rounds_alternate_the_order_and_report_medians(monkeypatch, tmp_path):
+    """`--rounds 3`: our runs in the given order, then reversed, then as given; the JSON keeps
+    every round and the medians, and the defaults over --no-graphs by the medians."""
+    template = json.loads(SWEEP.read_text())["runs"]["defaults"]
+    rates = {"defaults": 20.0, "no_graphs": 10.0, "defaults_r2": 40.0, "no_graphs_r2": 11.0,
+             "defaults_r3": 10.0, "no_graphs_r3": 9.0}
+    order = []
+
+    def timed(folder, work, name, args, extra, gpus=1):
+        order.append((name, tuple(extra)))
+        rate = rates.get(name, 1.0)
+        return {**template, "wall_s": 100.0 / rate, "items_per_s_end_to_end": rate, "items_per_s_in_loop": 2 * rate}
+
+    monkeypatch.setattr(bench_cli, "run_ours", timed)
+    def written(args, folder):
+        folder.mkdir()
+        (folder / "a.png").write_bytes(b"")  # never read: the runs are stand-ins
+        return {"kind": "photos", "files": 256}
+
+    monkeypatch.setattr(bench_cli, "write_folder", written)
+    out = tmp_path / "r.json"
+    monkeypatch.setattr(sys, "argv", ["bench_cli.py", "--runs", "defaults,no_graphs", "--rounds", "3", "--json", str(out)])
+    bench_cli.main()
+    assert order == [("warm_up", ()), ("defaults", ()), ("no_graphs", ("--no-graphs",)), ("no_graphs_r2", ("--no-graphs",)),
+                     ("defaults_r2", ()), ("defaults_r3", ()), ("no_graphs_r3", ("--no-graphs",))]
+    written = json.loads(out.read_text())
+    assert set(written["runs"]) == set(rates)
+    rounds = written["rounds"]
+    assert rounds["defaults"]["items_per_s_end_to_end"] == 20.0 and rounds["no_graphs"]["items_per_s_end_to_end"] == 10.0
+    assert rounds["defaults"]["wall_s"] == 5.0 and rounds["no_graphs"]["items_per_s_in_loop"] == 20.0
+    assert rounds["defaults_over_no_graphs"] == {"end_to_end": 2.0, "in_loop": 2.0}
