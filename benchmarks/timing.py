@@ -58,22 +58,40 @@ def copy_bandwidth_gbps(nbytes: int = 2**30) -> float:
     return 2 * nbytes / (ms / 1000) / 1e9
 
 
-def source() -> dict[str, object]:
-    """The code measured: the git commit and whether the tree differed from it, from
-    ENCODER_GRAPHS_COMMIT / ENCODER_GRAPHS_DIRTY where the caller sets them (a GPU machine gets a
-    copy of the working tree whose .git may be older than it), else from git."""
+def source(root: Path = Path(__file__).resolve().parent.parent) -> dict[str, object]:
+    """The code measured: the git commit, whether the tree differed from it, and the tree's own
+    id (`tree_id`), from ENCODER_GRAPHS_COMMIT / ENCODER_GRAPHS_DIRTY where the caller sets them
+    (a GPU machine gets a copy of the working tree whose .git may be older than it), else from
+    git. Where the commit is old, `git log --format='%H %T' | grep TREE` finds the code's."""
     import subprocess
 
     if "ENCODER_GRAPHS_COMMIT" in os.environ:
         return {"commit": os.environ["ENCODER_GRAPHS_COMMIT"], "dirty": os.environ.get("ENCODER_GRAPHS_DIRTY") == "1"}
-    root = Path(__file__).resolve().parent.parent
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True)
         status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
                                 capture_output=True, text=True, check=True)
-        return {"commit": commit.stdout.strip(), "dirty": bool(status.stdout.strip())}
+        return {"commit": commit.stdout.strip(), "dirty": bool(status.stdout.strip()), "tree": tree_id(root)}
     except (OSError, subprocess.CalledProcessError):
         return {"commit": None, "dirty": None}
+
+
+def tree_id(root: Path) -> str:
+    """The git tree id of the files in `root` as they are (tracked, and untracked ones git does
+    not ignore): a commit of exactly these files has it as its tree. Built in a temporary index
+    and object folder, so the repository is not written to."""
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as scratch:
+        objects = subprocess.run(["git", "rev-parse", "--path-format=absolute", "--git-path", "objects"], cwd=root,
+                                 capture_output=True, text=True, check=True).stdout.strip()
+        os.mkdir(f"{scratch}/objects")
+        env = {**os.environ, "GIT_INDEX_FILE": f"{scratch}/index", "GIT_OBJECT_DIRECTORY": f"{scratch}/objects",
+               "GIT_ALTERNATE_OBJECT_DIRECTORIES": objects}
+        subprocess.run(["git", "add", "-A", "."], cwd=root, env=env, capture_output=True, check=True)
+        return subprocess.run(["git", "write-tree"], cwd=root, env=env, capture_output=True, text=True,
+                              check=True).stdout.strip()
 
 
 def environment() -> dict[str, object]:

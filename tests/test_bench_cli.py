@@ -70,3 +70,30 @@ def test_rounds_alternate_the_order_and_report_medians(monkeypatch, tmp_path):
     assert rounds["defaults"]["items_per_s_end_to_end"] == 20.0 and rounds["no_graphs"]["items_per_s_end_to_end"] == 10.0
     assert rounds["defaults"]["wall_s"] == 5.0 and rounds["no_graphs"]["items_per_s_in_loop"] == 20.0
     assert rounds["defaults_over_no_graphs"] == {"end_to_end": 2.0, "in_loop": 2.0}
+
+
+def test_the_tree_id_names_the_code_measured_whatever_commit_git_says(tmp_path):
+    """A benchmark's JSON names its code by tree id too: equal to the tree of a commit of those
+    files, whatever the .git copy's HEAD; a file changed since makes it another; nothing is
+    written into the repository."""
+    import subprocess
+
+    from timing import source, tree_id
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path,
+                              capture_output=True, text=True, check=True).stdout.strip()
+
+    git("init", "-q")
+    (tmp_path / "a.py").write_text("one\n")
+    git("add", "a.py")
+    git("commit", "-qm", "first")
+    first = git("rev-parse", "HEAD^{tree}")
+    assert tree_id(tmp_path) == first and source(tmp_path)["tree"] == first
+    (tmp_path / "b.py").write_text("two\n")  # untracked: sent to the GPU machine all the same
+    objects = git("count-objects")
+    changed = tree_id(tmp_path)
+    assert changed != first and git("count-objects") == objects
+    git("add", "b.py")
+    git("commit", "-qm", "second")
+    assert git("rev-parse", "HEAD^{tree}") == changed
