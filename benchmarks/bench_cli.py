@@ -113,10 +113,14 @@ def as_shards(folder: Path, work: Path, count: int = 16) -> str:
     return str(shards / f"{{00000..{count - 1:05d}}}.tar")
 
 
-def run_ours(folder: Path, work: Path, name: str, args: argparse.Namespace, extra: list[str], gpus: int = 1) -> dict:
-    out, stats_path = work / f"{name}.jsonl", work / f"{name}.stats.json"
+def run_ours(folder: Path, work: Path, name: str, args: argparse.Namespace, extra: list[str], gpus: int = 1,
+             label: str | None = None) -> dict:
+    """Our run `name` (a key of OUR_RUNS, or a label of its own), its outputs named by `label`
+    (a later round's: `NAME_rK`), so that no run resumes another's."""
+    label = label or name
+    out, stats_path = work / f"{label}.jsonl", work / f"{label}.stats.json"
     if name == "shards":  # the same files as WebDataset shards, captioned into output shards
-        folder, out = Path(as_shards(folder, work)), work / "shard-captions"
+        folder, out = Path(as_shards(folder, work)), work / f"{label}-shard-captions"
     command = caption_command(folder, out, stats_path, args, extra, gpus)
     env, dropped = (cold_start(work) if name == "cold" else (OUR_RUN_ENV.get(name), None))
     _, wall_s, peak_host = run_measured(command, env)
@@ -288,7 +292,7 @@ def main() -> None:
         ours = [name for name in chosen if name in OUR_RUNS]
         for round_ in range(2, args.rounds + 1):  # round 2 in reverse, round 3 as the first, ...
             for name in ours if round_ % 2 else ours[::-1]:
-                runs[f"{name}_r{round_}"] = run_ours(folder, work, f"{name}_r{round_}", args, OUR_RUNS[name])
+                runs[f"{name}_r{round_}"] = run_ours(folder, work, name, args, OUR_RUNS[name], label=f"{name}_r{round_}")
                 save_partial(args, runs)
         for count in [int(n) for n in args.sizes.split(",") if n]:
             small = subset(folder, work, count)
