@@ -495,6 +495,32 @@ def test_a_temporary_swapped_while_it_was_locked_is_not_removed(tmp_path, monkey
     assert stale.read_text() == "a live run's"
 
 
+def test_a_partial_its_holder_removes_as_it_is_opened_gives_way_to_the_next(tmp_path, monkeypatch):
+    """`lock_own_file` opening a partial file its holder unlinks at that moment (a seal) sees a
+    file of no name: it takes the file at the path now, not refuse it as a file of other names."""
+    from encoder_graphs.app import lock
+
+    path = tmp_path / ".s.partial"
+    path.write_text("sealed meanwhile")
+    real_open, opened = os.open, []
+
+    def open_as_the_holder_unlinks(name, flags, mode=0o777):
+        fd = real_open(name, flags, mode)
+        if not opened:
+            os.unlink(name)  # the holder's seal, between our open and our checks
+        opened.append(fd)
+        return fd
+
+    monkeypatch.setattr(lock.os, "open", open_as_the_holder_unlinks)
+    fd = lock.lock_own_file(path)
+    monkeypatch.undo()
+    try:
+        assert fd is not None and len(opened) == 2 and os.fstat(fd).st_nlink == 1
+        assert os.path.samestat(os.fstat(fd), os.stat(path)) and path.read_text() == ""
+    finally:
+        os.close(fd)
+
+
 # -- issue 42: shared folders --------------------------------------------------------------------------
 
 

@@ -237,7 +237,10 @@ def lock_own_file(path: Path) -> int | None:
     while True:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | OPEN_FLAGS, 0o600)
         info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid() or info.st_nlink != 1:
+        if info.st_nlink == 0:  # its holder removed it as we opened it: the one at the path now
+            os.close(fd)
+            continue
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid() or info.st_nlink > 1:
             os.close(fd)
             raise PermissionError(errno.EPERM, "not this user's own regular file of one name", str(path))
         try:
