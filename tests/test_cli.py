@@ -554,6 +554,43 @@ def test_windows_of_loaded_files_are_batched_costliest_first_with_less_padding(t
     assert sorted_.as_dict()["prompt_padding_pct"] < in_order.as_dict()["prompt_padding_pct"]
 
 
+def test_a_window_holds_the_collated_copies_of_two_batches_at_most(tmp_path):
+    """Each batch is collated (on a GPU: a page-locked copy) while the one before runs; a batch's
+    copy goes once it ran, so a window of four batches holds two copies at most, not four."""
+    import weakref
+
+    from encoder_graphs.app.outputs import Outputs, SidecarPolicy
+
+    for index in range(10):
+        Image.new("RGB", (28 + 4 * index, 28), (20 * index, 90, 160)).save(tmp_path / f"img{index}.png")
+    files = discover([tmp_path])
+    inputs = QwenVLInputs.from_pretrained(default_model_dir())
+    model = Qwen2VLForConditionalGeneration.from_pretrained(default_model_dir()).eval()
+    captioner = Captioner(model, inputs, CaptionConfig(max_new_tokens=2, batch_size=2, prefetch_batches=4), LoadLimits())
+
+    class Collated(dict):  # a dict that a weak reference can follow
+        pass
+
+    copies, alive = [], []
+    collate, caption_batch = captioner._collate, captioner.caption_batch
+
+    def tracked(batch):
+        copy = Collated(collate(batch))
+        copies.append(weakref.ref(copy))
+        return copy
+
+    def counted(batch, stats, collated=None):
+        alive.append(sum(ref() is not None for ref in copies))
+        return caption_batch(batch, stats, collated)
+
+    captioner._collate, captioner.caption_batch = tracked, counted
+    results = ResultsFile(tmp_path / "r.jsonl")
+    stats = captioner.run(files, Outputs(results, SidecarPolicy()))
+    results.close()
+    assert stats.succeeded == 10 and len(copies) == len(alive) == 5  # a window of 1 batch, then one of 4
+    assert max(alive) <= 2, alive  # a batch's own copy, and the next one's where it is ready
+
+
 def test_warm_up_runs_beside_the_first_files_and_its_error_loses_nothing(tmp_path):
     """The warm-up (the language model's first call, on CUDA) runs on its own thread once the run
     starts and ends before the first batch; one that raises leaves every file captioned."""

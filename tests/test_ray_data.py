@@ -171,14 +171,21 @@ def test_a_call_cuts_full_batches_holds_two_windows_and_keeps_its_rows_in_order(
             prepared[0] += 1
         return prepare(file)
 
-    captioned = [0]
+    captioned, window_began = [0], [0]
+    caption_window = rows._caption_window
+
+    def windowed(ready, *args):
+        window_began[0] = captioned[0]  # the window's rows are all held until it ends
+        return caption_window(ready, *args)
 
     def watched(batch, stats, collated=None):
-        seen.append((prepared[0], captioned[0], len(batch)))  # rows submitted, rows captioned before it, its size
+        records = caption_batch(batch, stats, collated)
         captioned[0] += len(batch)
-        return caption_batch(batch, stats, collated)
+        # rows decoding or decoded (not yet captioned when this window began), this batch's size
+        seen.append((prepared[0], window_began[0], len(batch)))
+        return records
 
-    rows.prepare, rows.caption_batch = counted, watched
+    rows.prepare, rows.caption_batch, rows._caption_window = counted, watched, windowed
     images = []
     for index in range(25):
         png = io.BytesIO()

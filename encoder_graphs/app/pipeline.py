@@ -149,9 +149,8 @@ class Captioner:
                 self._count_failure(outcome, stats)
             yield outcome
 
-    def _caption_window(
-        self, ready: list[Pending], failures: list[dict], outputs: Outputs, stats: RunStats, stop: Callable[[], bool]
-    ) -> None:
+    def _caption_window(self, ready: list[Pending], failures: list[dict], outputs: Outputs, stats: RunStats,
+                        stop: Callable[[], bool]) -> None:
         """Caption `ready` in batches, videos then images, each costliest first (ties in file
         order), each batch collated while the one before runs; `failures` are written with the
         first batch. A batch holds one kind, by that kind's limits (`CaptionConfig.batch_limits`)."""
@@ -168,6 +167,7 @@ class Captioner:
                 stats.interrupted = True
                 return
             outputs.write(failures + self.caption_batch(batch, stats, collated[index]))
+            collated[index] = None  # its page-locked copy goes now: at most this batch's and the next's are held
             failures.clear()
             if stats.first_records_s is None:
                 stats.first_records_s = time.perf_counter() - self._started

@@ -53,8 +53,8 @@ class RowCaptioner(Captioner):
     def windows(self) -> tuple[int, int, int]:
         """The command's windows, but the first a full batch (every map_batches call would start
         with a short one), and later ones of `PREFETCH_BATCHES` batches, as many loading ahead:
-        at most twice that held decoded, a window being captioned (its next batch collated
-        while one runs) and the one after it decoding."""
+        at most twice that held decoded, a window being captioned (with the collated copies of
+        the batch running and the next) and the one after it decoding."""
         batch = self.config.largest_batch
         return batch, batch * PREFETCH_BATCHES, batch * PREFETCH_BATCHES
 
