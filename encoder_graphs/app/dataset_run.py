@@ -91,7 +91,7 @@ class SampleCaptioner(Captioner):
         if not isinstance(file, Sample) or file.data is None:
             return super()._encoded(file)
         if file.kind == "image":
-            image = decode_image(io.BytesIO(file.data), file.path, self.limits)
+            image = decode_image(io.BytesIO(file.data), file.label, self.limits)
             return self.inputs.encode_image(image), upright_size(io.BytesIO(file.data)), None
         video = self._video_decoders(file.path).decode(file.path, file.data)
         return self.inputs.encode_video(video.frames, video.metadata), video.size, video.record()

@@ -67,6 +67,11 @@ class Sample(MediaFile):
     data: bytes | None = field(default=None, repr=False, compare=False)
     carried: dict = field(default_factory=dict, compare=False)
 
+    @property
+    def label(self) -> str:
+        """`<shard>/<key>` with the key as the dataset spells it (`path` made it a Path: `./a` is `a`)."""
+        return f"{self.shard}/{self.key}"
+
 
 def is_dataset_input(text: str) -> bool:
     """Whether a PATH argument names dataset shards rather than files or folders to walk."""
