@@ -105,10 +105,10 @@ class FileLock:
         if fd is None:
             return
         try:  # unlink before unlocking: see `acquire`
-            if holder_fd is not None and same_file(holder_fd, self.path):
-                os.unlink(self.path)
-            if self._created and os.fstat(fd).st_size == 0 and same_file(fd, self.guarded):
-                os.unlink(self.guarded)
+            if holder_fd is not None:
+                unlink_held(holder_fd, self.path)
+            if self._created and os.fstat(fd).st_size == 0:
+                unlink_held(fd, self.guarded)
         except OSError:
             pass  # a lock file we cannot remove is harmless: the next holder rewrites it
         finally:
@@ -270,6 +270,15 @@ def same_file(fd: int, path: Path) -> bool:
     except FileNotFoundError:
         return False
     return os.path.samestat(here, there)
+
+
+def unlink_held(fd: int, path: Path) -> bool:
+    """Remove `path` where it still names `fd`'s file, the one this process locked (another's
+    tidying may have put a new file there meanwhile, which is left): whether it was removed."""
+    if not same_file(fd, path):
+        return False
+    os.unlink(path)
+    return True
 
 
 def _read_holder(path: Path) -> LockHolder:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from encoder_graphs.app.lock import OPEN_FLAGS, same_file
+from encoder_graphs.app.lock import OPEN_FLAGS, unlink_held
 from encoder_graphs.app.names import as_text
 from encoder_graphs.app.results import PathKeys, ResultsFile, iter_records, record_path
 from encoder_graphs.app.walk import media_kind
@@ -297,10 +297,7 @@ def remove_unheld(path: Path) -> bool:
         if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():  # another user's is not ours
             return False
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        if not same_file(fd, path):
-            return False
-        os.unlink(path)
-        return True
+        return unlink_held(fd, path)
     except OSError:  # held: a live run is writing it
         return False
     finally:

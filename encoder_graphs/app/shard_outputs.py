@@ -25,7 +25,7 @@ from pathlib import Path
 
 from encoder_graphs.app.datasets import InputShard, unreadable
 from encoder_graphs.app.errors import UsageError, printable
-from encoder_graphs.app.lock import lock_own_file, same_file
+from encoder_graphs.app.lock import lock_own_file, unlink_held
 from encoder_graphs.app.outputs import remove_unheld, write_atomically
 from encoder_graphs.app.webdataset_copy import copy_path, copy_writer
 
@@ -95,7 +95,7 @@ class ShardOutputs:
         try:
             if not is_regular(copy):
                 self._write_copy(shard, sealed_records(final, self.named))
-            os.unlink(path)  # before the lock goes, as a seal does
+            unlink_held(descriptor, path)  # before the lock goes, as a seal does
         finally:
             os.close(descriptor)
 
@@ -122,8 +122,7 @@ class ShardOutputs:
         # Retried: read under the lock, still with errors (another process may have retried it meanwhile).
         kept = sealed_records(final, self.named) if shard.name in self._retrying and os.path.lexists(final) else {}
         if os.path.lexists(final) and not any("error" in record for record in kept.values()):
-            if same_file(descriptor, path):  # still ours (a tidying may have swapped it meanwhile)
-                os.unlink(path)  # left by a seal cut short, or made just now
+            unlink_held(descriptor, path)  # left by a seal cut short, or made just now
             os.close(descriptor)
             self.skipped[shard.name] = "another process completed it meanwhile"
             return None
@@ -175,7 +174,7 @@ class ShardOutputs:
         if shard.format == "webdataset" and (self.webdataset_copy or is_regular(copy_path(self.folder, shard))):
             self._write_copy(shard, latest)
         write_atomically(self.final_path(name), encoded(records, self.format))
-        os.unlink(partial_path(self.folder, name))
+        unlink_held(self._partials[name], partial_path(self.folder, name))
         self._release(name)
         self.sealed.append(name)
         self.on_sealed(name, len(records), sum("error" in record for record in records))
