@@ -5,21 +5,23 @@ files with the same number of workers:
 - `processes` (the command's): `VideoDecoders`, a worker process per loader;
 - `threads`: the same `decode_video` on threads (the GIL's cost);
 - `processes_full_pass`: processes decoding every frame of each stream (the old loader's way);
-- `processes_nvdec`: the command's, with FFmpeg's CUDA decoder (NVDEC) where the GPU's driver has it.
+- `processes_nvdec`: the command's, its packets decoded by the GPU (NVDEC, `app/nvdec.py`) where it can.
     python3 benchmarks/bench_video_decode.py FOLDER [--workers 16] [--frames 16] [--frame-tokens 256] [--json out.json]
 """
 
 import argparse
 import json
 import os
+import queue
 import sys
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
-from encoder_graphs.app.media import LoadLimits, MediaError
 from encoder_graphs.app.decoders import VideoDecoders, default_decoder_threads
+from encoder_graphs.app.media import LoadLimits, MediaError
 from encoder_graphs.app.video import decode_video
 from encoder_graphs.app.walk import VIDEO_EXTENSIONS
 from encoder_graphs.models.qwen.geometry import VIDEO_DEFAULTS, PixelSettings, QwenFrameSize
@@ -38,10 +40,33 @@ def full_pass(path: Path, limits: LoadLimits):
 def run(name: str, files: list[Path], limits: LoadLimits, workers: int) -> dict:
     started = time.perf_counter()
     outcomes: list[object] = []
-    if name == "threads":
+    if name.startswith("hybrid"):  # hybrid:W+K: W CPU workers and K NVDEC workers, each file to one that is free
+        cpu_workers, gpu_workers = (int(n) for n in name.split(":")[1].split("+"))
+        pools = [VideoDecoders(cpu_workers, limits), VideoDecoders(gpu_workers, replace(limits, video_hwaccel="nvdec"))]
+        free: queue.Queue = queue.Queue()
+        for pool, count in zip(pools, (cpu_workers, gpu_workers)):
+            for _ in range(count):
+                free.put(pool)
+
+        def one(path: Path) -> object:
+            pool = free.get()
+            try:
+                return _safely(pool.decode, path)
+            finally:
+                free.put(pool)
+
+        try:
+            with ThreadPoolExecutor(cpu_workers + gpu_workers) as threads:
+                outcomes = list(threads.map(one, files))
+        finally:
+            for pool in pools:
+                pool.close()
+    elif name == "threads":
         with ThreadPoolExecutor(workers) as pool:
             outcomes = list(pool.map(lambda path: _safely(decode_video, path, limits), files))
     else:
+        if ":" in name:  # name:N runs N workers
+            name, workers = name.split(":")[0], int(name.split(":")[1])
         decoders = VideoDecoders(workers, limits)
         try:
             if name == "processes_full_pass":
@@ -58,7 +83,8 @@ def run(name: str, files: list[Path], limits: LoadLimits, workers: int) -> dict:
     return {
         "clips": len(decoded), "errors": len(errors), "first_errors": errors[:3], "seconds": seconds,
         "clips_per_s": len(decoded) / seconds,
-        "sampling": sorted({o.sampling.split(":")[0] for o in decoded}),
+        "sampling": dict(Counter(o.sampling.split(":")[0][:90] for o in decoded)),
+        "first_samplings": sorted({o.sampling[:300] for o in decoded})[:4],
         "frame_sizes": sorted({f"{o.frames.shape[2]}x{o.frames.shape[1]}" for o in decoded})[:6],
     }
 
@@ -87,7 +113,7 @@ def main() -> None:
                         video_threads=default_decoder_threads(args.workers))
     results = {}
     for name in args.runs.split(","):
-        chosen = replace(limits, video_hwaccel="cuda") if name == "processes_nvdec" else limits
+        chosen = replace(limits, video_hwaccel="nvdec") if name.startswith("processes_nvdec") else limits
         results[name] = run(name, files, chosen, args.workers)
         print(f"{name}: {results[name]['clips_per_s']:.2f} clips/s ({results[name]['clips']} clips, "
               f"{results[name]['errors']} errors, {results[name]['seconds']:.1f} s) {results[name]['sampling']} "

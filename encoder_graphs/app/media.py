@@ -89,13 +89,16 @@ class LoadLimits:
     max_video_pixels: int = 8192 * 4320
     video_timeout_s: float = 120.0  # a video's decode, in its worker process (`VideoDecoders`)
     video_threads: int = 1  # FFmpeg threads of one video's decoder
-    video_hwaccel: str | None = None  # e.g. "cuda": FFmpeg's hardware decoder (NVDEC), falling back to software
+    video_hwaccel: str | None = None  # "nvdec": the GPU decodes H.264 / HEVC where it can (app/nvdec.py)
+    video_device: int = 0  # its GPU
 
     def __post_init__(self) -> None:
         if self.max_frames < 2 or self.max_frames % 2:
             raise ValueError(f"max_frames must be an even number >= 2, got {self.max_frames}")
         if self.video_fps is not None and not 0 < self.video_fps < math.inf:
             raise ValueError(f"video_fps must be a positive number, got {self.video_fps}")
+        if self.video_hwaccel not in (None, "nvdec"):
+            raise ValueError(f"video_hwaccel must be None or 'nvdec', got {self.video_hwaccel!r}")
         if self.video_sampling not in ("exact", "keyframes"):
             raise ValueError(f"video_sampling must be 'exact' or 'keyframes', got {self.video_sampling!r}")
         if not self.video_timeout_s > 0 or self.video_threads < 1:

@@ -116,20 +116,19 @@ def decode_video(path: Path | str, limits: LoadLimits, data: bytes | None = None
     except ImportError as error:
         raise MediaError(path, "unsupported", "video needs PyAV: pip install 'encoder-graphs[video]'") from error
     path = Path(path)
-    options = {}
-    if limits.video_hwaccel is not None:
-        from av.codec.hwaccel import HWAccel
-
-        options["hwaccel"] = HWAccel(limits.video_hwaccel, allow_software_fallback=True)
     why = None  # why seeking could not serve, once it was tried
     while True:
         with open_regular(path) if data is None else io.BytesIO(data) as handle:
             try:
-                with av.open(handle, metadata_errors="ignore", **options) as container:
+                with av.open(handle, metadata_errors="ignore") as container:
                     sampler = _Sampler.of(path, container, limits)
                     if why is not None:
                         return sampler.full_pass(why)
                     try:
+                        if limits.video_hwaccel == "nvdec":
+                            from encoder_graphs.app.nvdec import sampled
+
+                            return sampled(sampler)
                         return sampler.by_seeking()
                     except _CannotSeek as cannot:
                         why = str(cannot)

@@ -1,0 +1,248 @@
+"""A video's frames decoded by the GPU's video decoder (NVDEC), in the decoder worker processes.
+
+Why: exact frames cost the decode from the keyframe before each, most of a clip's frames, and on
+the GPU machines' 16 cores that CPU decode fed a clips' loop at 6-8 clips/s where the GPU took 18
+(benchmarks/RESULTS.md). NVDEC does that decode beside the CPU's cores.
+Why this way: the command's seeking stays as it is (`video._Sampler`: PyAV demuxes and seeks, the
+same frames are asked for); only the packets go to NVIDIA's decoder (PyNvVideoCodec's low-level
+`CreateDecoder`, one a worker process, reconfigured from file to file), which keeps the frames on
+the GPU in their NV12 form. The frames asked for are copied to the host and converted there as the
+CPU path converts its own (swscale from planar 4:2:0, then the processors' resize): NVDEC's YUV is
+the CPU decoder's bit for bit (H.264 and HEVC decoding is exact by their specs), so the pixels are
+too, where NVDEC's own RGB conversion and a GPU resize were 1-6 levels off. A packet that no frame
+refers to, shown before the frame asked for, is not sent (the CPU path skips its decode too).
+Anything NVDEC cannot take (another codec, 10-bit, a size past its limit, an error) is decoded by
+the CPU path instead, and the record's `sampling` says which decoder served.
+"""
+
+import importlib.util
+from typing import Any
+
+import numpy as np
+
+from encoder_graphs.app.media import MediaError
+from encoder_graphs.app.video import DecodedVideo, _CannotSeek, _Sampler
+
+# codec name (FFmpeg's) -> (PyNvVideoCodec's codec, the filter giving the Annex B stream NVDEC parses)
+CODECS = {"h264": ("H264", "h264_mp4toannexb"), "hevc": ("HEVC", "hevc_mp4toannexb")}
+PIXEL_FORMATS = frozenset({"yuv420p", "yuvj420p"})
+MAX_SIDE = 4096  # NVDEC's H.264 limit
+
+_process_decoder: dict[str, Any] = {}  # this worker's decoder: "key" ((codec, GPU), width, height), "decoder"
+
+
+def available() -> bool:
+    """Whether NVIDIA's decoder library is installed (a GPU machine's driver is checked at its first use)."""
+    return importlib.util.find_spec("PyNvVideoCodec") is not None
+
+
+def refusal(stream: Any) -> str | None:
+    """Why NVDEC does not take `stream` (None: it does)."""
+    codec = stream.codec_context
+    if not available():
+        return "PyNvVideoCodec is not installed"
+    if codec.name not in CODECS:
+        return f"codec {codec.name}"
+    if codec.pix_fmt not in PIXEL_FORMATS:
+        return f"pixel format {codec.pix_fmt}"
+    if not 0 < codec.width <= MAX_SIDE or not 0 < codec.height <= MAX_SIDE or codec.width % 2 or codec.height % 2:
+        return f"size {codec.width}x{codec.height}"
+    return None
+
+
+def _decoder(codec: str, width: int, height: int, device: int) -> Any:
+    """This process's decoder for `codec` frames of `width` x `height` on GPU `device`: the one it
+    has, reconfigured where it was made as large, else a new one."""
+    import PyNvVideoCodec as nvc
+
+    held = _process_decoder.get("key")
+    if held is not None and held[0] == (codec, device) and width <= held[1] and height <= held[2]:
+        decoder = _process_decoder["decoder"]
+        decoder.setReconfigParams(width, height)
+        return decoder
+    _process_decoder.clear()
+    decoder = nvc.CreateDecoder(
+        gpuid=device, codec=getattr(nvc.cudaVideoCodec, codec),
+        cudacontext=0, cudastream=0, usedevicememory=True, outputColorType=nvc.OutputColorType.NATIVE,
+        maxwidth=width, maxheight=height, latency=nvc.DisplayDecodeLatencyType.ZERO,
+    )
+    _process_decoder.update(key=((codec, device), width, height), decoder=decoder)
+    return decoder
+
+
+def disposable_h264(data: bytes) -> bool:
+    """Whether an Annex B H.264 access unit is a picture no other refers to (its first slice's
+    nal_ref_idc is 0): leaving it undecoded changes no other frame."""
+    start = 0
+    while (start := data.find(b"\x00\x00\x01", start)) >= 0 and start + 3 < len(data):
+        header = data[start + 3]
+        if header & 0x1F in (1, 5):  # a slice: non-IDR, IDR
+            return header & 0x60 == 0
+        start += 3
+    return False
+
+
+def yuv420p(nv12: np.ndarray, width: int, height: int, like: Any) -> Any:
+    """A planar 4:2:0 PyAV frame of an NV12 picture ((height * 3 / 2, width) uint8), with the colour
+    description of `like` (the stream's decoder): swscale converts it to RGB exactly as the CPU
+    decoder's own frame (from NV12 directly it takes another path, up to 105 levels off)."""
+    import av
+
+    luma, chroma = nv12[:height], nv12[height:height + (height + 1) // 2]
+    frame = av.VideoFrame(width, height, "yuv420p")
+    for plane, pixels in zip(frame.planes, (luma, chroma[:, 0::2], chroma[:, 1::2]), strict=True):
+        padded = np.empty((plane.height, plane.line_size), np.uint8)
+        padded[:, : plane.width] = pixels
+        plane.update(padded)
+    frame.colorspace, frame.color_range = like.colorspace, like.color_range
+    return frame
+
+
+class _NvFrame:
+    """A frame NVDEC decoded, copied to the host, as much of PyAV's `VideoFrame` as the sampler reads."""
+
+    def __init__(self, nv12: np.ndarray, pts: int, width: int, height: int, rotation: int, like: Any) -> None:
+        self._nv12, self.pts, self.width, self.height, self.rotation, self._like = nv12, pts, width, height, rotation, like
+
+    def to_ndarray(self, format: str) -> np.ndarray:
+        return yuv420p(self._nv12, self.width, self.height, self._like).to_ndarray(format=format)
+
+
+class NvdecSampler(_Sampler):
+    """`_Sampler` with its packets decoded by NVDEC (`refusal` said it takes the stream).
+
+    NVDEC gives no frame its packet's timestamp back, so it decodes in decode order with no
+    latency (each packet's picture comes out as the packet goes in), and which packet holds the
+    frame shown at a time is read from the packets' own timestamps, as FFmpeg labels its frames:
+    the smallest pts at or after it among the packets demuxed, looking `REORDER` packets past the
+    first that reaches it (H.264 and HEVC show a frame at most 16 frames after its decode)."""
+
+    REORDER = 16
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        import PyNvVideoCodec as nvc
+        from av.bitstream import BitStreamFilterContext
+
+        codec = self.stream.codec_context
+        name, annexb = CODECS[codec.name]
+        self._nvc, self._h264 = nvc, codec.name == "h264"
+        mp4 = self.container.format.name.startswith(("mov", "matroska"))  # length-prefixed NAL units
+        self._filter = BitStreamFilterContext(annexb, self.stream) if mp4 else None
+        self._decoder = _decoder(name, codec.width, codec.height, self.limits.video_device)
+        self._rotation = self._display_rotation()
+        self._units: Any = None  # (pts, Annex B bytes) of the stretch since the last seek, in decode order
+        self._ahead: list[tuple[int, bytes]] = []  # demuxed, not yet decoded
+        self._fed: set[int] = set()  # pts decoded in this stretch
+
+    def _display_rotation(self) -> int:
+        """The stream's display rotation, which PyAV gives only on a decoded frame: its first
+        picture's, decoded alone on the CPU (the seek for the first frame asked for starts anew)."""
+        for packet in self.container.demux(self.stream):
+            if packet.size:
+                frames = [*self.stream.decode(packet), *self.stream.decode(None)]
+                return (frames[0].rotation or 0) if frames else 0
+        return 0
+
+    def _stretch(self) -> Any:
+        for packet in self.container.demux(self.stream):
+            if packet.size == 0:
+                continue
+            pts = packet.pts  # read first: the filter takes the packet's contents
+            if pts is None:
+                raise _CannotSeek("its frames carry no timestamps")
+            for unit in self._filter.filter(packet) if self._filter is not None else [packet]:
+                yield pts, bytes(unit)
+
+    def _send(self, data: bytes | None) -> list[Any]:
+        packet = self._nvc.PacketData()
+        if data is None:  # the end of a stretch: what NVDEC holds comes out, dropped
+            packet.bsl, packet.bsl_data, packet.decode_flag = 0, 0, self._nvc.VideoPacketFlag.ENDOFSTREAM
+            return self._decoder.Decode(packet)
+        held = np.frombuffer(data, np.uint8)
+        packet.bsl, packet.bsl_data, packet.decode_flag = held.size, held.ctypes.data, self._nvc.VideoPacketFlag.ENDOFPICTURE
+        return self._decoder.Decode(packet)
+
+    def _restart(self, landing: int) -> None:
+        self.container.seek(landing, stream=self.stream, backward=True, any_frame=False)
+        self._send(None)
+        self._units, self._ahead, self._fed = self._stretch(), [], set()
+
+    def _shown_at(self, target: int, half: int) -> tuple[int | None, int | None]:
+        """(the pts of the packet shown at `target`, the smallest pts of the stretch), demuxing on
+        until `REORDER` packets past the first at or after `target - half` (or the stream's end)."""
+        past = None
+        while past is None or past < self.REORDER:
+            unit = next(self._units, None)
+            if unit is None:
+                break
+            self._ahead.append(unit)
+            if past is not None:
+                past += 1
+            elif unit[0] >= target - half:
+                past = 0
+        seen = [pts for pts, _ in self._ahead] + list(self._fed)
+        shown = [pts for pts in seen if pts >= target - half]
+        return (min(shown) if shown else None), (min(seen) if seen else None)
+
+    def _frame_at(self, target: int, half: int) -> Any:
+        """The frame shown at `target` (as `_Sampler._frame_at`): decoding on from the last, or
+        from the keyframe a seek lands on; its packet decoded again after a seek where it was
+        decoded before it was known to be the one."""
+        landing = target if self._units is None or self._should_seek(target) else None
+        for _ in range(3):
+            if landing is not None:
+                self._restart(landing)
+            shown, first = self._shown_at(target, half)
+            if shown is None:
+                raise _CannotSeek(f"no frame decodes at {self.info.seconds(target):.1f} s of the "
+                                  f"{self.info.duration_s:.1f} s its container states (cut short, or a wrong duration)")
+            if landing is not None and first > target + half:  # the keyframe's index time preceded a frame shown before it
+                landing = self._keyframe_before(landing)
+                if landing is None:
+                    break
+                continue
+            if shown in self._fed:
+                landing = self._landing(target)
+                continue
+            self._last = shown
+            return self._decode_to(shown, target - half)
+        raise _CannotSeek("seeking lands after the frames asked for (no usable index)")
+
+    def _decode_to(self, shown: int, skip_before: int) -> _NvFrame:
+        """Decode the packets ahead up to the one of pts `shown` (leaving out those shown before
+        `skip_before` that no frame refers to), its frame copied to the host."""
+        import torch
+
+        codec = self.stream.codec_context
+        while self._ahead:
+            pts, data = self._ahead.pop(0)
+            if self._h264 and pts < skip_before and disposable_h264(data):
+                continue
+            frames = self._send(data)
+            self._fed.add(pts)
+            if pts == shown:
+                if len(frames) != 1:
+                    raise RuntimeError(f"NVDEC gave {len(frames)} pictures for one packet")
+                nv12 = torch.from_dlpack(frames[0]).cpu().numpy().reshape(-1, codec.width)
+                return _NvFrame(nv12, pts, codec.width, codec.height, self._rotation, codec)
+        raise RuntimeError("the packet shown was not among those ahead")
+
+
+def sampled(sampler: _Sampler) -> DecodedVideo:
+    """The frames `sampler` would take by seeking, decoded by NVDEC where it takes the stream and
+    does not fail, else by `sampler` itself (on the same container: its first seek starts anew).
+    `sampling` ends in the decoder that served, and why the CPU did."""
+    why = refusal(sampler.stream)
+    if why is None:
+        try:
+            decoded = NvdecSampler(sampler.path, sampler.container, sampler.stream, sampler.limits).by_seeking()
+            decoded.sampling += ", nvdec"
+            return decoded
+        except (MediaError, MemoryError):
+            raise
+        except Exception as error:  # noqa: BLE001 (NVDEC's, of any type: the CPU decodes the file)
+            why = f"nvdec failed: {error}"
+    decoded = sampler.by_seeking()
+    decoded.sampling += f", cpu ({why})"
+    return decoded
