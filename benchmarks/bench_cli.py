@@ -66,7 +66,7 @@ time.sleep(3600)
 """
 # The caption command's arguments of each run of ours that `--runs` may name.
 OUR_RUNS = {"defaults": [], "no_graphs": ["--no-graphs"], "frames_model": ["--max-frame-tokens", "model"],
-            "keyframes": ["--video-sampling", "keyframes"], "no_prefetch": [], "cold": [],
+            "keyframes": ["--video-sampling", "keyframes"], "nvdec": ["--video-decoder", "nvdec"], "no_prefetch": [], "cold": [],
             "no_compile": ["--no-compile"], "shards": [],
             # Three captions a file in one pass (issue 43: at most 1.5x the loop time of `defaults`).
             "prompts_3": ["--prompt", "short=Describe this in one sentence.", "--prompt", "tags=List tags for this image.",

@@ -5,16 +5,17 @@
 # Usage (from the repo root, on the device): bash benchmarks/run_gpu.sh [pytest -k expression]
 # BENCHMARKS picks benchmarks (default: all six; "" for none); BENCH_FLAGS="" runs them in full;
 # a -k expression that matches nothing runs the benchmarks alone.
-# WHEELS names folders of carried wheels installed first (default: .whl: PyAV, pebble and pytest-xdist, which the
+# WHEELS names folders of carried wheels installed first (default: .whl .whlnv: PyAV, pebble and pytest-xdist, which the
 # video tests and the package need there and the machine lacks, e.g. `pip download --no-deps
 # --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 -d .whl av==18.1.0
-# pebble==5.2.3 pytest-xdist==3.8.0 execnet==2.1.2`; flashinfer and its needs); e.g. WHEELS=".whl .whl523" with a transformers wheel
+# pebble==5.2.3 pytest-xdist==3.8.0 execnet==2.1.2`, and in .whlnv pynvvideocodec==2.2.4 for the NVDEC
+# tests; flashinfer and its needs); e.g. WHEELS=".whl .whl523" with a transformers wheel
 # in .whl523 runs the suite on that transformers. Logs are named by the transformers version, so several runs can share $OUT.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-wheels=$(for dir in ${WHEELS:-.whl}; do ls "$dir"/*.whl 2>/dev/null; done)
+wheels=$(for dir in ${WHEELS:-.whl .whlnv}; do ls "$dir"/*.whl 2>/dev/null; done)
 if [ -n "$wheels" ]; then
   site=$(mktemp -d)
   # shellcheck disable=SC2086

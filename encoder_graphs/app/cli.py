@@ -121,6 +121,11 @@ def _model_arguments(parser: argparse.ArgumentParser) -> None:
         "the frames before it (faster, frames up to half an interval off) (default: %(default)s)",
     )
     group.add_argument(
+        "--video-decoder", choices=("cpu", "nvdec"), default="cpu",
+        help="cpu: FFmpeg on the decoder processes' cores; nvdec: the GPU's video decoder takes H.264 and HEVC "
+        "(needs PyNvVideoCodec; the same frames, bit for bit; other clips stay on the CPU) (default: %(default)s)",
+    )
+    group.add_argument(
         "--video-timeout", type=_positive_float, default=120.0, metavar="SECONDS",
         help="a video whose frames take longer to decode becomes an error record (default: %(default)s)",
     )

@@ -11,6 +11,8 @@ from encoder_graphs.app.plan import Plan
 from encoder_graphs.app.settings import Settings
 
 if TYPE_CHECKING:
+    import torch
+
     from encoder_graphs.app.config import CaptionConfig
     from encoder_graphs.app.loading import ModelSource
     from encoder_graphs.app.media import LoadLimits
@@ -34,11 +36,16 @@ def check_resolution_flags(settings: Settings, inputs: "CaptionInputs") -> None:
                              f"its resolution flags: {flags}")
 
 
-def load_limits(settings: Settings, source: "ModelSource", load_workers: int) -> "LoadLimits":
+def load_limits(settings: Settings, source: "ModelSource", load_workers: int, device: "torch.device") -> "LoadLimits":
+    """What the loaders may read, and how (`LoadLimits`); a usage error where --video-decoder
+    nvdec cannot run here."""
     from encoder_graphs.app.decoders import default_decoder_threads, video_workers
     from encoder_graphs.app.media import LoadLimits
+    from encoder_graphs.app.nvdec import available
 
     inputs = source.inputs
+    if settings.video_decoder == "nvdec" and (device.type != "cuda" or not available()):
+        raise UsageError("--video-decoder nvdec needs a CUDA device and PyNvVideoCodec (pip install pynvvideocodec)")
     return LoadLimits(
         max_frames=settings.max_frames,
         video_fps=settings.video_fps,
@@ -49,6 +56,8 @@ def load_limits(settings: Settings, source: "ModelSource", load_workers: int) ->
         frame_size=inputs.frame_size,
         video_timeout_s=settings.video_timeout,
         video_threads=default_decoder_threads(video_workers(load_workers)),
+        video_hwaccel="nvdec" if settings.video_decoder == "nvdec" else None,
+        video_device=device.index or 0 if device.type == "cuda" else 0,
     )
 
 
