@@ -20,6 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
+from timing import environment
+
 from encoder_graphs.app.decoders import VideoDecoders, default_decoder_threads
 from encoder_graphs.app.media import LoadLimits, MediaError
 from encoder_graphs.app.video import decode_video
@@ -89,6 +91,15 @@ def run(name: str, files: list[Path], limits: LoadLimits, workers: int) -> dict:
     }
 
 
+def _version(package: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
+
+
 def _safely(function, *args):
     try:
         return function(*args)
@@ -119,7 +130,8 @@ def main() -> None:
               f"{results[name]['errors']} errors, {results[name]['seconds']:.1f} s) {results[name]['sampling']} "
               f"{results[name]['first_errors'][:1]}", file=sys.stderr, flush=True)
     payload = {"folder": str(args.folder), "files": len(files), "workers": args.workers, "frames": args.frames,
-               "frame_tokens": args.frame_tokens, "cpus": os.cpu_count(), "runs": results}
+               "frame_tokens": args.frame_tokens, "cpus": os.cpu_count(), "runs": results,
+               "environment": {**environment(), "pynvvideocodec": _version("pynvvideocodec")}}
     if args.json:
         Path(args.json).write_text(json.dumps(payload, indent=2) + "\n")
     print(json.dumps(payload))

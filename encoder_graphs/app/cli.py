@@ -123,7 +123,7 @@ def _model_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--video-decoder", choices=("cpu", "nvdec"), default="cpu",
         help="cpu: FFmpeg on the decoder processes' cores; nvdec: the GPU's video decoder takes H.264 and HEVC "
-        "(needs PyNvVideoCodec; the same frames, bit for bit; other clips stay on the CPU) (default: %(default)s)",
+        "(needs the nvdec extra, PyNvVideoCodec; the same frames, bit for bit; other clips stay on the CPU) (default: %(default)s)",
     )
     group.add_argument(
         "--video-timeout", type=_positive_float, default=120.0, metavar="SECONDS",

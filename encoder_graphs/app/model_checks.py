@@ -45,7 +45,7 @@ def load_limits(settings: Settings, source: "ModelSource", load_workers: int, de
 
     inputs = source.inputs
     if settings.video_decoder == "nvdec" and (device.type != "cuda" or not available()):
-        raise UsageError("--video-decoder nvdec needs a CUDA device and PyNvVideoCodec (pip install pynvvideocodec)")
+        raise UsageError("--video-decoder nvdec needs a CUDA device and PyNvVideoCodec (pip install 'encoder-graphs[nvdec]')")
     return LoadLimits(
         max_frames=settings.max_frames,
         video_fps=settings.video_fps,
