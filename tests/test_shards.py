@@ -399,13 +399,14 @@ def test_a_retry_is_not_skipped_when_a_copier_removes_the_partial_it_locks(tmp_p
 
 
 def test_a_samples_error_names_its_key_as_the_tar_spells_it(tmp_path):
-    """A tar made with `tar cf x.tar .` keys its samples `./NAME`: a bad sample's error names it
-    so (the key the output record holds), not as a path would spell it."""
+    """A tar made with `tar cf x.tar .` keys its samples `./NAME`: a bad sample's error, an image's
+    or a video's (decoded in a worker process), names it so (the key the output record holds), not
+    as a path would spell it."""
     (tmp_path / "wds").mkdir()
     good = io.BytesIO()
     Image.new("RGB", (32, 32)).save(good, "PNG")
     with tarfile.open(tmp_path / "wds" / "00000.tar", "w") as tar:
-        for name, data in (("./0001.png", b"not a png"), ("./0002.png", good.getvalue())):
+        for name, data in (("./0001.png", b"not a png"), ("./0002.png", good.getvalue()), ("./0003.mp4", b"not a clip")):
             info = tarfile.TarInfo(name)
             info.size = len(data)
             tar.addfile(info, io.BytesIO(data))
@@ -414,3 +415,4 @@ def test_a_samples_error_names_its_key_as_the_tar_spells_it(tmp_path):
     by_key = {record["key"]: record for record in records(out)}
     assert by_key["./0002"].get("caption") is not None
     assert by_key["./0001"]["error"].startswith("00000/./0001: "), by_key["./0001"]["error"]
+    assert by_key["./0003"]["error"].startswith("00000/./0003: "), by_key["./0003"]["error"]

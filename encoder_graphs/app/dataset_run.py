@@ -35,7 +35,7 @@ from encoder_graphs.app.datasets import (
     unreadable,
 )
 from encoder_graphs.app.errors import EXIT_FAILURES, EXIT_INTERRUPTED, EXIT_OK, UsageError, printable
-from encoder_graphs.app.media import decode_image, open_regular, upright_size
+from encoder_graphs.app.media import MediaError, decode_image, open_regular, upright_size
 from encoder_graphs.app.outputs import remove_stale_temporaries
 from encoder_graphs.app.pipeline import Captioner, Pending
 from encoder_graphs.app.settings import Settings
@@ -93,7 +93,10 @@ class SampleCaptioner(Captioner):
         if file.kind == "image":
             image = decode_image(io.BytesIO(file.data), file.label, self.limits)
             return self.inputs.encode_image(image), upright_size(io.BytesIO(file.data)), None
-        video = self._video_decoders(file.path).decode(file.path, file.data)
+        try:
+            video = self._video_decoders(file.path).decode(file.path, file.data)
+        except MediaError as error:  # the decoders key their work by path: the error names the sample
+            raise MediaError(file.label, error.kind, error.reason) from error
         return self.inputs.encode_video(video.frames, video.metadata), video.size, video.record()
 
     def _identity(self, file: Any) -> dict:
