@@ -22,9 +22,8 @@ from pathlib import Path
 
 from timing import environment
 
-from encoder_graphs.app.decoders import VideoDecoders, default_decoder_threads
+from encoder_graphs.app.decoders import VideoDecoders, decode_video, default_decoder_threads
 from encoder_graphs.app.media import LoadLimits, MediaError
-from encoder_graphs.app.video import decode_video
 from encoder_graphs.app.walk import VIDEO_EXTENSIONS
 from encoder_graphs.models.qwen.geometry import VIDEO_DEFAULTS, PixelSettings, QwenFrameSize
 
@@ -33,10 +32,10 @@ def full_pass(path: Path, limits: LoadLimits):
     """The decoder's full pass (every frame decoded, candidates kept), as for a clip it cannot seek."""
     import av
 
-    from encoder_graphs.app.video import _Sampler
+    from encoder_graphs.app.video import Sampler
 
     with av.open(str(path)) as container:
-        return _Sampler.of(path, container, limits).full_pass("benchmark: every frame")
+        return Sampler.of(path, container, limits).full_pass("benchmark: every frame")
 
 
 def run(name: str, files: list[Path], limits: LoadLimits, workers: int) -> dict:

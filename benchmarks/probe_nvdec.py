@@ -1,5 +1,5 @@
 """A probe, not a loader the command uses: PyAV demuxes the packets our seeking picks (the command's
-`_Sampler`, its `_decoded` and `_convert` replaced) and PyNvVideoCodec's low-level decoder (NVDEC)
+`Sampler`, its `_decoded` and `_convert` replaced) and PyNvVideoCodec's low-level decoder (NVDEC)
 decodes them to RGB on the GPU. Prints, for the first 12 clips, whether the frames' times equal the
 CPU path's and how far their pixels are; then clips/s on N threads, and beside the command's CPU
 worker processes (W processes + K NVDEC threads taking files from one queue). Results and why it
@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from av.bitstream import BitStreamFilterContext
 
 from encoder_graphs.app import video as V
+from encoder_graphs.app.decoders import decode_video
 from encoder_graphs.app.media import LoadLimits, open_regular
 
 CODECS = {"h264": (nvc.cudaVideoCodec.H264, "h264_mp4toannexb"), "hevc": (nvc.cudaVideoCodec.HEVC, "hevc_mp4toannexb")}
@@ -33,7 +34,7 @@ class NvFrame:
         self.pts = f.getPTS(); self.rotation = 0
         self.rgb = torch.from_dlpack(f).clone()  # HWC uint8 on the GPU
 
-class NvSampler(V._Sampler):
+class NvSampler(V.Sampler):
     def __init__(self, *a, **k):
         super().__init__(*a, **k)
         codec, bsf = CODECS[self.stream.codec_context.name]
@@ -95,7 +96,7 @@ if __name__ == "__main__":
     # correctness against the CPU path
     worst = 0
     for p in files[:12]:
-        a = V.decode_video(p, limits)
+        a = decode_video(p, limits)
         t = time.perf_counter(); b = nv_decode(p, limits); dt = time.perf_counter() - t
         if b is None: print(p.name, "cpu only"); continue
         same = a.times == b.times
@@ -124,7 +125,7 @@ if __name__ == "__main__":
                 except queue.Empty: return
                 if kind == "nv":
                     r = nv_decode(p, limits)
-                    if r is None: r = V.decode_video(p, limits)
+                    if r is None: r = decode_video(p, limits)
                 else:
                     r = pool.decode(p)
                 counts[kind] += 1

@@ -10,12 +10,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 from PIL import Image
+from privileges import run_unprivileged
 
+from encoder_graphs.app.decoders import decode_video
 from encoder_graphs.app.media import LoadLimits, MediaError, fit, load_image
 from encoder_graphs.app.pipeline import load
-from encoder_graphs.app.video import DecodedVideo, decode_video
+from encoder_graphs.app.video import DecodedVideo
 from encoder_graphs.app.walk import MediaFile, discover
-from privileges import run_unprivileged
 
 av = pytest.importorskip("av")
 

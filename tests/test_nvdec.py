@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from test_video import write_h264
 
+from encoder_graphs.app.decoders import decode_video
 from encoder_graphs.app.media import LoadLimits
 from encoder_graphs.app.nvdec import disposable_h264, yuv420p
-from encoder_graphs.app.video import decode_video
 
 av = pytest.importorskip("av")
 

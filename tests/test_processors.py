@@ -346,8 +346,8 @@ def test_decoded_clip_equals_the_processor_given_its_frames(checkpoint, tmp_path
     pytest.importorskip("av")
     from test_video import write_h264
 
+    from encoder_graphs.app.decoders import decode_video
     from encoder_graphs.app.media import LoadLimits
-    from encoder_graphs.app.video import decode_video
 
     _, inputs, processor = checkpoint
     write_h264(tmp_path / "clip.mp4", frames=75, size=(320, 180), fps=25)
@@ -366,8 +366,8 @@ def test_frames_scaled_as_decoded_equal_the_processor_given_full_frames(checkpoi
     pytest.importorskip("av")
     from test_video import write_h264
 
+    from encoder_graphs.app.decoders import decode_video
     from encoder_graphs.app.media import LoadLimits
-    from encoder_graphs.app.video import decode_video
 
     _, inputs, processor = checkpoint
     settings = {}

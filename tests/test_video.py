@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 from privileges import code_env
 
-from encoder_graphs.app.decoders import VideoDecoders
+from encoder_graphs.app.decoders import VideoDecoders, decode_video
 from encoder_graphs.app.media import LoadLimits, MediaError
-from encoder_graphs.app.video import decode_video, frame_count, resized
+from encoder_graphs.app.video import frame_count, resized
 
 av = pytest.importorskip("av")
 
@@ -361,7 +361,7 @@ def test_the_largest_clip_decodes_under_2_gb_and_a_larger_is_refused_by_its_head
     code = textwrap.dedent(f"""
         import sys
         from encoder_graphs.app.media import LoadLimits, MediaError
-        from encoder_graphs.app.video import decode_video
+        from encoder_graphs.app.decoders import decode_video
         video = decode_video({str(tmp_path / "uhd.mp4")!r}, LoadLimits())
         assert video.frames.shape[0] == 16 and video.sampling == "seek", video.sampling
         try:

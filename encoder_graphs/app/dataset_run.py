@@ -19,7 +19,6 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import replace
 from itertools import islice
-from pathlib import Path
 from typing import Any
 
 from encoder_graphs.app.datasets import (

@@ -1,5 +1,5 @@
-"""The video decoder's worker processes: each decodes a file at a time (`video.decode_video`) within
-a time limit.
+"""A video's frames, decoded (`decode_video`: by `video.Sampler` on the CPU, or `nvdec`'s on the
+GPU's video decoder) in worker processes, each a file at a time within a time limit.
 
 Why processes: decoding and converting frames on threads held the GIL (benchmarks/RESULTS.md);
 worker processes run side by side, and one that hangs or takes too long on a hostile file is killed
@@ -9,6 +9,7 @@ starts at once, and inherit no CUDA state or threads of the caption process. `lo
 file's media for the Captioner's loader threads: an image there, a video's frames here.
 """
 
+import io
 import math
 import multiprocessing
 import os
@@ -19,8 +20,9 @@ from pathlib import Path
 
 from PIL import Image
 
-from encoder_graphs.app.media import LoadLimits, MediaError, load_image
-from encoder_graphs.app.video import DecodedVideo, decode_video
+from encoder_graphs.app import nvdec
+from encoder_graphs.app.media import LoadLimits, MediaError, load_image, open_regular
+from encoder_graphs.app.video import CannotSeek, DecodedVideo, Sampler
 from encoder_graphs.app.walk import MediaFile, folder_reason
 
 # Memory a worker may allocate (a backstop: frames are refused by their header's size first). A
@@ -31,6 +33,34 @@ WORKER_DATA_BYTES = 6 << 30
 # the load takes tens of seconds that the decoders would otherwise spend idle. The environment's
 # ENCODER_GRAPHS_VIDEO_PREFETCH_BYTES overrides it (0: none; benchmarks compare the two).
 PREFETCH_BYTES = int(os.environ.get("ENCODER_GRAPHS_VIDEO_PREFETCH_BYTES", str(2 << 30)))
+
+
+def decode_video(path: Path | str, limits: LoadLimits, data: bytes | None = None) -> DecodedVideo:
+    """`limits`' frames of the video at `path`, or of `data` (a sample's bytes `path` names), by
+    seeking (`video.Sampler`; on NVDEC with `video_hwaccel="nvdec"`: `nvdec.sampled`); every way
+    the file can be bad raises `MediaError` naming it. What the worker processes run. Where seeking
+    cannot give the frames, the file is opened again for one full pass."""
+    try:
+        import av
+    except ImportError as error:
+        raise MediaError(path, "unsupported", "video needs PyAV: pip install 'encoder-graphs[video]'") from error
+    path = Path(path)
+    why = None  # why seeking could not serve, once it was tried
+    while True:
+        with open_regular(path) if data is None else io.BytesIO(data) as handle:
+            try:
+                with av.open(handle, metadata_errors="ignore") as container:
+                    sampler = Sampler.of(path, container, limits)
+                    if why is not None:
+                        return sampler.full_pass(why)
+                    try:
+                        return nvdec.sampled(sampler) if limits.video_hwaccel == "nvdec" else sampler.by_seeking()
+                    except CannotSeek as cannot:
+                        why = str(cannot)
+            except (MediaError, MemoryError):
+                raise
+            except (av.FFmpegError, OSError, ValueError, EOFError) as error:
+                raise MediaError(path, "corrupt", f"cannot decode video ({error})") from error
 
 
 def _decode_in_worker(path: Path, limits: LoadLimits, data: bytes | None = None) -> DecodedVideo:

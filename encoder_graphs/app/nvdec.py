@@ -3,7 +3,7 @@
 Why: exact frames cost the decode from the keyframe before each, most of a clip's frames, and on
 the GPU machines' 16 cores that CPU decode fed a clips' loop at 6-8 clips/s where the GPU took 18
 (benchmarks/RESULTS.md). NVDEC does that decode beside the CPU's cores.
-Why this way: the command's seeking stays as it is (`video._Sampler`: PyAV demuxes and seeks, the
+Why this way: the command's seeking stays as it is (`video.Sampler`: PyAV demuxes and seeks, the
 same frames are asked for); only the packets go to NVIDIA's decoder (PyNvVideoCodec's low-level
 `CreateDecoder`, one a worker process, reconfigured from file to file), which keeps the frames on
 the GPU in their NV12 form. The frames asked for are copied to the host and converted there as the
@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from encoder_graphs.app.media import MediaError
-from encoder_graphs.app.video import DecodedVideo, _CannotSeek, _Sampler
+from encoder_graphs.app.video import CannotSeek, DecodedVideo, Sampler
 
 # codec name (FFmpeg's) -> (PyNvVideoCodec's codec, the filter giving the Annex B stream NVDEC parses)
 CODECS = {"h264": ("H264", "h264_mp4toannexb"), "hevc": ("HEVC", "hevc_mp4toannexb")}
@@ -108,8 +108,8 @@ class _NvFrame:
         return yuv420p(self._nv12, self.width, self.height, self._like).to_ndarray(format=format)
 
 
-class NvdecSampler(_Sampler):
-    """`_Sampler` with its packets decoded by NVDEC (`refusal` said it takes the stream).
+class NvdecSampler(Sampler):
+    """`Sampler` with its packets decoded by NVDEC (`refusal` said it takes the stream).
 
     NVDEC gives no frame its packet's timestamp back, so it decodes in decode order with no
     latency (each packet's picture comes out as the packet goes in), and which packet holds the
@@ -150,7 +150,7 @@ class NvdecSampler(_Sampler):
                 continue
             pts = packet.pts  # read first: the filter takes the packet's contents
             if pts is None:
-                raise _CannotSeek("its frames carry no timestamps")
+                raise CannotSeek("its frames carry no timestamps")
             for unit in self._filter.filter(packet) if self._filter is not None else [packet]:
                 yield pts, bytes(unit)
 
@@ -186,7 +186,7 @@ class NvdecSampler(_Sampler):
         return (min(shown) if shown else None), (min(seen) if seen else None)
 
     def _frame_at(self, target: int, half: int) -> Any:
-        """The frame shown at `target` (as `_Sampler._frame_at`): decoding on from the last, or
+        """The frame shown at `target` (as `Sampler._frame_at`): decoding on from the last, or
         from the keyframe a seek lands on; its packet decoded again after a seek where it was
         decoded before it was known to be the one."""
         landing = target if self._units is None or self._should_seek(target) else None
@@ -195,7 +195,7 @@ class NvdecSampler(_Sampler):
                 self._restart(landing)
             shown, first = self._shown_at(target, half)
             if shown is None:
-                raise _CannotSeek(f"no frame decodes at {self.info.seconds(target):.1f} s of the "
+                raise CannotSeek(f"no frame decodes at {self.info.seconds(target):.1f} s of the "
                                   f"{self.info.duration_s:.1f} s its container states (cut short, or a wrong duration)")
             if landing is not None and first > target + half:  # the keyframe's index time preceded a frame shown before it
                 landing = self._keyframe_before(landing)
@@ -207,7 +207,7 @@ class NvdecSampler(_Sampler):
                 continue
             self._last = shown
             return self._decode_to(shown, target - half)
-        raise _CannotSeek("seeking lands after the frames asked for (no usable index)")
+        raise CannotSeek("seeking lands after the frames asked for (no usable index)")
 
     def _decode_to(self, shown: int, skip_before: int) -> _NvFrame:
         """Decode the packets ahead up to the one of pts `shown` (leaving out those shown before
@@ -229,7 +229,7 @@ class NvdecSampler(_Sampler):
         raise RuntimeError("the packet shown was not among those ahead")
 
 
-def sampled(sampler: _Sampler) -> DecodedVideo:
+def sampled(sampler: Sampler) -> DecodedVideo:
     """The frames `sampler` would take by seeking, decoded by NVDEC where it takes the stream and
     does not fail, else by `sampler` itself (on the same container: its first seek starts anew).
     `sampling` ends in the decoder that served, and why the CPU did."""

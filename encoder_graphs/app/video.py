@@ -13,7 +13,6 @@ give it. swscale scaling straight from the decoded YUV took a little less time t
 and was 1-6 levels off the processors' pixels on average (tests/test_processors.py bounds ours).
 """
 
-import io
 from bisect import bisect_right
 from dataclasses import dataclass
 from fractions import Fraction
@@ -22,13 +21,13 @@ from typing import Any
 
 import numpy as np
 
-from encoder_graphs.app.media import LoadLimits, MediaError, check_size, fitted_size, open_regular
+from encoder_graphs.app.media import LoadLimits, MediaError, check_size, fitted_size
 
 # Without an index, decoding on to a frame this close is assumed cheaper than seeking to it.
 NO_INDEX_SEEK_S = 2.0
 
 
-class _CannotSeek(Exception):
+class CannotSeek(Exception):
     """Why a video's frames cannot be reached by seeking (its full pass then takes them)."""
 
 
@@ -107,38 +106,7 @@ def frame_count(limits: LoadLimits, duration_s: float | None, available: int | N
     return max(2, count - count % 2)
 
 
-def decode_video(path: Path | str, limits: LoadLimits, data: bytes | None = None) -> DecodedVideo:
-    """`limits`' frames of the video at `path`, or of `data` (a sample's bytes `path` names); every
-    way the file can be bad raises `MediaError` naming it. What the worker processes run. Where
-    seeking cannot give the frames, the file is opened again for one full pass."""
-    try:
-        import av
-    except ImportError as error:
-        raise MediaError(path, "unsupported", "video needs PyAV: pip install 'encoder-graphs[video]'") from error
-    path = Path(path)
-    why = None  # why seeking could not serve, once it was tried
-    while True:
-        with open_regular(path) if data is None else io.BytesIO(data) as handle:
-            try:
-                with av.open(handle, metadata_errors="ignore") as container:
-                    sampler = _Sampler.of(path, container, limits)
-                    if why is not None:
-                        return sampler.full_pass(why)
-                    try:
-                        if limits.video_hwaccel == "nvdec":
-                            from encoder_graphs.app.nvdec import sampled
-
-                            return sampled(sampler)
-                        return sampler.by_seeking()
-                    except _CannotSeek as cannot:
-                        why = str(cannot)
-            except (MediaError, MemoryError):
-                raise
-            except (av.FFmpegError, OSError, ValueError, EOFError) as error:
-                raise MediaError(path, "corrupt", f"cannot decode video ({error})") from error
-
-
-class _Sampler:
+class Sampler:
     """One video's frames: by seeking where the container allows, else by one full pass."""
 
     # Decoders that read `skip_frame` for each packet (checked exact): where the frames that no
@@ -163,7 +131,7 @@ class _Sampler:
         self._broken = av.FFmpegError  # a packet that does not decode (a cut or damaged stream)
 
     @classmethod
-    def of(cls, path: Path, container: Any, limits: LoadLimits) -> "_Sampler":
+    def of(cls, path: Path, container: Any, limits: LoadLimits) -> "Sampler":
         """The sampler of `container`'s first video stream, refused by its header where it has
         none, no decoder, or frames too large."""
         if not container.streams.video:
@@ -179,10 +147,10 @@ class _Sampler:
         return cls(path, container, stream, limits)
 
     def by_seeking(self) -> DecodedVideo:
-        """The frames at evenly spaced times; `_CannotSeek` where the container cannot give them."""
+        """The frames at evenly spaced times; `CannotSeek` where the container cannot give them."""
         info = self.info
         if info.duration_s is None or info.fps is None:
-            raise _CannotSeek("the container gives no duration or frame rate")
+            raise CannotSeek("the container gives no duration or frame rate")
         count = frame_count(self.limits, info.duration_s, info.total_frames)
         total = info.total_frames or round(info.duration_s * info.fps)
         indices = np.linspace(0, max(total - 1, 0), count).round().astype(int)
@@ -224,7 +192,7 @@ class _Sampler:
 
     # ----- frames by seeking ---------------------------------------------------------------
     def _seek(self, targets: list[int], count: int) -> list[tuple[int, np.ndarray]]:
-        """The frame shown at each target pts; `_CannotSeek` where seeking cannot give them."""
+        """The frame shown at each target pts; `CannotSeek` where seeking cannot give them."""
         half = max(1, round(0.5 / self.info.fps / self.info.time_base))  # half a frame: the nearest frame wins
         frames: list[tuple[int, np.ndarray]] = []
         for target in targets:
@@ -249,7 +217,7 @@ class _Sampler:
             first = landing is not None
             while (frame := self._next_frame(target)) is not None:
                 if frame.pts is None:
-                    raise _CannotSeek("its frames carry no timestamps")
+                    raise CannotSeek("its frames carry no timestamps")
                 if first and frame.pts > target + half:
                     landing = self._keyframe_before(landing)
                     break
@@ -257,13 +225,13 @@ class _Sampler:
                 if frame.pts >= target - half:
                     return frame
             else:
-                raise _CannotSeek(
+                raise CannotSeek(
                     f"no frame decodes at {self.info.seconds(target):.1f} s of the {self.info.duration_s:.1f} s its "
                     "container states (cut short, or a wrong duration)"
                 )
             if landing is None:
                 break
-        raise _CannotSeek("seeking lands after the frames asked for (no usable index)")
+        raise CannotSeek("seeking lands after the frames asked for (no usable index)")
 
     def _decoded(self) -> Any:
         """The stream's frames from where the demuxer stands. A packet shown before
@@ -283,7 +251,7 @@ class _Sampler:
         try:
             return next(self._decoding, None)
         except self._broken as error:
-            raise _CannotSeek(f"the frames before {self.info.seconds(target):.1f} s do not decode ({error})") from error
+            raise CannotSeek(f"the frames before {self.info.seconds(target):.1f} s do not decode ({error})") from error
 
     def _landing(self, target: int) -> int:
         """The pts of the keyframe a seek for `target` lands on: the last at or before it in the
