@@ -10,7 +10,7 @@ from test_video import write_h264
 
 from encoder_graphs.app.decoders import decode_video
 from encoder_graphs.app.media import LoadLimits
-from encoder_graphs.app.nvdec import disposable_h264, yuv420p
+from encoder_graphs.app.nvdec import annexb_filter, disposable_h264, yuv420p
 
 av = pytest.importorskip("av")
 
@@ -58,6 +58,20 @@ def test_units_said_disposable_change_no_other_frame(tmp_path):
     assert 10 <= dropped and len(kept) == len(full) - dropped
     for pts, pixels in kept.items():
         assert np.array_equal(pixels, full[pts]), pts
+
+
+@pytest.mark.parametrize("container", ["mp4", "matroska", "mpegts"])
+def test_every_unit_sent_to_nvdec_is_annex_b(tmp_path, container):
+    """MP4 and Matroska hold H.264 as length-prefixed NAL units, filtered to Annex B; MPEG-TS
+    holds Annex B already, left as it is: every unit starts with a start code."""
+    write_h264(tmp_path / "clip", frames=20, container=container)
+    with av.open(str(tmp_path / "clip")) as source:
+        stream = source.streams.video[0]
+        annexb = annexb_filter(stream)
+        assert (annexb is None) == (container == "mpegts")
+        units = [bytes(unit) for packet in source.demux(stream) if packet.size
+                 for unit in (annexb.filter(packet) if annexb else [packet])]
+    assert len(units) == 20 and all(unit.startswith((b"\x00\x00\x01", b"\x00\x00\x00\x01")) for unit in units)
 
 
 def test_without_nvdec_the_cpu_decodes_the_same_frames_and_says_why(tmp_path, monkeypatch):

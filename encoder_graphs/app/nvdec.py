@@ -1,15 +1,15 @@
 """A video's frames decoded by the GPU's video decoder (NVDEC), in the decoder worker processes.
 
 Why: exact frames cost the decode from the keyframe before each, most of a clip's frames, and on
-the GPU machines' 16 cores that CPU decode fed a clips' loop at 6-8 clips/s where the GPU took 18
-(benchmarks/RESULTS.md). NVDEC does that decode beside the CPU's cores.
+the GPU machines' cores that CPU decode keeps the model waiting for frames (benchmarks/RESULTS.md).
+NVDEC does that decode beside the CPU's cores.
 Why this way: the command's seeking stays as it is (`video.Sampler`: PyAV demuxes and seeks, the
 same frames are asked for); only the packets go to NVIDIA's decoder (PyNvVideoCodec's low-level
 `CreateDecoder`, one a worker process, reconfigured from file to file), which keeps the frames on
 the GPU in their NV12 form. The frames asked for are copied to the host and converted there as the
 CPU path converts its own (swscale from planar 4:2:0, then the processors' resize): NVDEC's YUV is
 the CPU decoder's bit for bit (H.264 and HEVC decoding is exact by their specs), so the pixels are
-too, where NVDEC's own RGB conversion and a GPU resize were 1-6 levels off. A packet that no frame
+too, where NVDEC's own RGB conversion and a GPU resize were off the processors' pixels. A packet that no frame
 refers to, shown before the frame asked for, is not sent (the CPU path skips its decode too).
 Anything NVDEC cannot take (another codec, 10-bit, a size past its limit, an error) is decoded by
 the CPU path instead, and the record's `sampling` says which decoder served.
@@ -85,7 +85,7 @@ def disposable_h264(data: bytes) -> bool:
 def yuv420p(nv12: np.ndarray, width: int, height: int, like: Any) -> Any:
     """A planar 4:2:0 PyAV frame of an NV12 picture ((height * 3 / 2, width) uint8), with the colour
     description of `like` (the stream's decoder): swscale converts it to RGB exactly as the CPU
-    decoder's own frame (from NV12 directly it takes another path, up to 105 levels off)."""
+    decoder's own frame (from NV12 directly swscale takes another path, to other pixels)."""
     import av
 
     luma, chroma = nv12[:height], nv12[height:height + (height + 1) // 2]
@@ -96,6 +96,17 @@ def yuv420p(nv12: np.ndarray, width: int, height: int, like: Any) -> Any:
         plane.update(padded)
     frame.colorspace, frame.color_range = like.colorspace, like.color_range
     return frame
+
+
+def annexb_filter(stream: Any) -> Any:
+    """The filter that turns `stream`'s packets into the Annex B units NVDEC parses, where its NAL
+    units are prefixed by their length (an avcC / hvcC header: MP4, Matroska); None where they are
+    Annex B already (MPEG-TS)."""
+    from av.bitstream import BitStreamFilterContext
+
+    if (stream.codec_context.extradata or b"")[:1] != b"\x01":
+        return None
+    return BitStreamFilterContext(CODECS[stream.codec_context.name][1], stream)
 
 
 class _NvFrame:
@@ -122,14 +133,11 @@ class NvdecSampler(Sampler):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         import PyNvVideoCodec as nvc
-        from av.bitstream import BitStreamFilterContext
 
         codec = self.stream.codec_context
-        name, annexb = CODECS[codec.name]
         self._nvc, self._h264 = nvc, codec.name == "h264"
-        mp4 = self.container.format.name.startswith(("mov", "matroska"))  # length-prefixed NAL units
-        self._filter = BitStreamFilterContext(annexb, self.stream) if mp4 else None
-        self._decoder = _decoder(name, codec.width, codec.height, self.limits.video_device)
+        self._filter = annexb_filter(self.stream)
+        self._decoder = _decoder(CODECS[codec.name][0], codec.width, codec.height, self.limits.video_device)
         self._rotation = self._display_rotation()
         self._units: Any = None  # (pts, Annex B bytes) of the stretch since the last seek, in decode order
         self._ahead: list[tuple[int, bytes]] = []  # demuxed, not yet decoded
