@@ -15,7 +15,7 @@ from encoder_graphs.app.job import JOB_SOURCES, CaptionJob
 
 PACKAGE = Path(__file__).resolve().parents[1] / "encoder_graphs"
 # The values the job resolves from flags, which no step after `open_job` may read from the settings again.
-RESOLVED_FLAGS = {"max_frames", "video_fps", "video_sampling", "video_timeout", "batch_size", "max_batch_tokens",
+RESOLVED_FLAGS = {"max_frames", "video_fps", "video_sampling", "video_timeout", "video_decoder", "batch_size", "max_batch_tokens",
                   "prompt", "prompt_file", "compile", "budgets", "attn_backend", "no_graphs", "max_new_tokens",
                   "temperature", "top_p", "seed", "prefix", "suffix", "device"}
 BATCH_FIELDS = {"batch_size", "max_batch_tokens", "video_batch_size", "video_max_batch_tokens", "prefetch_batches"}

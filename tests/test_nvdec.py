@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from nvdec_standin import nv12_of
 from test_video import write_h264
 
 from encoder_graphs.app.decoders import decode_video
@@ -13,14 +14,6 @@ from encoder_graphs.app.media import LoadLimits
 from encoder_graphs.app.nvdec import annexb_filter, disposable_h264, yuv420p
 
 av = pytest.importorskip("av")
-
-
-def nv12_of(frame) -> np.ndarray:
-    """The NV12 picture NVDEC gives for a decoded planar 4:2:0 frame: the luma, then U and V interleaved."""
-    width, height = frame.width, frame.height
-    luma, u, v = (np.frombuffer(plane, np.uint8).reshape(-1, plane.line_size)[:, : width >> bool(index)]
-                  for index, plane in enumerate(frame.planes))
-    return np.concatenate([luma[:height], np.stack([u, v], -1).reshape(height // 2, width)])
 
 
 @pytest.mark.parametrize("size", [(96, 64), (160, 90), (64, 112)])
@@ -139,3 +132,86 @@ def test_nvdec_gives_the_cpu_paths_frames_bit_for_bit(tmp_path):
             assert gpu.sampling == expected, name
             assert gpu.times == cpu.times and gpu.size == cpu.size, name
             assert np.array_equal(gpu.frames, cpu.frames), (name, np.abs(gpu.frames.astype(int) - cpu.frames).max())
+
+
+def write_timed(path: Path, pts_ms: list[int], size: tuple[int, int] = (96, 64)) -> None:
+    """An H.264 MP4 (B-frames) whose frames are shown at `pts_ms` (a variable frame rate)."""
+    from fractions import Fraction
+
+    from test_video import scene
+
+    with av.open(str(path), "w") as output:
+        stream = output.add_stream("libx264", rate=30)
+        stream.width, stream.height, stream.pix_fmt = *size, "yuv420p"
+        stream.codec_context.time_base = Fraction(1, 1000)
+        stream.options = {"g": "15", "bf": "2", "preset": "ultrafast"}
+        for index, ms in enumerate(pts_ms):
+            frame = av.VideoFrame.from_ndarray(scene(index, *size), format="rgb24")
+            frame.pts, frame.time_base = ms, Fraction(1, 1000)
+            for packet in stream.encode(frame):
+                output.mux(packet)
+        for packet in stream.encode():
+            output.mux(packet)
+
+
+def write_hevc_open_gop(path: Path, frames: int, size: tuple[int, int] = (96, 64)) -> None:
+    """An HEVC MP4 of x265's open GOPs: each CRA keyframe has RASL pictures that refer to the GOP before."""
+    from test_video import scene
+
+    with av.open(str(path), "w") as output:
+        stream = output.add_stream("libx265", rate=30)
+        stream.width, stream.height, stream.pix_fmt = *size, "yuv420p"
+        stream.options = {"preset": "fast", "x265-params": "keyint=30:min-keyint=30:scenecut=0:open-gop=1:bframes=4:log-level=none"}
+        for index in range(frames):
+            for packet in stream.encode(av.VideoFrame.from_ndarray(scene(index, *size), format="rgb24")):
+                output.mux(packet)
+        for packet in stream.encode():
+            output.mux(packet)
+
+
+CLIPS = {
+    "cfr.mp4": lambda path: write_h264(path, frames=90, gop=15),
+    "short.mp4": lambda path: write_h264(path, frames=20, gop=15),
+    "long_gop.mkv": lambda path: write_h264(path, frames=120, gop=60, container="matroska"),
+    "vfr.mp4": lambda path: write_timed(path, [0, 100, 133, 166, 199, 216, 316, 349, 366, 399, 432, 532]),
+    "gaps.mp4": lambda path: write_timed(path, [33 * i + (400 if i > 40 else 0) for i in range(80)]),
+    "open_gop_hevc.mp4": lambda path: write_hevc_open_gop(path, 90),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CLIPS))
+@pytest.mark.parametrize("sampling", ["exact", "keyframes"])
+def test_the_frames_nvdec_is_asked_for_are_the_cpu_paths(tmp_path, monkeypatch, name, sampling):
+    """With a stand-in for NVDEC's contract (tests/nvdec_standin.py: each packet's own picture, in
+    decode order, a stretch refused unless it starts at a keyframe), the frames the sampler picks
+    from the packets' timestamps are the CPU path's: constant and variable frame rates, a frame
+    whose time the last one already passed, dense targets on a short clip, Matroska, HEVC's open
+    GOPs (RASL pictures left out after a seek, as FFmpeg does)."""
+    import sys
+
+    from nvdec_standin import module
+
+    from encoder_graphs.app import nvdec
+
+    CLIPS[name](tmp_path / name)
+    monkeypatch.setitem(sys.modules, "PyNvVideoCodec", module(tmp_path / name))
+    monkeypatch.setattr(nvdec, "_process_decoder", {})
+    for limits in (LoadLimits(max_frames=16, frame_size=(48, 32), video_sampling=sampling),
+                   LoadLimits(max_frames=8, frame_size=(48, 32), video_sampling=sampling, video_fps=2.0)):
+        cpu = decode_video(tmp_path / name, limits)
+        gpu = decode_video(tmp_path / name, LoadLimits(**{**limits.__dict__, "video_hwaccel": "nvdec"}))
+        assert gpu.sampling == f"{cpu.sampling}, nvdec", gpu.sampling
+        assert gpu.times == cpu.times
+        assert np.array_equal(gpu.frames, cpu.frames)
+
+
+def test_a_unit_holding_a_parameter_set_or_a_reference_field_is_not_disposable():
+    """FFmpeg's NONREF skip leaves out slices, not the parameter sets beside them, and a field pair
+    whose second field is a reference is needed."""
+    start = b"\x00\x00\x00\x01"
+    nonref_slice, ref_slice, pps, aud = start + b"\x01\x9a", start + b"\x41\x9a", start + b"\x68\xce", start + b"\x09\xf0"
+    assert disposable_h264(aud + nonref_slice)
+    assert disposable_h264(nonref_slice + nonref_slice)
+    assert not disposable_h264(aud + pps + nonref_slice)
+    assert not disposable_h264(nonref_slice + ref_slice)
+    assert not disposable_h264(aud)

@@ -16,6 +16,7 @@ the CPU path instead, and the record's `sampling` says which decoder served.
 """
 
 import importlib.util
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -70,16 +71,37 @@ def _decoder(codec: str, width: int, height: int, device: int) -> Any:
     return decoder
 
 
-def disposable_h264(data: bytes) -> bool:
-    """Whether an Annex B H.264 access unit is a picture no other refers to (its first slice's
-    nal_ref_idc is 0): leaving it undecoded changes no other frame."""
+def _nal_headers(data: bytes) -> Iterator[int]:
+    """The first byte of each NAL unit of an Annex B access unit (emulation prevention keeps a start
+    code out of a unit's payload; a 4-byte start code holds the 3-byte one)."""
     start = 0
     while (start := data.find(b"\x00\x00\x01", start)) >= 0 and start + 3 < len(data):
-        header = data[start + 3]
-        if header & 0x1F in (1, 5):  # a slice: non-IDR, IDR
-            return header & 0x60 == 0
+        yield data[start + 3]
         start += 3
-    return False
+
+
+def disposable_h264(data: bytes) -> bool:
+    """Whether an Annex B H.264 access unit is a picture no other refers to, and nothing else a
+    later one needs: every slice's nal_ref_idc 0 (both fields of a pair), no parameter set
+    (SPS, PPS, their extensions). Leaving it undecoded changes no other frame (FFmpeg's NONREF
+    skip leaves out the same slices and parses the rest)."""
+    slices = 0
+    for header in _nal_headers(data):
+        kind = header & 0x1F
+        if kind in (7, 8, 13, 15) or (kind in (1, 5) and header & 0x60):
+            return False
+        slices += kind in (1, 5)
+    return slices > 0
+
+
+def hevc_picture(data: bytes) -> str | None:
+    """What an Annex B HEVC access unit's picture is: "irap" (NAL types 16-23), "rasl" (8, 9: it
+    refers to pictures before its IRAP), "radl" (6, 7), "trail" (the others); None: no picture."""
+    for header in _nal_headers(data):
+        kind = (header >> 1) & 0x3F
+        if kind < 32:  # the first picture unit
+            return "irap" if kind >= 16 else "rasl" if kind in (8, 9) else "radl" if kind in (6, 7) else "trail"
+    return None
 
 
 def yuv420p(nv12: np.ndarray, width: int, height: int, like: Any) -> Any:
@@ -126,7 +148,11 @@ class NvdecSampler(Sampler):
     latency (each packet's picture comes out as the packet goes in), and which packet holds the
     frame shown at a time is read from the packets' own timestamps, as FFmpeg labels its frames:
     the smallest pts at or after it among the packets demuxed, looking `REORDER` packets past the
-    first that reaches it (H.264 and HEVC show a frame at most 16 frames after its decode)."""
+    first that reaches it (H.264 and HEVC show a frame at most 16 frames after its decode), past
+    the frame before where decoding goes on. After a seek the packets start, as FFmpeg's frames
+    do, at the first keyframe, without the RASL pictures of an HEVC CRA (they refer to pictures
+    before it). tests/test_nvdec.py checks these choices on the CPU against a stand-in with
+    NVDEC's contract, and NVDEC's pictures on the GPU."""
 
     REORDER = 16
 
@@ -153,14 +179,25 @@ class NvdecSampler(Sampler):
         return 0
 
     def _stretch(self) -> Any:
+        """(pts, Annex B unit) from where a seek landed, as FFmpeg's decoder would show them:
+        from the first keyframe on, without the RASL pictures of HEVC's first CRA (they refer to
+        pictures before it)."""
+        started, leading, iraps = False, self.stream.codec_context.name == "hevc", 0
         for packet in self.container.demux(self.stream):
-            if packet.size == 0:
+            if packet.size == 0 or not (started := started or packet.is_keyframe):
                 continue
             pts = packet.pts  # read first: the filter takes the packet's contents
             if pts is None:
                 raise CannotSeek("its frames carry no timestamps")
             for unit in self._filter.filter(packet) if self._filter is not None else [packet]:
-                yield pts, bytes(unit)
+                data = bytes(unit)
+                if leading:  # until the first CRA's leading pictures are past
+                    picture = hevc_picture(data)
+                    if picture == "rasl":
+                        continue
+                    iraps += picture == "irap"
+                    leading = picture != "trail" and iraps < 2
+                yield pts, data
 
     def _send(self, data: bytes | None) -> list[Any]:
         packet = self._nvc.PacketData()
@@ -176,9 +213,14 @@ class NvdecSampler(Sampler):
         self._send(None)
         self._units, self._ahead, self._fed = self._stretch(), [], set()
 
-    def _shown_at(self, target: int, half: int) -> tuple[int | None, int | None]:
-        """(the pts of the packet shown at `target`, the smallest pts of the stretch), demuxing on
-        until `REORDER` packets past the first at or after `target - half` (or the stream's end)."""
+    def _shown_at(self, target: int, half: int, after: int | None) -> tuple[int | None, int | None]:
+        """(the pts of the packet shown at `target`, past `after` where decoding goes on from the
+        frame shown there; the smallest pts of the stretch), demuxing on until `REORDER` packets
+        past the first such (or the stream's end)."""
+
+        def candidate(pts: int) -> bool:
+            return pts >= target - half and (after is None or pts > after)
+
         past = None
         while past is None or past < self.REORDER:
             unit = next(self._units, None)
@@ -187,10 +229,10 @@ class NvdecSampler(Sampler):
             self._ahead.append(unit)
             if past is not None:
                 past += 1
-            elif unit[0] >= target - half:
+            elif candidate(unit[0]):
                 past = 0
         seen = [pts for pts, _ in self._ahead] + list(self._fed)
-        shown = [pts for pts in seen if pts >= target - half]
+        shown = [pts for pts in seen if candidate(pts)]
         return (min(shown) if shown else None), (min(seen) if seen else None)
 
     def _frame_at(self, target: int, half: int) -> Any:
@@ -198,10 +240,11 @@ class NvdecSampler(Sampler):
         from the keyframe a seek lands on; its packet decoded again after a seek where it was
         decoded before it was known to be the one."""
         landing = target if self._units is None or self._should_seek(target) else None
+        after = self._last if landing is None else None  # decoding on: the CPU's next frame is past it
         for _ in range(3):
             if landing is not None:
                 self._restart(landing)
-            shown, first = self._shown_at(target, half)
+            shown, first = self._shown_at(target, half, after)
             if shown is None:
                 raise CannotSeek(f"no frame decodes at {self.info.seconds(target):.1f} s of the "
                                   f"{self.info.duration_s:.1f} s its container states (cut short, or a wrong duration)")
@@ -232,7 +275,10 @@ class NvdecSampler(Sampler):
             if pts == shown:
                 if len(frames) != 1:
                     raise RuntimeError(f"NVDEC gave {len(frames)} pictures for one packet")
-                nv12 = torch.from_dlpack(frames[0]).cpu().numpy().reshape(-1, codec.width)
+                nv12 = torch.from_dlpack(frames[0])
+                if tuple(nv12.shape) != (codec.height * 3 // 2, codec.width):  # the size changed mid-stream
+                    raise RuntimeError(f"NVDEC gave a {tuple(nv12.shape)} picture for {codec.width}x{codec.height}")
+                nv12 = nv12.cpu().numpy()
                 return _NvFrame(nv12, pts, codec.width, codec.height, self._rotation, codec)
         raise RuntimeError("the packet shown was not among those ahead")
 
@@ -251,6 +297,7 @@ def sampled(sampler: Sampler) -> DecodedVideo:
             raise
         except Exception as error:  # noqa: BLE001 (NVDEC's, of any type: the CPU decodes the file)
             why = f"nvdec failed: {error}"
+            _process_decoder.clear()  # made anew for the next file, not left broken
     decoded = sampler.by_seeking()
     decoded.sampling += f", cpu ({why})"
     return decoded
