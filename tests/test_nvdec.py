@@ -111,9 +111,10 @@ def write_vp9(path: Path, frames: int, size: tuple[int, int] = (96, 64)) -> None
 @pytest.mark.skipif(importlib.util.find_spec("PyNvVideoCodec") is None, reason="needs PyNvVideoCodec (benchmarks/run_gpu.sh carries it)")
 def test_nvdec_gives_the_cpu_paths_frames_bit_for_bit(tmp_path):
     """On a GPU, clips of B-frames at several sizes (1080 rows: NVDEC decodes 1088 and crops), a
-    rotated phone clip and a Matroska file, one after another in one process (its decoder made
-    once, reconfigured, made anew for a larger size), give the CPU path's times and pixels, served
-    by NVDEC; a VP9 clip is decoded on the CPU and says so."""
+    rotated phone clip, a Matroska file, variable frame rates and HEVC's open GOPs, one after
+    another in one process (its decoder made once, reconfigured, made anew for a larger size or
+    another codec), give the CPU path's times and pixels, served by NVDEC; a VP9 clip is decoded
+    on the CPU and says so."""
     clips = {
         "small.mp4": {"size": (96, 64), "frames": 90, "gop": 15},
         "hd.mp4": {"size": (1920, 1080), "frames": 75, "gop": 30},
@@ -123,8 +124,10 @@ def test_nvdec_gives_the_cpu_paths_frames_bit_for_bit(tmp_path):
     }
     for name, options in clips.items():
         write_h264(tmp_path / name, **options)
+    for name, write in CLIPS.items():  # variable frame rates, HEVC's open GOPs (the stand-in's clips)
+        write(tmp_path / name)
     write_vp9(tmp_path / "web.webm", frames=30)
-    for name in [*clips, "web.webm", "small.mp4"]:
+    for name in [*clips, *CLIPS, "web.webm", "small.mp4"]:
         for limits in (LoadLimits(max_frames=8, frame_max_pixels=200_704), LoadLimits(max_frames=16, min_side=8)):
             cpu = decode_video(tmp_path / name, limits)
             gpu = decode_video(tmp_path / name, LoadLimits(**{**limits.__dict__, "video_hwaccel": "nvdec"}))
