@@ -90,15 +90,6 @@ def run(name: str, files: list[Path], limits: LoadLimits, workers: int) -> dict:
     }
 
 
-def _version(package: str) -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(package)
-    except PackageNotFoundError:
-        return None
-
-
 def _safely(function, *args):
     try:
         return function(*args)
@@ -130,7 +121,7 @@ def main() -> None:
               f"{results[name]['first_errors'][:1]}", file=sys.stderr, flush=True)
     payload = {"folder": str(args.folder), "files": len(files), "workers": args.workers, "frames": args.frames,
                "frame_tokens": args.frame_tokens, "cpus": os.cpu_count(), "runs": results,
-               "environment": {**environment(), "pynvvideocodec": _version("pynvvideocodec")}}
+               "environment": environment()}
     if args.json:
         Path(args.json).write_text(json.dumps(payload, indent=2) + "\n")
     print(json.dumps(payload))

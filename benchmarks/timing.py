@@ -94,6 +94,15 @@ def tree_id(root: Path) -> str:
                               check=True).stdout.strip()
 
 
+def _installed(package: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
+
+
 def environment() -> dict[str, object]:
     """What a JSON needs to describe its numbers: the device, date, versions, code and command."""
     import transformers
@@ -111,6 +120,7 @@ def environment() -> dict[str, object]:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "pyav": pyav,
+        "pynvvideocodec": _installed("pynvvideocodec"),
         "python": platform.python_version(),
         **source(),
         "command": " ".join(["python3", *sys.argv]),

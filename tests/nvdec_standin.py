@@ -16,11 +16,8 @@ import torch
 
 
 def nv12_of(frame) -> np.ndarray:
-    """The NV12 picture NVDEC gives for a decoded planar 4:2:0 frame: the luma, then U and V interleaved."""
-    width, height = frame.width, frame.height
-    luma, u, v = (np.frombuffer(plane, np.uint8).reshape(-1, plane.line_size)[:, : width >> bool(index)]
-                  for index, plane in enumerate(frame.planes))
-    return np.concatenate([luma[:height], np.stack([u, v], -1).reshape(height // 2, width)])
+    """The NV12 picture NVDEC gives for a decoded planar 4:2:0 frame (swscale interleaves the chroma losslessly)."""
+    return frame.to_ndarray(format="nv12")
 
 
 def module(path) -> types.ModuleType:

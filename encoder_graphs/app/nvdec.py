@@ -16,6 +16,7 @@ the CPU path instead, and the record's `sampling` says which decoder served.
 """
 
 import importlib.util
+from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
@@ -166,7 +167,7 @@ class NvdecSampler(Sampler):
         self._decoder = _decoder(CODECS[codec.name][0], codec.width, codec.height, self.limits.video_device)
         self._rotation = self._display_rotation()
         self._units: Any = None  # (pts, Annex B bytes) of the stretch since the last seek, in decode order
-        self._ahead: list[tuple[int, bytes]] = []  # demuxed, not yet decoded
+        self._ahead: deque[tuple[int, bytes]] = deque()  # demuxed, not yet decoded
         self._fed: set[int] = set()  # pts decoded in this stretch
 
     def _display_rotation(self) -> int:
@@ -211,7 +212,7 @@ class NvdecSampler(Sampler):
     def _restart(self, landing: int) -> None:
         self.container.seek(landing, stream=self.stream, backward=True, any_frame=False)
         self._send(None)
-        self._units, self._ahead, self._fed = self._stretch(), [], set()
+        self._units, self._ahead, self._fed = self._stretch(), deque(), set()
 
     def _shown_at(self, target: int, half: int, after: int | None) -> tuple[int | None, int | None]:
         """(the pts of the packet shown at `target`, past `after` where decoding goes on from the
@@ -267,7 +268,7 @@ class NvdecSampler(Sampler):
 
         codec = self.stream.codec_context
         while self._ahead:
-            pts, data = self._ahead.pop(0)
+            pts, data = self._ahead.popleft()
             if self._h264 and pts < skip_before and disposable_h264(data):
                 continue
             frames = self._send(data)
