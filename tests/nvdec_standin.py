@@ -12,12 +12,25 @@ import types
 
 import av
 import numpy as np
-import torch
 
 
 def nv12_of(frame) -> np.ndarray:
     """The NV12 picture NVDEC gives for a decoded planar 4:2:0 frame (swscale interleaves the chroma losslessly)."""
     return frame.to_ndarray(format="nv12")
+
+
+class HostPicture:
+    """A picture as NVDEC gives it in host memory (`usedevicememory=False`): its bytes' address and size."""
+
+    def __init__(self, nv12: np.ndarray) -> None:
+        self._held = np.ascontiguousarray(nv12)
+
+    def framesize(self) -> int:
+        return self._held.nbytes
+
+    def GetPtrToPlane(self, plane: int) -> int:
+        assert plane == 0
+        return self._held.ctypes.data
 
 
 def module(path) -> types.ModuleType:
@@ -63,7 +76,7 @@ def module(path) -> types.ModuleType:
             self.leading = (not self.started or self.leading) and data not in trailing
             self.started = True
             picture = table[data]
-            return [] if picture is None else [torch.from_numpy(np.ascontiguousarray(picture))]
+            return [] if picture is None else [HostPicture(picture)]
 
     names = types.SimpleNamespace
     stand_in = types.ModuleType("PyNvVideoCodec")

@@ -4,6 +4,7 @@ CPU path, or the CPU path itself where NVDEC cannot serve, said in the record.""
 import importlib.util
 from pathlib import Path
 
+import av
 import numpy as np
 import pytest
 from nvdec_standin import nv12_of
@@ -83,7 +84,7 @@ def test_without_nvdec_the_cpu_decodes_the_same_frames_and_says_why(tmp_path, mo
 
 def test_asking_for_nvdec_where_it_cannot_run_is_a_usage_error(tmp_path, capsys):
     """`--video-decoder nvdec` on a machine without CUDA (this CPU machine) or without
-    PyNvVideoCodec exits 2 naming the flag, before any file is captioned."""
+    PyNvVideoCodec exits 2 naming the flag, before any file is captioned; a dry run says so."""
     from test_cli import good_images
 
     from encoder_graphs.app.cli import main
@@ -93,6 +94,9 @@ def test_asking_for_nvdec_where_it_cannot_run_is_a_usage_error(tmp_path, capsys)
     assert main(["caption", str(tmp_path / "media"), "--device", "cpu", "--video-decoder", "nvdec", "--out", str(out)]) == 2
     assert "--video-decoder nvdec needs a CUDA device" in capsys.readouterr().err
     assert not out.exists()
+    assert main(["caption", str(tmp_path / "media"), "--device", "cpu", "--video-decoder", "nvdec", "--dry-run",
+                 "--out", str(out)]) == 0
+    assert "not here: --video-decoder nvdec needs a CUDA device" in capsys.readouterr().out
 
 
 def write_vp9(path: Path, frames: int, size: tuple[int, int] = (96, 64)) -> None:
@@ -113,8 +117,8 @@ def test_nvdec_gives_the_cpu_paths_frames_bit_for_bit(tmp_path):
     """On a GPU, clips of B-frames at several sizes (1080 rows: NVDEC decodes 1088 and crops), a
     rotated phone clip, a Matroska file, variable frame rates and HEVC's open GOPs, one after
     another in one process (its decoder made once, reconfigured, made anew for a larger size or
-    another codec), give the CPU path's times and pixels, served by NVDEC; a VP9 clip is decoded
-    on the CPU and says so."""
+    another codec), give the CPU path's times and pixels, served by NVDEC; a VP9 clip and an
+    interlaced one are decoded on the CPU and say so."""
     clips = {
         "small.mp4": {"size": (96, 64), "frames": 90, "gop": 15},
         "hd.mp4": {"size": (1920, 1080), "frames": 75, "gop": 30},
@@ -127,11 +131,13 @@ def test_nvdec_gives_the_cpu_paths_frames_bit_for_bit(tmp_path):
     for name, write in CLIPS.items():  # variable frame rates, HEVC's open GOPs (the stand-in's clips)
         write(tmp_path / name)
     write_vp9(tmp_path / "web.webm", frames=30)
-    for name in [*clips, *CLIPS, "web.webm", "small.mp4"]:
+    write_interlaced(tmp_path / "tv.mp4")
+    refused = {"web.webm": "codec vp9", "tv.mp4": "interlaced"}
+    for name in [*clips, *CLIPS, *refused, "small.mp4"]:
         for limits in (LoadLimits(max_frames=8, frame_max_pixels=200_704), LoadLimits(max_frames=16, min_side=8)):
             cpu = decode_video(tmp_path / name, limits)
             gpu = decode_video(tmp_path / name, LoadLimits(**{**limits.__dict__, "video_hwaccel": "nvdec"}))
-            expected = f"{cpu.sampling}, cpu (codec vp9)" if name.endswith("webm") else f"{cpu.sampling}, nvdec"
+            expected = f"{cpu.sampling}, cpu ({refused[name]})" if name in refused else f"{cpu.sampling}, nvdec"
             assert gpu.sampling == expected, name
             assert gpu.times == cpu.times and gpu.size == cpu.size, name
             assert np.array_equal(gpu.frames, cpu.frames), (name, np.abs(gpu.frames.astype(int) - cpu.frames).max())
@@ -206,6 +212,40 @@ def test_the_frames_nvdec_is_asked_for_are_the_cpu_paths(tmp_path, monkeypatch, 
         assert gpu.sampling == f"{cpu.sampling}, nvdec", gpu.sampling
         assert gpu.times == cpu.times
         assert np.array_equal(gpu.frames, cpu.frames)
+
+
+def write_interlaced(path: Path, frames: int = 30, size: tuple[int, int] = (96, 64)) -> None:
+    """An H.264 MP4 coded interlaced (x264's MBAFF, top field first)."""
+    from test_video import scene
+
+    with av.open(str(path), "w") as output:
+        stream = output.add_stream("libx264", rate=30)
+        stream.width, stream.height, stream.pix_fmt = *size, "yuv420p"
+        stream.options = {"g": "15", "preset": "ultrafast", "x264-params": "tff=1"}
+        for index in range(frames):
+            for packet in stream.encode(av.VideoFrame.from_ndarray(scene(index, *size), format="rgb24")):
+                output.mux(packet)
+        for packet in stream.encode():
+            output.mux(packet)
+
+
+def test_an_interlaced_clip_is_left_to_the_cpu_and_says_so(tmp_path, monkeypatch):
+    """FFmpeg weaves an interlaced picture's fields, NVDEC's output of them need not match: such
+    a clip is decoded on the CPU, its record saying why, its frames the CPU path's."""
+    import sys
+
+    from nvdec_standin import module
+
+    from encoder_graphs.app import nvdec
+
+    write_interlaced(tmp_path / "tv.mp4")
+    monkeypatch.setitem(sys.modules, "PyNvVideoCodec", module(tmp_path / "tv.mp4"))
+    monkeypatch.setattr(nvdec, "_process_decoder", {})
+    limits = LoadLimits(max_frames=8, frame_size=(48, 32))
+    cpu = decode_video(tmp_path / "tv.mp4", limits)
+    gpu = decode_video(tmp_path / "tv.mp4", LoadLimits(**{**limits.__dict__, "video_hwaccel": "nvdec"}))
+    assert gpu.sampling == f"{cpu.sampling}, cpu (interlaced)"
+    assert gpu.times == cpu.times and np.array_equal(gpu.frames, cpu.frames)
 
 
 def test_a_unit_holding_a_parameter_set_or_a_reference_field_is_not_disposable():

@@ -41,11 +41,11 @@ def load_limits(settings: Settings, source: "ModelSource", load_workers: int, de
     nvdec cannot run here."""
     from encoder_graphs.app.decoders import default_decoder_threads, video_workers
     from encoder_graphs.app.media import LoadLimits
-    from encoder_graphs.app.nvdec import available
+    from encoder_graphs.app import nvdec
 
     inputs = source.inputs
-    if settings.video_decoder == "nvdec" and (device.type != "cuda" or not available()):
-        raise UsageError("--video-decoder nvdec needs a CUDA device and PyNvVideoCodec (pip install 'encoder-graphs[nvdec]')")
+    if settings.video_decoder == "nvdec" and not nvdec.runs_on(device.type):
+        raise UsageError(nvdec.NEEDS)
     return LoadLimits(
         max_frames=settings.max_frames,
         video_fps=settings.video_fps,

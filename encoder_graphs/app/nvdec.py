@@ -15,6 +15,7 @@ Anything NVDEC cannot take (another codec, 10-bit, a size past its limit, an err
 the CPU path instead, and the record's `sampling` says which decoder served.
 """
 
+import ctypes
 import importlib.util
 from collections import deque
 from collections.abc import Iterator
@@ -38,6 +39,14 @@ def available() -> bool:
     return importlib.util.find_spec("PyNvVideoCodec") is not None
 
 
+NEEDS = "--video-decoder nvdec needs a CUDA device and PyNvVideoCodec (pip install 'encoder-graphs[nvdec]')"
+
+
+def runs_on(device_type: str) -> bool:
+    """Whether `--video-decoder nvdec` can run with the model on a device of `device_type`."""
+    return device_type == "cuda" and available()
+
+
 def refusal(stream: Any) -> str | None:
     """Why NVDEC does not take `stream` (None: it does)."""
     codec = stream.codec_context
@@ -54,7 +63,9 @@ def refusal(stream: Any) -> str | None:
 
 def _decoder(codec: str, width: int, height: int, device: int) -> Any:
     """This process's decoder for `codec` frames of `width` x `height` on GPU `device`: the one it
-    has, reconfigured where it was made as large, else a new one."""
+    has, reconfigured where it was made as large, else a new one. Its pictures come back in host
+    memory (NVDEC's own copy): the worker needs no torch on the GPU, whose start in each worker
+    slowed the model's load beside it."""
     import PyNvVideoCodec as nvc
 
     held = _process_decoder.get("key")
@@ -65,7 +76,7 @@ def _decoder(codec: str, width: int, height: int, device: int) -> Any:
     _process_decoder.clear()
     decoder = nvc.CreateDecoder(
         gpuid=device, codec=getattr(nvc.cudaVideoCodec, codec),
-        cudacontext=0, cudastream=0, usedevicememory=True, outputColorType=nvc.OutputColorType.NATIVE,
+        cudacontext=0, cudastream=0, usedevicememory=False, outputColorType=nvc.OutputColorType.NATIVE,
         maxwidth=width, maxheight=height, latency=nvc.DisplayDecodeLatencyType.ZERO,
     )
     _process_decoder.update(key=((codec, device), width, height), decoder=decoder)
@@ -105,6 +116,15 @@ def hevc_picture(data: bytes) -> str | None:
     return None
 
 
+def host_nv12(picture: Any, width: int, height: int) -> np.ndarray:
+    """A copy of the NV12 picture NVDEC left in host memory, (height * 3 / 2, width) uint8 (its
+    rows unpadded); an error where its size is another's (the stream's size changed mid-stream)."""
+    size = width * height * 3 // 2
+    if picture.framesize() != size:
+        raise RuntimeError(f"NVDEC gave a picture of {picture.framesize()} bytes for {width}x{height} NV12")
+    return np.frombuffer(ctypes.string_at(picture.GetPtrToPlane(0), size), np.uint8).reshape(height * 3 // 2, width)
+
+
 def yuv420p(nv12: np.ndarray, width: int, height: int, like: Any) -> Any:
     """A planar 4:2:0 PyAV frame of an NV12 picture ((height * 3 / 2, width) uint8), with the colour
     description of `like` (the stream's decoder): swscale converts it to RGB exactly as the CPU
@@ -130,6 +150,10 @@ def annexb_filter(stream: Any) -> Any:
     if (stream.codec_context.extradata or b"")[:1] != b"\x01":
         return None
     return BitStreamFilterContext(CODECS[stream.codec_context.name][1], stream)
+
+
+class Refused(Exception):
+    """NVDEC does not take a stream, found once decoding began (the message says why)."""
 
 
 class _NvFrame:
@@ -165,17 +189,21 @@ class NvdecSampler(Sampler):
         self._nvc, self._h264 = nvc, codec.name == "h264"
         self._filter = annexb_filter(self.stream)
         self._decoder = _decoder(CODECS[codec.name][0], codec.width, codec.height, self.limits.video_device)
-        self._rotation = self._display_rotation()
+        self._rotation = self._first_picture()
         self._units: Any = None  # (pts, Annex B bytes) of the stretch since the last seek, in decode order
         self._ahead: deque[tuple[int, bytes]] = deque()  # demuxed, not yet decoded
         self._fed: set[int] = set()  # pts decoded in this stretch
 
-    def _display_rotation(self) -> int:
+    def _first_picture(self) -> int:
         """The stream's display rotation, which PyAV gives only on a decoded frame: its first
-        picture's, decoded alone on the CPU (the seek for the first frame asked for starts anew)."""
+        picture's, decoded alone on the CPU (the seek for the first frame asked for starts anew).
+        `Refused` where that picture is interlaced: FFmpeg gives its two fields woven, NVDEC's
+        pictures of fields need not be (field pictures, its deinterlacer)."""
         for packet in self.container.demux(self.stream):
             if packet.size:
                 frames = [*self.stream.decode(packet), *self.stream.decode(None)]
+                if frames and frames[0].interlaced_frame:
+                    raise Refused("interlaced")
                 return (frames[0].rotation or 0) if frames else 0
         return 0
 
@@ -264,8 +292,6 @@ class NvdecSampler(Sampler):
     def _decode_to(self, shown: int, skip_before: int) -> _NvFrame:
         """Decode the packets ahead up to the one of pts `shown` (leaving out those shown before
         `skip_before` that no frame refers to), its frame copied to the host."""
-        import torch
-
         codec = self.stream.codec_context
         while self._ahead:
             pts, data = self._ahead.popleft()
@@ -276,11 +302,7 @@ class NvdecSampler(Sampler):
             if pts == shown:
                 if len(frames) != 1:
                     raise RuntimeError(f"NVDEC gave {len(frames)} pictures for one packet")
-                nv12 = torch.from_dlpack(frames[0])
-                if tuple(nv12.shape) != (codec.height * 3 // 2, codec.width):  # the size changed mid-stream
-                    raise RuntimeError(f"NVDEC gave a {tuple(nv12.shape)} picture for {codec.width}x{codec.height}")
-                nv12 = nv12.cpu().numpy()
-                return _NvFrame(nv12, pts, codec.width, codec.height, self._rotation, codec)
+                return _NvFrame(host_nv12(frames[0], codec.width, codec.height), pts, codec.width, codec.height, self._rotation, codec)
         raise RuntimeError("the packet shown was not among those ahead")
 
 
@@ -296,6 +318,8 @@ def sampled(sampler: Sampler) -> DecodedVideo:
             return decoded
         except (MediaError, MemoryError):
             raise
+        except Refused as refused:
+            why = str(refused)
         except Exception as error:  # noqa: BLE001 (NVDEC's, of any type: the CPU decodes the file)
             why = f"nvdec failed: {error}"
             _process_decoder.clear()  # made anew for the next file, not left broken
