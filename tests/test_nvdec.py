@@ -117,8 +117,8 @@ def test_nvdec_gives_the_cpu_paths_frames_bit_for_bit(tmp_path):
     """On a GPU, clips of B-frames at several sizes (1080 rows: NVDEC decodes 1088 and crops), a
     rotated phone clip, a Matroska file, variable frame rates and HEVC's open GOPs, one after
     another in one process (its decoder made once, reconfigured, made anew for a larger size or
-    another codec), give the CPU path's times and pixels, served by NVDEC; a VP9 clip and an
-    interlaced one are decoded on the CPU and say so."""
+    another codec), give the CPU path's times and pixels, served by NVDEC; a VP9 clip, an
+    interlaced one and an HEVC one smaller than NVDEC decodes are decoded on the CPU and say so."""
     clips = {
         "small.mp4": {"size": (96, 64), "frames": 90, "gop": 15},
         "hd.mp4": {"size": (1920, 1080), "frames": 75, "gop": 30},
@@ -132,7 +132,8 @@ def test_nvdec_gives_the_cpu_paths_frames_bit_for_bit(tmp_path):
         write(tmp_path / name)
     write_vp9(tmp_path / "web.webm", frames=30)
     write_interlaced(tmp_path / "tv.mp4")
-    refused = {"web.webm": "codec vp9", "tv.mp4": "interlaced"}
+    write_hevc_open_gop(tmp_path / "tiny_hevc.mp4", 30, size=(96, 64))
+    refused = {"web.webm": "codec vp9", "tv.mp4": "interlaced", "tiny_hevc.mp4": "size 96x64"}
     for name in [*clips, *CLIPS, *refused, "small.mp4"]:
         for limits in (LoadLimits(max_frames=8, frame_max_pixels=200_704), LoadLimits(max_frames=16, min_side=8)):
             cpu = decode_video(tmp_path / name, limits)
@@ -184,7 +185,7 @@ CLIPS = {
     "long_gop.mkv": lambda path: write_h264(path, frames=120, gop=60, container="matroska"),
     "vfr.mp4": lambda path: write_timed(path, [0, 100, 133, 166, 199, 216, 316, 349, 366, 399, 432, 532]),
     "gaps.mp4": lambda path: write_timed(path, [33 * i + (400 if i > 40 else 0) for i in range(80)]),
-    "open_gop_hevc.mp4": lambda path: write_hevc_open_gop(path, 90),
+    "open_gop_hevc.mp4": lambda path: write_hevc_open_gop(path, 90, size=(256, 144)),  # NVDEC's HEVC: 144 rows at least
 }
 
 
@@ -246,6 +247,24 @@ def test_an_interlaced_clip_is_left_to_the_cpu_and_says_so(tmp_path, monkeypatch
     gpu = decode_video(tmp_path / "tv.mp4", LoadLimits(**{**limits.__dict__, "video_hwaccel": "nvdec"}))
     assert gpu.sampling == f"{cpu.sampling}, cpu (interlaced)"
     assert gpu.times == cpu.times and np.array_equal(gpu.frames, cpu.frames)
+
+
+def test_nvdec_refuses_what_it_cannot_decode(tmp_path, monkeypatch):
+    """Sizes below NVDEC's smallest for the codec (HEVC's 144 x 144: it fails to make a decoder
+    there), odd sizes, other codecs are left to the CPU, each with its reason."""
+    import sys
+
+    from nvdec_standin import module
+
+    from encoder_graphs.app.nvdec import refusal
+
+    write_h264(tmp_path / "h264.mp4", frames=4, size=(96, 64))
+    write_hevc_open_gop(tmp_path / "hevc.mp4", 4, size=(96, 64))
+    write_vp9(tmp_path / "vp9.webm", frames=4)
+    monkeypatch.setitem(sys.modules, "PyNvVideoCodec", module(tmp_path / "h264.mp4"))
+    for name, why in {"h264.mp4": None, "hevc.mp4": "size 96x64", "vp9.webm": "codec vp9"}.items():
+        with av.open(str(tmp_path / name)) as container:
+            assert refusal(container.streams.video[0]) == why, name
 
 
 def test_a_unit_holding_a_parameter_set_or_a_reference_field_is_not_disposable():

@@ -26,8 +26,9 @@ import numpy as np
 from encoder_graphs.app.media import MediaError
 from encoder_graphs.app.video import CannotSeek, DecodedVideo, Sampler
 
-# codec name (FFmpeg's) -> (PyNvVideoCodec's codec, the filter giving the Annex B stream NVDEC parses)
-CODECS = {"h264": ("H264", "h264_mp4toannexb"), "hevc": ("HEVC", "hevc_mp4toannexb")}
+# codec name (FFmpeg's) -> (PyNvVideoCodec's codec, the filter giving the Annex B stream NVDEC parses,
+# the smallest width and height NVDEC decodes: cuvidGetDecoderCaps' nMinWidth / nMinHeight)
+CODECS = {"h264": ("H264", "h264_mp4toannexb", 48, 16), "hevc": ("HEVC", "hevc_mp4toannexb", 144, 144)}
 PIXEL_FORMATS = frozenset({"yuv420p", "yuvj420p"})
 MAX_SIDE = 4096  # NVDEC's H.264 limit
 
@@ -56,7 +57,8 @@ def refusal(stream: Any) -> str | None:
         return f"codec {codec.name}"
     if codec.pix_fmt not in PIXEL_FORMATS:
         return f"pixel format {codec.pix_fmt}"
-    if not 0 < codec.width <= MAX_SIDE or not 0 < codec.height <= MAX_SIDE or codec.width % 2 or codec.height % 2:
+    _, _, min_width, min_height = CODECS[codec.name]
+    if not min_width <= codec.width <= MAX_SIDE or not min_height <= codec.height <= MAX_SIDE or codec.width % 2 or codec.height % 2:
         return f"size {codec.width}x{codec.height}"
     return None
 
