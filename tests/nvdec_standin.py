@@ -20,7 +20,8 @@ def nv12_of(frame) -> np.ndarray:
 
 
 class HostPicture:
-    """A picture as NVDEC gives it in host memory (`usedevicememory=False`): its bytes' address and size."""
+    """A picture as NVDEC gives it, its bytes' address and size (here in host memory: `install`
+    has the sampler copy it from there)."""
 
     def __init__(self, nv12: np.ndarray) -> None:
         self._held = np.ascontiguousarray(nv12)
@@ -88,3 +89,15 @@ def module(path) -> types.ModuleType:
     stand_in.PacketData = lambda: names(bsl=0, bsl_data=0, decode_flag=None)
     stand_in.CreateDecoder = Decoder
     return stand_in
+
+
+def install(monkeypatch, path) -> None:
+    """The stand-in for the clip at `path` in place of PyNvVideoCodec, a worker's decoder not yet
+    made, its pictures copied from host memory."""
+    import sys
+
+    from encoder_graphs.app import nvdec
+
+    monkeypatch.setitem(sys.modules, "PyNvVideoCodec", module(path))
+    monkeypatch.setattr(nvdec, "_process_decoder", {})
+    monkeypatch.setattr(nvdec, "_device_to_host", lambda address, size: np.frombuffer(ctypes.string_at(address, size), np.uint8))

@@ -82,6 +82,27 @@ def test_without_nvdec_the_cpu_decodes_the_same_frames_and_says_why(tmp_path, mo
         LoadLimits(video_hwaccel="cuda")
 
 
+def test_clips_decoded_while_the_model_loads_go_to_the_cpu_and_say_so(tmp_path):
+    """With NVDEC asked for, the clips prefetched while the model loads are decoded on the CPU
+    (workers start no GPU work beside the load), their records say so; the others are NVDEC's
+    (here, without PyNvVideoCodec, the CPU's with that reason)."""
+    from encoder_graphs.app.decoders import VideoDecoders
+
+    for name in ("first.mp4", "later.mp4"):
+        write_h264(tmp_path / name, frames=30, size=(96, 64))
+    limits = LoadLimits(max_frames=4, frame_size=(48, 32), video_hwaccel="nvdec")
+    videos = VideoDecoders(1, limits).start()
+    try:
+        assert videos.prefetch([tmp_path / "first.mp4"]) == 1
+        first, later = videos.decode(tmp_path / "first.mp4"), videos.decode(tmp_path / "later.mp4")
+    finally:
+        videos.close()
+    assert first.sampling == "seek, cpu (decoded while the model loaded)"
+    assert later.sampling == "seek, cpu (PyNvVideoCodec is not installed)"
+    cpu = decode_video(tmp_path / "first.mp4", LoadLimits(max_frames=4, frame_size=(48, 32)))
+    assert np.array_equal(first.frames, cpu.frames)
+
+
 def test_asking_for_nvdec_where_it_cannot_run_is_a_usage_error(tmp_path, capsys):
     """`--video-decoder nvdec` on a machine without CUDA (this CPU machine) or without
     PyNvVideoCodec exits 2 naming the flag, before any file is captioned; a dry run says so."""
@@ -197,15 +218,10 @@ def test_the_frames_nvdec_is_asked_for_are_the_cpu_paths(tmp_path, monkeypatch, 
     from the packets' timestamps are the CPU path's: constant and variable frame rates, a frame
     whose time the last one already passed, dense targets on a short clip, Matroska, HEVC's open
     GOPs (RASL pictures left out after a seek, as FFmpeg does)."""
-    import sys
-
-    from nvdec_standin import module
-
-    from encoder_graphs.app import nvdec
+    from nvdec_standin import install
 
     CLIPS[name](tmp_path / name)
-    monkeypatch.setitem(sys.modules, "PyNvVideoCodec", module(tmp_path / name))
-    monkeypatch.setattr(nvdec, "_process_decoder", {})
+    install(monkeypatch, tmp_path / name)
     for limits in (LoadLimits(max_frames=16, frame_size=(48, 32), video_sampling=sampling),
                    LoadLimits(max_frames=8, frame_size=(48, 32), video_sampling=sampling, video_fps=2.0)):
         cpu = decode_video(tmp_path / name, limits)
@@ -233,15 +249,10 @@ def write_interlaced(path: Path, frames: int = 30, size: tuple[int, int] = (96, 
 def test_an_interlaced_clip_is_left_to_the_cpu_and_says_so(tmp_path, monkeypatch):
     """FFmpeg weaves an interlaced picture's fields, NVDEC's output of them need not match: such
     a clip is decoded on the CPU, its record saying why, its frames the CPU path's."""
-    import sys
-
-    from nvdec_standin import module
-
-    from encoder_graphs.app import nvdec
+    from nvdec_standin import install
 
     write_interlaced(tmp_path / "tv.mp4")
-    monkeypatch.setitem(sys.modules, "PyNvVideoCodec", module(tmp_path / "tv.mp4"))
-    monkeypatch.setattr(nvdec, "_process_decoder", {})
+    install(monkeypatch, tmp_path / "tv.mp4")
     limits = LoadLimits(max_frames=8, frame_size=(48, 32))
     cpu = decode_video(tmp_path / "tv.mp4", limits)
     gpu = decode_video(tmp_path / "tv.mp4", LoadLimits(**{**limits.__dict__, "video_hwaccel": "nvdec"}))
@@ -252,16 +263,14 @@ def test_an_interlaced_clip_is_left_to_the_cpu_and_says_so(tmp_path, monkeypatch
 def test_nvdec_refuses_what_it_cannot_decode(tmp_path, monkeypatch):
     """Sizes below NVDEC's smallest for the codec (HEVC's 144 x 144: it fails to make a decoder
     there), odd sizes, other codecs are left to the CPU, each with its reason."""
-    import sys
-
-    from nvdec_standin import module
+    from nvdec_standin import install
 
     from encoder_graphs.app.nvdec import refusal
 
     write_h264(tmp_path / "h264.mp4", frames=4, size=(96, 64))
     write_hevc_open_gop(tmp_path / "hevc.mp4", 4, size=(96, 64))
     write_vp9(tmp_path / "vp9.webm", frames=4)
-    monkeypatch.setitem(sys.modules, "PyNvVideoCodec", module(tmp_path / "h264.mp4"))
+    install(monkeypatch, tmp_path / "h264.mp4")
     for name, why in {"h264.mp4": None, "hevc.mp4": "size 96x64", "vp9.webm": "codec vp9"}.items():
         with av.open(str(tmp_path / name)) as container:
             assert refusal(container.streams.video[0]) == why, name

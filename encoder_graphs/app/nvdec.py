@@ -65,9 +65,8 @@ def refusal(stream: Any) -> str | None:
 
 def _decoder(codec: str, width: int, height: int, device: int) -> Any:
     """This process's decoder for `codec` frames of `width` x `height` on GPU `device`: the one it
-    has, reconfigured where it was made as large, else a new one. Its pictures come back in host
-    memory (NVDEC's own copy): the worker needs no torch on the GPU, whose start in each worker
-    slowed the model's load beside it."""
+    has, reconfigured where it was made as large, else a new one. Its pictures stay on the GPU
+    (in host memory NVDEC would copy every picture decoded, most of them never asked for)."""
     import PyNvVideoCodec as nvc
 
     held = _process_decoder.get("key")
@@ -78,7 +77,7 @@ def _decoder(codec: str, width: int, height: int, device: int) -> Any:
     _process_decoder.clear()
     decoder = nvc.CreateDecoder(
         gpuid=device, codec=getattr(nvc.cudaVideoCodec, codec),
-        cudacontext=0, cudastream=0, usedevicememory=False, outputColorType=nvc.OutputColorType.NATIVE,
+        cudacontext=0, cudastream=0, usedevicememory=True, outputColorType=nvc.OutputColorType.NATIVE,
         maxwidth=width, maxheight=height, latency=nvc.DisplayDecodeLatencyType.ZERO,
     )
     _process_decoder.update(key=((codec, device), width, height), decoder=decoder)
@@ -118,13 +117,44 @@ def hevc_picture(data: bytes) -> str | None:
     return None
 
 
+_cuda: list[Any] = []  # the driver library, loaded once a process
+
+
+def _driver() -> Any:
+    if not _cuda:
+        _cuda.append(ctypes.CDLL("libcuda.so.1"))
+    return _cuda[0]
+
+
+def _check(result: int, call: str) -> None:
+    if result:
+        raise RuntimeError(f"CUDA's {call} failed with error {result}")
+
+
+def _device_to_host(address: int, size: int) -> np.ndarray:
+    """`size` bytes from the GPU at `address`, copied by the CUDA driver in the memory's own
+    context: the worker starts no torch on the GPU (its start in each worker slowed the model's
+    load beside it)."""
+    cuda, device_address, context = _driver(), ctypes.c_uint64(address), ctypes.c_void_p()
+    _check(cuda.cuPointerGetAttribute(ctypes.byref(context), 1, device_address), "cuPointerGetAttribute")  # 1: its context
+    host = np.empty(size, np.uint8)
+    _check(cuda.cuCtxPushCurrent_v2(context), "cuCtxPushCurrent")
+    try:
+        _check(cuda.cuMemcpyDtoH_v2(host.ctypes.data_as(ctypes.c_void_p), device_address, ctypes.c_size_t(size)),
+               "cuMemcpyDtoH")
+    finally:
+        cuda.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
+    return host
+
+
 def host_nv12(picture: Any, width: int, height: int) -> np.ndarray:
-    """A copy of the NV12 picture NVDEC left in host memory, (height * 3 / 2, width) uint8 (its
-    rows unpadded); an error where its size is another's (the stream's size changed mid-stream)."""
+    """A copy in host memory of the NV12 picture NVDEC left on the GPU, (height * 3 / 2, width)
+    uint8 (NVDEC's output rows are unpadded); an error where its size is another's (the stream's
+    size changed mid-stream)."""
     size = width * height * 3 // 2
     if picture.framesize() != size:
         raise RuntimeError(f"NVDEC gave a picture of {picture.framesize()} bytes for {width}x{height} NV12")
-    return np.frombuffer(ctypes.string_at(picture.GetPtrToPlane(0), size), np.uint8).reshape(height * 3 // 2, width)
+    return _device_to_host(picture.GetPtrToPlane(0), size).reshape(height * 3 // 2, width)
 
 
 def yuv420p(nv12: np.ndarray, width: int, height: int, like: Any) -> Any:
