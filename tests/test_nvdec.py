@@ -82,27 +82,6 @@ def test_without_nvdec_the_cpu_decodes_the_same_frames_and_says_why(tmp_path, mo
         LoadLimits(video_hwaccel="cuda")
 
 
-def test_clips_decoded_while_the_model_loads_go_to_the_cpu_and_say_so(tmp_path):
-    """With NVDEC asked for, the clips prefetched while the model loads are decoded on the CPU
-    (workers start no GPU work beside the load), their records say so; the others are NVDEC's
-    (here, without PyNvVideoCodec, the CPU's with that reason)."""
-    from encoder_graphs.app.decoders import VideoDecoders
-
-    for name in ("first.mp4", "later.mp4"):
-        write_h264(tmp_path / name, frames=30, size=(96, 64))
-    limits = LoadLimits(max_frames=4, frame_size=(48, 32), video_hwaccel="nvdec")
-    videos = VideoDecoders(1, limits).start()
-    try:
-        assert videos.prefetch([tmp_path / "first.mp4"]) == 1
-        first, later = videos.decode(tmp_path / "first.mp4"), videos.decode(tmp_path / "later.mp4")
-    finally:
-        videos.close()
-    assert first.sampling == "seek, cpu (decoded while the model loaded)"
-    assert later.sampling == "seek, cpu (PyNvVideoCodec is not installed)"
-    cpu = decode_video(tmp_path / "first.mp4", LoadLimits(max_frames=4, frame_size=(48, 32)))
-    assert np.array_equal(first.frames, cpu.frames)
-
-
 def test_asking_for_nvdec_where_it_cannot_run_is_a_usage_error(tmp_path, capsys):
     """`--video-decoder nvdec` on a machine without CUDA (this CPU machine) or without
     PyNvVideoCodec exits 2 naming the flag, before any file is captioned; a dry run says so."""

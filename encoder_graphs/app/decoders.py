@@ -16,7 +16,6 @@ import os
 import resource
 import signal
 from collections.abc import Iterable
-from dataclasses import replace
 from pathlib import Path
 
 from PIL import Image
@@ -139,25 +138,22 @@ class VideoDecoders:
     def prefetch(self, paths: Iterable[Path]) -> int:
         """Start decoding the first of `paths` now, in their order, as many as `PREFETCH_BYTES` of
         frames at the model's size hold: the caption command passes the videos its run will ask
-        for first, while the model loads. `decode` of one of them takes its result. How many.
-        These are decoded on the CPU also where NVDEC decodes the others: a worker's start on the
-        GPU beside the model's load slowed the load more than NVDEC saved (RESULTS.md)."""
-        limits = replace(self.limits, video_hwaccel=None)
+        for first, while the model loads. `decode` of one of them takes its result. How many."""
+        limits = self.limits
         clip_bytes = limits.max_frames * max(limits.frame_max_pixels, limits.min_side**2) * 3
         count = 0
         for path in paths:
             if count * clip_bytes >= PREFETCH_BYTES:
                 break
             if path not in self._ahead:
-                self._ahead[path] = self._schedule(path, limits=limits)
+                self._ahead[path] = self._schedule(path)
                 count += 1
         self.prefetched += count
         return count
 
-    def _schedule(self, path: Path, data: bytes | None = None, limits: LoadLimits | None = None) -> object:
-        limits = limits or self.limits
+    def _schedule(self, path: Path, data: bytes | None = None) -> object:
         try:
-            future = self._pool.schedule(_decode_in_worker, (path, limits, data), timeout=limits.video_timeout_s)
+            future = self._pool.schedule(_decode_in_worker, (path, self.limits, data), timeout=self.limits.video_timeout_s)
         except RuntimeError as error:  # the pool was stopped: the run is ending
             raise MediaError(path, "cancelled", "the run ended before its frames were decoded") from error
         self._pending.add(future)
@@ -174,13 +170,9 @@ class VideoDecoders:
 
         from pebble import ProcessExpired
 
-        ahead = self._ahead.pop(path, None) if data is None else None
-        future = ahead or self._schedule(path, data)
+        future = self._schedule(path, data) if data is not None else self._ahead.pop(path, None) or self._schedule(path)
         try:
-            decoded = future.result()
-            if ahead is not None and self.limits.video_hwaccel:
-                decoded.sampling += ", cpu (decoded while the model loaded)"
-            return decoded
+            return future.result()
         except FutureTimeout as error:
             raise MediaError(path, "timeout", f"decoding took longer than {self.limits.video_timeout_s:g} s "
                              "(--video-timeout); its worker was stopped") from error
