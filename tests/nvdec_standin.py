@@ -12,26 +12,12 @@ import types
 
 import av
 import numpy as np
+import torch
 
 
 def nv12_of(frame) -> np.ndarray:
     """The NV12 picture NVDEC gives for a decoded planar 4:2:0 frame (swscale interleaves the chroma losslessly)."""
     return frame.to_ndarray(format="nv12")
-
-
-class HostPicture:
-    """A picture as NVDEC gives it, its bytes' address and size (here in host memory: `install`
-    has the sampler copy it from there)."""
-
-    def __init__(self, nv12: np.ndarray) -> None:
-        self._held = np.ascontiguousarray(nv12)
-
-    def framesize(self) -> int:
-        return self._held.nbytes
-
-    def GetPtrToPlane(self, plane: int) -> int:
-        assert plane == 0
-        return self._held.ctypes.data
 
 
 def module(path) -> types.ModuleType:
@@ -77,7 +63,7 @@ def module(path) -> types.ModuleType:
             self.leading = (not self.started or self.leading) and data not in trailing
             self.started = True
             picture = table[data]
-            return [] if picture is None else [HostPicture(picture)]
+            return [] if picture is None else [torch.from_numpy(np.ascontiguousarray(picture))]
 
     names = types.SimpleNamespace
     stand_in = types.ModuleType("PyNvVideoCodec")
@@ -92,12 +78,10 @@ def module(path) -> types.ModuleType:
 
 
 def install(monkeypatch, path) -> None:
-    """The stand-in for the clip at `path` in place of PyNvVideoCodec, a worker's decoder not yet
-    made, its pictures copied from host memory."""
+    """The stand-in for the clip at `path` in place of PyNvVideoCodec, a worker's decoder not yet made."""
     import sys
 
     from encoder_graphs.app import nvdec
 
     monkeypatch.setitem(sys.modules, "PyNvVideoCodec", module(path))
     monkeypatch.setattr(nvdec, "_process_decoder", {})
-    monkeypatch.setattr(nvdec, "_device_to_host", lambda address, size: np.frombuffer(ctypes.string_at(address, size), np.uint8))
