@@ -239,6 +239,32 @@ def test_an_interlaced_clip_is_left_to_the_cpu_and_says_so(tmp_path, monkeypatch
     assert gpu.times == cpu.times and np.array_equal(gpu.frames, cpu.frames)
 
 
+def test_a_clip_seeking_cannot_serve_on_nvdec_goes_to_one_full_pass(tmp_path, monkeypatch):
+    """A Matroska header stating ten times the stream: NVDEC's seeking finds no frame past the
+    end, which the CPU's seeking would meet again, so the file goes straight to the CPU's one full
+    pass (not a second seeking pass first), its record saying so; its frames the CPU path's."""
+    import struct
+
+    from nvdec_standin import install
+
+    from encoder_graphs.app.video import Sampler
+
+    write_h264(tmp_path / "clip.mkv", frames=40, fps=8)
+    data = bytearray((tmp_path / "clip.mkv").read_bytes())
+    at = data.index(b"\x44\x89\x88")  # Duration, an 8-byte float
+    struct.pack_into(">d", data, at + 3, struct.unpack_from(">d", data, at + 3)[0] * 10)
+    (tmp_path / "liar.mkv").write_bytes(bytes(data))
+    install(monkeypatch, tmp_path / "liar.mkv")
+    limits = LoadLimits(max_frames=8, frame_size=(48, 32))
+    cpu = decode_video(tmp_path / "liar.mkv", limits)
+    seeking, by_seeking = [], Sampler.by_seeking
+    monkeypatch.setattr(Sampler, "by_seeking", lambda self: seeking.append(type(self).__name__) or by_seeking(self))
+    gpu = decode_video(tmp_path / "liar.mkv", LoadLimits(**{**limits.__dict__, "video_hwaccel": "nvdec"}))
+    assert seeking == ["NvdecSampler"]
+    assert cpu.sampling.startswith("full pass: no frame decodes at") and gpu.sampling == f"{cpu.sampling}, cpu (a full pass)"
+    assert gpu.times == cpu.times and np.array_equal(gpu.frames, cpu.frames)
+
+
 def test_nvdec_refuses_what_it_cannot_decode(tmp_path, monkeypatch):
     """Sizes below NVDEC's smallest for the codec (HEVC's 144 x 144: it fails to make a decoder
     there), odd sizes, other codecs are left to the CPU, each with its reason."""

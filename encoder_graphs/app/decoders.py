@@ -52,7 +52,7 @@ def decode_video(path: Path | str, limits: LoadLimits, data: bytes | None = None
                 with av.open(handle, metadata_errors="ignore") as container:
                     sampler = Sampler.of(path, container, limits)
                     if why is not None:
-                        return sampler.full_pass(why)
+                        return _full_pass(sampler, why)
                     try:
                         return nvdec.sampled(sampler) if limits.video_hwaccel == "nvdec" else sampler.by_seeking()
                     except CannotSeek as cannot:
@@ -61,6 +61,14 @@ def decode_video(path: Path | str, limits: LoadLimits, data: bytes | None = None
                 raise
             except (av.FFmpegError, OSError, ValueError, EOFError) as error:
                 raise MediaError(path, "corrupt", f"cannot decode video ({error})") from error
+
+
+def _full_pass(sampler: Sampler, why: str) -> DecodedVideo:
+    """One pass over the whole stream, always the CPU's: with NVDEC asked for, the record says so."""
+    decoded = sampler.full_pass(why)
+    if sampler.limits.video_hwaccel == "nvdec":
+        decoded.sampling += ", cpu (a full pass)"
+    return decoded
 
 
 def _decode_in_worker(path: Path, limits: LoadLimits, data: bytes | None = None) -> DecodedVideo:

@@ -313,14 +313,15 @@ class NvdecSampler(Sampler):
 def sampled(sampler: Sampler) -> DecodedVideo:
     """The frames `sampler` would take by seeking, decoded by NVDEC where it takes the stream and
     does not fail, else by `sampler` itself (on the same container: its first seek starts anew).
-    `sampling` ends in the decoder that served, and why the CPU did."""
+    `sampling` ends in the decoder that served, and why the CPU did. `CannotSeek` is left to the
+    caller's full pass: it says what the container holds, which seeking on the CPU would meet again."""
     why = refusal(sampler.stream)
     if why is None:
         try:
             decoded = NvdecSampler(sampler.path, sampler.container, sampler.stream, sampler.limits).by_seeking()
             decoded.sampling += ", nvdec"
             return decoded
-        except (MediaError, MemoryError):
+        except (MediaError, MemoryError, CannotSeek):  # the container's, not NVDEC's: the CPU's seeking fails too
             raise
         except Refused as refused:
             why = str(refused)
