@@ -23,13 +23,11 @@ GPU memory, peak host memory of the whole process tree (the command's video deco
 processes of their own), and each kind's count where the stats report it. `--card-gib 24` adds
 a run of the defaults with only that much GPU memory free (a second process holds the rest):
 `--batch-size auto` must fit it with no batch retried. `--sizes 32,256` adds the defaults and
-`--no-graphs` on the first N files, `--repeats R` times each (their order alternating; the report
-gives each one's median wall time: a start varies by a second or more between processes). Before
-the timed runs, one untimed run of the defaults on 16 files reads the libraries into the page
-cache and fills Triton's kernel cache, so the first timed run does not pay what a user pays once
-per machine; still, a call's first timed run can differ by seconds: `--rounds R` runs our `--runs` R
-times, each round in the reverse order of the one before, and reports their medians (and the
-defaults over `--no-graphs` by them). `--gpus 2,4` runs the defaults as one torchrun job of 2 GPUs, then of 4. `--runs defaults,prompts_3`
+`--no-graphs` on the first N files. Before the timed runs, one untimed run of the defaults on 16
+files reads the libraries into the page cache and fills Triton's kernel cache, so the first timed
+run does not pay what a user pays once per machine; still, a call's first timed run can differ by
+seconds: `--rounds R` runs our `--runs` (and `--sizes`) R times, each round in the reverse order of
+the one before, and reports their medians (and the defaults over `--no-graphs` by them). `--gpus 2,4` runs the defaults as one torchrun job of 2 GPUs, then of 4. `--runs defaults,prompts_3`
 times three named prompts a file (one pass, the image prefilled once) against one. Random weights (presets):
 captions are noise, speed is real.
     python3 benchmarks/bench_cli.py [--preset qwen2.5-vl-3b] [--images 1024] [--runs defaults,no_graphs,stock]
@@ -196,11 +194,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--runs", default="defaults,no_graphs,stock",
                         help=f"of {', '.join(OUR_RUNS)}, stock, {', '.join(PEER_RUNS)} (vLLM's LLM.generate: peer_vllm.py)")
-    parser.add_argument("--sizes", default="", help="also defaults and --no-graphs on the first N files, e.g. 32,256")
-    parser.add_argument("--repeats", type=int, default=1, help="runs of each --sizes configuration")
+    parser.add_argument("--sizes", type=lambda t: [int(n) for n in t.split(",") if n], default=[],
+                        help="also defaults and --no-graphs on the first N files, e.g. 32,256 (as many --rounds)")
     parser.add_argument("--rounds", type=int, default=1,
-                        help="run our --runs this many times, each round in the reverse order of the one before "
-                        "(the first run of a call can differ by seconds); the report gives their medians")
+                        help="run our --runs (and --sizes) this many times, each round in the reverse order of the one "
+                        "before (the first run of a call can differ by seconds); the report gives their medians")
     parser.add_argument("--card-gib", type=float, default=0, help="also the defaults with only this much GPU memory free")
     parser.add_argument("--stock-images", type=int, default=0, help="run the stock script on the first N files only")
     parser.add_argument("--stock-batches", type=lambda t: [int(b) for b in t.split(",")], default=STOCK_BATCHES,
@@ -294,12 +292,11 @@ def main() -> None:
             for name in ours if round_ % 2 else ours[::-1]:
                 runs[f"{name}_r{round_}"] = run_ours(folder, work, name, args, OUR_RUNS[name], label=f"{name}_r{round_}")
                 save_partial(args, runs)
-        for count in [int(n) for n in args.sizes.split(",") if n]:
-            small = subset(folder, work, count)
-            for repeat in range(args.repeats):
-                pair = (("defaults", []), ("no_graphs", ["--no-graphs"]))
-                for name, extra in pair if repeat % 2 == 0 else pair[::-1]:
-                    key = f"{name}_{count}" + (f"_{repeat + 1}" if repeat else "")
+        for count in args.sizes:
+            small, pair = subset(folder, work, count), (("defaults", []), ("no_graphs", ["--no-graphs"]))
+            for round_ in range(1, args.rounds + 1):
+                for name, extra in pair if round_ % 2 else pair[::-1]:
+                    key = f"{name}_{count}" + (f"_r{round_}" if round_ > 1 else "")
                     runs[key] = run_ours(small, work, key, args, extra)
         if args.card_gib:
             runs[f"defaults_{args.card_gib:g}_gib_free"] = on_a_smaller_card(folder, work, args)
@@ -318,23 +315,12 @@ def save_partial(args: argparse.Namespace, runs: dict[str, dict]) -> None:
                                                "environment": environment(), "runs": runs}, indent=1))
 
 
-def medians(args: argparse.Namespace, runs: dict[str, dict]) -> dict[str, float]:
-    """Each repeated configuration's median wall time, printed."""
-    result = {}
-    for count in [int(n) for n in args.sizes.split(",") if n]:
-        for name in ("defaults", "no_graphs"):
-            walls = [r["wall_s"] for key, r in runs.items() if key == f"{name}_{count}" or key.startswith(f"{name}_{count}_")]
-            result[f"{name}_{count}"] = statistics.median(walls)
-            print(f"{name}_{count}: median wall {result[f'{name}_{count}']:.2f} s of {len(walls)} runs "
-                  f"({', '.join(f'{w:.2f}' for w in walls)})")
-    return result
-
-
 def round_medians(args: argparse.Namespace, runs: dict[str, dict]) -> dict[str, dict]:
-    """Each of our runs' medians over its `--rounds` (wall s, items/s end to end and in the loop),
-    printed; with the defaults and `--no-graphs` both run, the ratio of their medians."""
+    """Each of our runs' (and `--sizes`') medians over its `--rounds` (wall s, items/s end to end and
+    in the loop), printed; with the defaults and `--no-graphs` both run, the ratio of their medians."""
     result: dict[str, dict] = {}
-    for name in [name for name in args.runs.split(",") if name in OUR_RUNS]:
+    names = [name for name in args.runs.split(",") if name in OUR_RUNS]
+    for name in names + [f"{name}_{count}" for count in args.sizes for name in ("defaults", "no_graphs")]:
         rounds = [runs[name], *(runs[f"{name}_r{k}"] for k in range(2, args.rounds + 1))]
         result[name] = {key: statistics.median(r[key] for r in rounds)
                         for key in ("wall_s", "items_per_s_end_to_end", "items_per_s_in_loop")}
@@ -395,8 +381,6 @@ def report(args: argparse.Namespace, runs: dict[str, dict], written: dict) -> No
     result = {"preset": args.preset, "images": written["files"], "items": written["files"], "unit": what,
               "source": source, "folder": written, "new_tokens": args.new_tokens, "cli_args": args.cli_args,
               "environment": env, "runs": runs}
-    if args.repeats > 1:
-        result["median_wall_s"] = medians(args, runs)
     if args.rounds > 1:
         result["rounds"] = round_medians(args, runs)
     if any(name == "stock" or name.startswith("stock_batch_") for name in runs) and "defaults" in runs:

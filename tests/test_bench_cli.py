@@ -99,3 +99,17 @@ def test_the_tree_id_names_the_code_measured_whatever_commit_git_says(tmp_path):
     git("add", "b.py")
     git("commit", "-qm", "second")
     assert git("rev-parse", "HEAD^{tree}") == changed
+
+
+def test_rounds_give_medians_for_the_runs_and_the_sizes(monkeypatch):
+    """`--rounds` repeats our runs and the `--sizes` pairs alike; the report's medians name each."""
+    args = parsed(monkeypatch, "--runs", "defaults", "--sizes", "32", "--rounds", "3")
+
+    def run(wall: float) -> dict:
+        return {"wall_s": wall, "items_per_s_end_to_end": 10 / wall, "items_per_s_in_loop": 20 / wall}
+    runs = {"defaults": run(3), "defaults_r2": run(1), "defaults_r3": run(2),
+            "defaults_32": run(5), "no_graphs_32": run(6), "defaults_32_r2": run(4), "no_graphs_32_r2": run(8),
+            "defaults_32_r3": run(9), "no_graphs_32_r3": run(7)}
+    medians = bench_cli.round_medians(args, runs)
+    assert medians["defaults"]["wall_s"] == 2 and medians["defaults_32"]["wall_s"] == 5
+    assert medians["no_graphs_32"]["wall_s"] == 7 and medians["no_graphs_32"]["items_per_s_in_loop"] == 20 / 7
