@@ -97,6 +97,7 @@ def test_a_rank_whose_launcher_dies_while_it_connects_stops_at_once(tmp_path):
            "MASTER_PORT": str(port)}
     launcher = subprocess.Popen([sys.executable, "-c", parent, rank], env=env, stdout=subprocess.PIPE, text=True)
     child = int(launcher.stdout.readline())
+    assert launcher.stdout.readline() == "connecting\n"  # the rank imported the module (seconds on a busy machine)
     time.sleep(3)  # the rank is connecting by now
     os.kill(child, 0)  # alive, waiting
     launcher.kill()

@@ -63,9 +63,9 @@ def job_from_env() -> Job:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size == 1:
         return Job()
+    die_with_launcher()  # first: the import below takes seconds, in which the launcher may die
     import torch.distributed as dist
 
-    die_with_launcher()
     if not dist.is_initialized():
         # gloo: only the store is used (no collectives), and it runs with or without GPUs.
         dist.init_process_group(backend="gloo", timeout=STORE_TIMEOUT)
