@@ -12,7 +12,8 @@ from test_video import write_h264
 
 from encoder_graphs.app.decoders import decode_video
 from encoder_graphs.app.media import LoadLimits
-from encoder_graphs.app.nvdec import annexb_filter, disposable_h264, yuv420p
+from encoder_graphs.app.bitstream import avcc_parameter_sets, disposable_h264, interlaced_h264, sps_units
+from encoder_graphs.app.nvdec import annexb_filter, yuv420p
 
 av = pytest.importorskip("av")
 
@@ -84,8 +85,10 @@ def test_without_nvdec_the_cpu_decodes_the_same_frames_and_says_why(tmp_path, mo
 
 def test_asking_for_nvdec_where_it_cannot_run_is_a_usage_error(tmp_path, capsys):
     """`--video-decoder nvdec` on a machine without CUDA (this CPU machine) or without
-    PyNvVideoCodec exits 2 naming the flag, before any file is captioned; a dry run says so."""
+    PyNvVideoCodec exits 2 naming the flag, before any file is captioned; a dry run says so, of
+    a folder and of dataset shards."""
     from test_cli import good_images
+    from test_shards import write_shards
 
     from encoder_graphs.app.cli import main
 
@@ -97,6 +100,11 @@ def test_asking_for_nvdec_where_it_cannot_run_is_a_usage_error(tmp_path, capsys)
     assert main(["caption", str(tmp_path / "media"), "--device", "cpu", "--video-decoder", "nvdec", "--dry-run",
                  "--out", str(out)]) == 0
     assert "not here: --video-decoder nvdec needs a CUDA device" in capsys.readouterr().out
+    write_shards(tmp_path / "wds", 1, 2)
+    assert main(["caption", str(tmp_path / "wds" / "00000.tar"), "--out", str(tmp_path / "o"), "--device", "cpu",
+                 "--video-decoder", "nvdec", "--dry-run"]) == 0
+    assert "not here: --video-decoder nvdec needs a CUDA device" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
 
 
 def write_vp9(path: Path, frames: int, size: tuple[int, int] = (96, 64)) -> None:
@@ -210,14 +218,15 @@ def test_the_frames_nvdec_is_asked_for_are_the_cpu_paths(tmp_path, monkeypatch, 
         assert np.array_equal(gpu.frames, cpu.frames)
 
 
-def write_interlaced(path: Path, frames: int = 30, size: tuple[int, int] = (96, 64)) -> None:
-    """An H.264 MP4 coded interlaced (x264's MBAFF, top field first)."""
+def write_interlaced(path: Path, frames: int = 30, size: tuple[int, int] = (96, 64), params: str = "tff=1",
+                     container: str | None = None) -> None:
+    """An H.264 clip coded interlaced (x264's MBAFF, top field first), or as `params` say."""
     from test_video import scene
 
-    with av.open(str(path), "w") as output:
+    with av.open(str(path), "w", format=container) as output:
         stream = output.add_stream("libx264", rate=30)
         stream.width, stream.height, stream.pix_fmt = *size, "yuv420p"
-        stream.options = {"g": "15", "preset": "ultrafast", "x264-params": "tff=1"}
+        stream.options = {"g": "15", "preset": "ultrafast", "x264-params": params}
         for index in range(frames):
             for packet in stream.encode(av.VideoFrame.from_ndarray(scene(index, *size), format="rgb24")):
                 output.mux(packet)
@@ -243,17 +252,13 @@ def test_a_clip_seeking_cannot_serve_on_nvdec_goes_to_one_full_pass(tmp_path, mo
     """A Matroska header stating ten times the stream: NVDEC's seeking finds no frame past the
     end, which the CPU's seeking would meet again, so the file goes straight to the CPU's one full
     pass (not a second seeking pass first), its record saying so; its frames the CPU path's."""
-    import struct
-
     from nvdec_standin import install
+    from test_video import overstated
 
     from encoder_graphs.app.video import Sampler
 
     write_h264(tmp_path / "clip.mkv", frames=40, fps=8)
-    data = bytearray((tmp_path / "clip.mkv").read_bytes())
-    at = data.index(b"\x44\x89\x88")  # Duration, an 8-byte float
-    struct.pack_into(">d", data, at + 3, struct.unpack_from(">d", data, at + 3)[0] * 10)
-    (tmp_path / "liar.mkv").write_bytes(bytes(data))
+    overstated(tmp_path / "clip.mkv", tmp_path / "liar.mkv")
     install(monkeypatch, tmp_path / "liar.mkv")
     limits = LoadLimits(max_frames=8, frame_size=(48, 32))
     cpu = decode_video(tmp_path / "liar.mkv", limits)
@@ -265,18 +270,103 @@ def test_a_clip_seeking_cannot_serve_on_nvdec_goes_to_one_full_pass(tmp_path, mo
     assert gpu.times == cpu.times and np.array_equal(gpu.frames, cpu.frames)
 
 
+@pytest.mark.parametrize("params", ["tff=1", "bff=1", "", "profile=baseline"])
+def test_an_h264_streams_parameter_sets_say_whether_it_codes_fields(tmp_path, params):
+    """`interlaced_h264` reads frame_mbs_only_flag from x264's parameter sets (High profile and
+    baseline): from the avcC header of an MP4, and from those an MPEG-TS stream carries in-band
+    at its keyframes."""
+    write_interlaced(tmp_path / "clip.mp4", frames=8, params=params)
+    write_interlaced(tmp_path / "clip.ts", frames=8, params=params, container="mpegts")
+    fields = "tff" in params or "bff" in params
+    with av.open(str(tmp_path / "clip.mp4")) as container:
+        units = avcc_parameter_sets(container.streams.video[0].codec_context.extradata)
+    assert len(units) == 1 and interlaced_h264(units[0]) is fields
+    with av.open(str(tmp_path / "clip.ts")) as container:
+        stream = container.streams.video[0]
+        assert avcc_parameter_sets(stream.codec_context.extradata or b"") == []
+        keyframe = next(bytes(p) for p in container.demux(stream) if p.size and p.is_keyframe)
+    assert [interlaced_h264(unit) for unit in sps_units(keyframe)] == [fields]
+
+
+def sps_bits(fields: bool, order: int, chroma: int) -> bytes:
+    """A High 4:4:4 or High profile SPS unit written bit by bit (H.264 7.3.2.1.1), with scaling
+    lists (deltas, one cut short by a zero scale) and picture order count type `order`."""
+    bits: list[int] = []
+
+    def u(value: int, n: int) -> None:
+        bits.extend((value >> (n - 1 - k)) & 1 for k in range(n))
+
+    def ue(value: int) -> None:
+        u(value + 1, 2 * (value + 1).bit_length() - 1)
+
+    def se(value: int) -> None:
+        ue(2 * value - 1 if value > 0 else -2 * value)
+
+    u(244 if chroma == 3 else 100, 8), u(0, 8), u(40, 8), ue(0), ue(chroma)
+    if chroma == 3:
+        u(0, 1)
+    ue(0), ue(0), u(0, 1), u(1, 1)  # bit depths, bypass, seq_scaling_matrix_present_flag
+    for index in range(12 if chroma == 3 else 8):
+        u(index % 2, 1)
+        if index % 2:
+            size = 16 if index < 6 else 64
+            deltas = [3, -5, 7] + [1] * (size - 3) if index != 3 else [2, -10]  # -10: the next scale 0, the list ends
+            for delta in deltas:
+                se(delta)
+    ue(2), ue(order)
+    if order == 0:
+        ue(3)
+    elif order == 1:
+        u(1, 1), se(-2), se(5), ue(2), se(1), se(-1)
+    ue(4), u(0, 1), ue(119), ue(67 if fields else 134)
+    u(0 if fields else 1, 1)
+    u(1, 1)  # what follows: direct_8x8_inference_flag
+    bits.extend([1] + [0] * (-(len(bits) + 1) % 8))  # the stop bit, aligned
+    payload = bytes(int("".join(map(str, bits[at:at + 8])), 2) for at in range(0, len(bits), 8))
+    return b"\x67" + payload.replace(b"\x00\x00", b"\x00\x00\x03")  # emulation prevention (enough here)
+
+
+@pytest.mark.parametrize("order", [0, 1, 2])
+@pytest.mark.parametrize("chroma", [1, 3])
+def test_the_parameter_set_reader_skips_scaling_lists_and_order_counts(order, chroma):
+    """An SPS x264 never writes (scaling matrices, picture order count type 1, 4:4:4): the flag is
+    read where H.264 puts it, for fields and frames alike (a reader off by a bit would read the
+    same bit for both)."""
+    assert interlaced_h264(sps_bits(True, order, chroma)) is True
+    assert interlaced_h264(sps_bits(False, order, chroma)) is False
+
+
+def test_a_full_pass_keeps_why_nvdec_left_the_clip_to_the_cpu(tmp_path, monkeypatch):
+    """A VP9 WebM whose header states ten times its stream: NVDEC refuses the codec, the CPU's
+    seeking finds no frame past the end, one full pass reads it; the record keeps both reasons."""
+    from nvdec_standin import install
+    from test_video import overstated
+
+    write_vp9(tmp_path / "web.webm", frames=30)
+    overstated(tmp_path / "web.webm", tmp_path / "liar.webm")
+    write_h264(tmp_path / "any.mp4", frames=4)
+    install(monkeypatch, tmp_path / "any.mp4")
+    limits = LoadLimits(max_frames=8, frame_size=(48, 32))
+    cpu = decode_video(tmp_path / "liar.webm", limits)
+    gpu = decode_video(tmp_path / "liar.webm", LoadLimits(**{**limits.__dict__, "video_hwaccel": "nvdec"}))
+    assert cpu.sampling.startswith("full pass: ") and gpu.sampling == f"{cpu.sampling}, cpu (codec vp9; a full pass)"
+    assert np.array_equal(gpu.frames, cpu.frames)
+
+
 def test_nvdec_refuses_what_it_cannot_decode(tmp_path, monkeypatch):
-    """Sizes below NVDEC's smallest for the codec (HEVC's 144 x 144: it fails to make a decoder
-    there), odd sizes, other codecs are left to the CPU, each with its reason."""
+    """Sizes below NVDEC's smallest for the codec (H.264's 48 x 16, HEVC's 144 x 144: it fails to
+    make a decoder there) and other codecs are left to the CPU, each with its reason."""
     from nvdec_standin import install
 
     from encoder_graphs.app.nvdec import refusal
 
     write_h264(tmp_path / "h264.mp4", frames=4, size=(96, 64))
+    write_h264(tmp_path / "narrow.mp4", frames=4, size=(32, 16))
     write_hevc_open_gop(tmp_path / "hevc.mp4", 4, size=(96, 64))
     write_vp9(tmp_path / "vp9.webm", frames=4)
     install(monkeypatch, tmp_path / "h264.mp4")
-    for name, why in {"h264.mp4": None, "hevc.mp4": "size 96x64", "vp9.webm": "codec vp9"}.items():
+    refused = {"h264.mp4": None, "narrow.mp4": "size 32x16", "hevc.mp4": "size 96x64", "vp9.webm": "codec vp9"}
+    for name, why in refused.items():
         with av.open(str(tmp_path / name)) as container:
             assert refusal(container.streams.video[0]) == why, name
 

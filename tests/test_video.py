@@ -233,14 +233,19 @@ def test_a_container_without_duration_or_index_is_read_in_one_pass(tmp_path):
         assert np.array_equal(frame, reference[index])
 
 
+def overstated(source: Path, target: Path) -> None:
+    """`source`, a Matroska file, as `target` with ten times its duration in its header."""
+    data = bytearray(source.read_bytes())
+    at = data.index(b"\x44\x89\x88")  # Duration, an 8-byte float
+    struct.pack_into(">d", data, at + 3, struct.unpack_from(">d", data, at + 3)[0] * 10)
+    target.write_bytes(bytes(data))
+
+
 def test_a_clip_longer_in_its_header_than_in_its_stream_is_read_whole(tmp_path):
     """A Matroska duration that says ten times the stream: seeking finds no frame past the end,
     and one full pass samples the frames that are there, saying why."""
     write_h264(tmp_path / "clip.mkv", frames=40, fps=8)
-    data = bytearray((tmp_path / "clip.mkv").read_bytes())
-    at = data.index(b"\x44\x89\x88")  # Duration, an 8-byte float
-    struct.pack_into(">d", data, at + 3, struct.unpack_from(">d", data, at + 3)[0] * 10)
-    (tmp_path / "liar.mkv").write_bytes(bytes(data))
+    overstated(tmp_path / "clip.mkv", tmp_path / "liar.mkv")
     video = decode_video(tmp_path / "liar.mkv", LIMITS)
     assert video.sampling.startswith("full pass: no frame decodes at")
     assert "cut short, or a wrong duration" in video.sampling

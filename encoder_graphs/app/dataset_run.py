@@ -222,6 +222,11 @@ def caption_shards(settings: Settings) -> int:
     share = f" (part {part} of 0-{parts - 1}: {len(mine)})" if parts > 1 else ""
     print(f"encoder-graphs: {len(shards)} shards{share}; {len(mine) - len(todo)} complete in {printable(folder)}, "
           f"{len(todo)} to caption", file=sys.stderr)
+    if settings.dry_run:
+        from encoder_graphs.app.nvdec import not_here
+
+        if note := not_here(settings.video_decoder, settings.device):
+            print(f"encoder-graphs: {note}", file=sys.stderr)
     if settings.dry_run or not todo:
         return EXIT_FAILURES if outputs.failed and not settings.dry_run else EXIT_OK
     return run_shards(settings, todo, outputs, config, identity)

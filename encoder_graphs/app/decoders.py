@@ -45,7 +45,7 @@ def decode_video(path: Path | str, limits: LoadLimits, data: bytes | None = None
     except ImportError as error:
         raise MediaError(path, "unsupported", "video needs PyAV: pip install 'encoder-graphs[video]'") from error
     path = Path(path)
-    why = None  # why seeking could not serve, once it was tried
+    why: CannotSeek | None = None  # why seeking could not serve, once it was tried
     while True:
         with open_regular(path) if data is None else io.BytesIO(data) as handle:
             try:
@@ -56,18 +56,19 @@ def decode_video(path: Path | str, limits: LoadLimits, data: bytes | None = None
                     try:
                         return nvdec.sampled(sampler) if limits.video_hwaccel == "nvdec" else sampler.by_seeking()
                     except CannotSeek as cannot:
-                        why = str(cannot)
+                        why = cannot
             except (MediaError, MemoryError):
                 raise
             except (av.FFmpegError, OSError, ValueError, EOFError) as error:
                 raise MediaError(path, "corrupt", f"cannot decode video ({error})") from error
 
 
-def _full_pass(sampler: Sampler, why: str) -> DecodedVideo:
-    """One pass over the whole stream, always the CPU's: with NVDEC asked for, the record says so."""
-    decoded = sampler.full_pass(why)
+def _full_pass(sampler: Sampler, why: CannotSeek) -> DecodedVideo:
+    """One pass over the whole stream, always the CPU's: with NVDEC asked for, the record says so
+    (and why NVDEC had left the file to the CPU's seeking first, where it had)."""
+    decoded = sampler.full_pass(str(why))
     if sampler.limits.video_hwaccel == "nvdec":
-        decoded.sampling += ", cpu (a full pass)"
+        decoded.sampling += f", cpu ({why.cpu_because + '; ' if why.cpu_because else ''}a full pass)"
     return decoded
 
 

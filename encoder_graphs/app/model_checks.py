@@ -39,9 +39,9 @@ def check_resolution_flags(settings: Settings, inputs: "CaptionInputs") -> None:
 def load_limits(settings: Settings, source: "ModelSource", load_workers: int, device: "torch.device") -> "LoadLimits":
     """What the loaders may read, and how (`LoadLimits`); a usage error where --video-decoder
     nvdec cannot run here."""
+    from encoder_graphs.app import nvdec
     from encoder_graphs.app.decoders import default_decoder_threads, video_workers
     from encoder_graphs.app.media import LoadLimits
-    from encoder_graphs.app import nvdec
 
     inputs = source.inputs
     if settings.video_decoder == "nvdec" and not nvdec.runs_on(device.type):

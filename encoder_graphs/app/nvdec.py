@@ -17,11 +17,11 @@ the CPU path instead, and the record's `sampling` says which decoder served.
 
 import importlib.util
 from collections import deque
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
+from encoder_graphs.app.bitstream import avcc_parameter_sets, disposable_h264, hevc_picture, interlaced_h264, sps_units
 from encoder_graphs.app.media import MediaError
 from encoder_graphs.app.video import CannotSeek, DecodedVideo, Sampler
 
@@ -45,6 +45,17 @@ NEEDS = "--video-decoder nvdec needs a CUDA device and PyNvVideoCodec (pip insta
 def runs_on(device_type: str) -> bool:
     """Whether `--video-decoder nvdec` can run with the model on a device of `device_type`."""
     return device_type == "cuda" and available()
+
+
+def not_here(video_decoder: str, device: str) -> str | None:
+    """A dry run's line where `--video-decoder nvdec` could not run with `--device` `device` here."""
+    if video_decoder != "nvdec":
+        return None
+    import torch
+
+    if runs_on("cpu" if device == "cpu" or not torch.cuda.is_available() else "cuda"):
+        return None
+    return f"not here: {NEEDS}; the run would stop"
 
 
 def refusal(stream: Any) -> str | None:
@@ -81,39 +92,6 @@ def _decoder(codec: str, width: int, height: int, device: int) -> Any:
     )
     _process_decoder.update(key=((codec, device), width, height), decoder=decoder)
     return decoder
-
-
-def _nal_headers(data: bytes) -> Iterator[int]:
-    """The first byte of each NAL unit of an Annex B access unit (emulation prevention keeps a start
-    code out of a unit's payload; a 4-byte start code holds the 3-byte one)."""
-    start = 0
-    while (start := data.find(b"\x00\x00\x01", start)) >= 0 and start + 3 < len(data):
-        yield data[start + 3]
-        start += 3
-
-
-def disposable_h264(data: bytes) -> bool:
-    """Whether an Annex B H.264 access unit is a picture no other refers to, and nothing else a
-    later one needs: every slice's nal_ref_idc 0 (both fields of a pair), no parameter set
-    (SPS, PPS, their extensions). Leaving it undecoded changes no other frame (FFmpeg's NONREF
-    skip leaves out the same slices and parses the rest)."""
-    slices = 0
-    for header in _nal_headers(data):
-        kind = header & 0x1F
-        if kind in (7, 8, 13, 15) or (kind in (1, 5) and header & 0x60):
-            return False
-        slices += kind in (1, 5)
-    return slices > 0
-
-
-def hevc_picture(data: bytes) -> str | None:
-    """What an Annex B HEVC access unit's picture is: "irap" (NAL types 16-23), "rasl" (8, 9: it
-    refers to pictures before its IRAP), "radl" (6, 7), "trail" (the others); None: no picture."""
-    for header in _nal_headers(data):
-        kind = (header >> 1) & 0x3F
-        if kind < 32:  # the first picture unit
-            return "irap" if kind >= 16 else "rasl" if kind in (8, 9) else "radl" if kind in (6, 7) else "trail"
-    return None
 
 
 def host_nv12(picture: Any, width: int, height: int) -> np.ndarray:
@@ -191,9 +169,11 @@ class NvdecSampler(Sampler):
 
         codec = self.stream.codec_context
         self._nvc, self._h264 = nvc, codec.name == "h264"
+        if self._h264 and any(interlaced_h264(sps) for sps in avcc_parameter_sets(codec.extradata or b"")):
+            raise Refused("interlaced")
         self._filter = annexb_filter(self.stream)
-        self._decoder = _decoder(CODECS[codec.name][0], codec.width, codec.height, self.limits.video_device)
         self._rotation = self._first_picture()
+        self._decoder = _decoder(CODECS[codec.name][0], codec.width, codec.height, self.limits.video_device)
         self._units: Any = None  # (pts, Annex B bytes) of the stretch since the last seek, in decode order
         self._ahead: deque[tuple[int, bytes]] = deque()  # demuxed, not yet decoded
         self._fed: set[int] = set()  # pts decoded in this stretch
@@ -202,7 +182,8 @@ class NvdecSampler(Sampler):
         """The stream's display rotation, which PyAV gives only on a decoded frame: its first
         picture's, decoded alone on the CPU (the seek for the first frame asked for starts anew).
         `Refused` where that picture is interlaced: FFmpeg gives its two fields woven, NVDEC's
-        pictures of fields need not be (field pictures, its deinterlacer)."""
+        pictures of fields need not be (field pictures, its deinterlacer). An H.264 stream's
+        parameter sets say it for the whole stream (`_stretch`); this is HEVC's check."""
         for packet in self.container.demux(self.stream):
             if packet.size:
                 frames = [*self.stream.decode(packet), *self.stream.decode(None)]
@@ -214,16 +195,20 @@ class NvdecSampler(Sampler):
     def _stretch(self) -> Any:
         """(pts, Annex B unit) from where a seek landed, as FFmpeg's decoder would show them:
         from the first keyframe on, without the RASL pictures of HEVC's first CRA (they refer to
-        pictures before it)."""
+        pictures before it). `Refused` at an H.264 parameter set that allows fields (a stream
+        may turn interlaced midway)."""
         started, leading, iraps = False, self.stream.codec_context.name == "hevc", 0
         for packet in self.container.demux(self.stream):
             if packet.size == 0 or not (started := started or packet.is_keyframe):
                 continue
             pts = packet.pts  # read first: the filter takes the packet's contents
-            if pts is None:
-                raise CannotSeek("its frames carry no timestamps")
+            if pts is None:  # NVDEC's own need (it looks past the frame asked for): the CPU decides
+                raise RuntimeError("a packet carries no timestamp")
+            key = packet.is_keyframe  # read first, as pts
             for unit in self._filter.filter(packet) if self._filter is not None else [packet]:
                 data = bytes(unit)
+                if self._h264 and key and any(interlaced_h264(sps) for sps in sps_units(data)):
+                    raise Refused("interlaced")
                 if leading:  # until the first CRA's leading pictures are past
                     picture = hevc_picture(data)
                     if picture == "rasl":
@@ -291,7 +276,7 @@ class NvdecSampler(Sampler):
                 continue
             self._last = shown
             return self._decode_to(shown, target - half)
-        raise CannotSeek("seeking lands after the frames asked for (no usable index)")
+        raise RuntimeError("seeking lands after the frames asked for")  # may be NVDEC's re-seeks: the CPU decides
 
     def _decode_to(self, shown: int, skip_before: int) -> _NvFrame:
         """Decode the packets ahead up to the one of pts `shown` (leaving out those shown before
@@ -328,6 +313,10 @@ def sampled(sampler: Sampler) -> DecodedVideo:
         except Exception as error:  # noqa: BLE001 (NVDEC's, of any type: the CPU decodes the file)
             why = f"nvdec failed: {error}"
             _process_decoder.clear()  # made anew for the next file, not left broken
-    decoded = sampler.by_seeking()
+    try:
+        decoded = sampler.by_seeking()
+    except CannotSeek as cannot:
+        cannot.cpu_because = why  # the full pass's record keeps it
+        raise
     decoded.sampling += f", cpu ({why})"
     return decoded

@@ -364,13 +364,9 @@ def describe(plan: Plan, model: str) -> str:
                                  for name, value in plan.identity.items() if name != "model"),
         "outputs: " + "; ".join(outputs),
     ]
-    if settings.video_decoder == "nvdec":
-        import torch
+    from encoder_graphs.app.nvdec import not_here
 
-        from encoder_graphs.app import nvdec
-
-        if not nvdec.runs_on("cpu" if settings.device == "cpu" or not torch.cuda.is_available() else "cuda"):
-            lines.append(f"not here: {nvdec.NEEDS}; the run would stop")
+    lines += [line for line in [not_here(settings.video_decoder, settings.device)] if line]
     if plan.skipped:
         from encoder_graphs.report import format_not_read
 

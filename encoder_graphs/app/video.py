@@ -28,7 +28,10 @@ NO_INDEX_SEEK_S = 2.0
 
 
 class CannotSeek(Exception):
-    """Why a video's frames cannot be reached by seeking (its full pass then takes them)."""
+    """Why a video's frames cannot be reached by seeking (its full pass then takes them).
+    `cpu_because`: why NVDEC, where it was asked for, left the file to the CPU first."""
+
+    cpu_because: str | None = None
 
 
 @dataclass
