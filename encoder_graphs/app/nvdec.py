@@ -135,7 +135,8 @@ def annexb_filter(stream: Any) -> Any:
 
 
 class Refused(Exception):
-    """NVDEC does not take a stream, found once decoding began (the message says why)."""
+    """NVDEC does not take a stream, or its seeking cannot serve it, found once decoding began (the
+    message says why); its decoder is sound, kept for the next file."""
 
 
 class _NvFrame:
@@ -195,19 +196,18 @@ class NvdecSampler(Sampler):
     def _stretch(self) -> Any:
         """(pts, Annex B unit) from where a seek landed, as FFmpeg's decoder would show them:
         from the first keyframe on, without the RASL pictures of HEVC's first CRA (they refer to
-        pictures before it). `Refused` at an H.264 parameter set that allows fields (a stream
-        may turn interlaced midway)."""
+        pictures before it). `Refused` at an H.264 parameter set that allows fields (in any
+        packet: a stream may turn interlaced midway)."""
         started, leading, iraps = False, self.stream.codec_context.name == "hevc", 0
         for packet in self.container.demux(self.stream):
             if packet.size == 0 or not (started := started or packet.is_keyframe):
                 continue
             pts = packet.pts  # read first: the filter takes the packet's contents
             if pts is None:  # NVDEC's own need (it looks past the frame asked for): the CPU decides
-                raise RuntimeError("a packet carries no timestamp")
-            key = packet.is_keyframe  # read first, as pts
+                raise Refused("a packet carries no timestamp")
             for unit in self._filter.filter(packet) if self._filter is not None else [packet]:
                 data = bytes(unit)
-                if self._h264 and key and any(interlaced_h264(sps) for sps in sps_units(data)):
+                if self._h264 and any(interlaced_h264(sps) for sps in sps_units(data)):
                     raise Refused("interlaced")
                 if leading:  # until the first CRA's leading pictures are past
                     picture = hevc_picture(data)
@@ -276,7 +276,7 @@ class NvdecSampler(Sampler):
                 continue
             self._last = shown
             return self._decode_to(shown, target - half)
-        raise RuntimeError("seeking lands after the frames asked for")  # may be NVDEC's re-seeks: the CPU decides
+        raise Refused("seeking lands after the frames asked for")  # may be NVDEC's re-seeks: the CPU decides
 
     def _decode_to(self, shown: int, skip_before: int) -> _NvFrame:
         """Decode the packets ahead up to the one of pts `shown` (leaving out those shown before
