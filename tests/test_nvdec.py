@@ -10,9 +10,9 @@ import pytest
 from nvdec_standin import nv12_of
 from test_video import write_h264
 
+from encoder_graphs.app.bitstream import avcc_parameter_sets, disposable_h264, interlaced_h264, sps_units
 from encoder_graphs.app.decoders import decode_video
 from encoder_graphs.app.media import LoadLimits
-from encoder_graphs.app.bitstream import avcc_parameter_sets, disposable_h264, interlaced_h264, sps_units
 from encoder_graphs.app.nvdec import annexb_filter, yuv420p
 
 av = pytest.importorskip("av")
@@ -107,16 +107,23 @@ def test_asking_for_nvdec_where_it_cannot_run_is_a_usage_error(tmp_path, capsys)
     assert not (tmp_path / "o").exists()
 
 
-def write_vp9(path: Path, frames: int, size: tuple[int, int] = (96, 64)) -> None:
-    with av.open(str(path), "w") as output:
-        stream = output.add_stream("libvpx-vp9", rate=30)
+def encode(path: Path, codec: str, options: dict, frames: int, size: tuple[int, int], container: str | None = None) -> None:
+    """`frames` of `test_video.scene` at `size`, 30 fps, coded by `codec` with `options`."""
+    from test_video import scene
+
+    with av.open(str(path), "w", format=container) as output:
+        stream = output.add_stream(codec, rate=30)
         stream.width, stream.height, stream.pix_fmt = *size, "yuv420p"
+        stream.options = options
         for index in range(frames):
-            pixels = np.full((size[1], size[0], 3), (index * 9) % 256, np.uint8)
-            for packet in stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")):
+            for packet in stream.encode(av.VideoFrame.from_ndarray(scene(index, *size), format="rgb24")):
                 output.mux(packet)
         for packet in stream.encode():
             output.mux(packet)
+
+
+def write_vp9(path: Path, frames: int, size: tuple[int, int] = (96, 64)) -> None:
+    encode(path, "libvpx-vp9", {}, frames, size)
 
 
 @pytest.mark.gpu
@@ -174,17 +181,8 @@ def write_timed(path: Path, pts_ms: list[int], size: tuple[int, int] = (96, 64))
 
 def write_hevc_open_gop(path: Path, frames: int, size: tuple[int, int] = (96, 64)) -> None:
     """An HEVC MP4 of x265's open GOPs: each CRA keyframe has RASL pictures that refer to the GOP before."""
-    from test_video import scene
-
-    with av.open(str(path), "w") as output:
-        stream = output.add_stream("libx265", rate=30)
-        stream.width, stream.height, stream.pix_fmt = *size, "yuv420p"
-        stream.options = {"preset": "fast", "x265-params": "keyint=30:min-keyint=30:scenecut=0:open-gop=1:bframes=4:log-level=none"}
-        for index in range(frames):
-            for packet in stream.encode(av.VideoFrame.from_ndarray(scene(index, *size), format="rgb24")):
-                output.mux(packet)
-        for packet in stream.encode():
-            output.mux(packet)
+    params = "keyint=30:min-keyint=30:scenecut=0:open-gop=1:bframes=4:log-level=none"
+    encode(path, "libx265", {"preset": "fast", "x265-params": params}, frames, size)
 
 
 CLIPS = {
@@ -221,17 +219,7 @@ def test_the_frames_nvdec_is_asked_for_are_the_cpu_paths(tmp_path, monkeypatch, 
 def write_interlaced(path: Path, frames: int = 30, size: tuple[int, int] = (96, 64), params: str = "tff=1",
                      container: str | None = None) -> None:
     """An H.264 clip coded interlaced (x264's MBAFF, top field first), or as `params` say."""
-    from test_video import scene
-
-    with av.open(str(path), "w", format=container) as output:
-        stream = output.add_stream("libx264", rate=30)
-        stream.width, stream.height, stream.pix_fmt = *size, "yuv420p"
-        stream.options = {"g": "15", "preset": "ultrafast", "x264-params": params}
-        for index in range(frames):
-            for packet in stream.encode(av.VideoFrame.from_ndarray(scene(index, *size), format="rgb24")):
-                output.mux(packet)
-        for packet in stream.encode():
-            output.mux(packet)
+    encode(path, "libx264", {"g": "15", "preset": "ultrafast", "x264-params": params}, frames, size, container)
 
 
 def test_an_interlaced_clip_is_left_to_the_cpu_and_says_so(tmp_path, monkeypatch):
