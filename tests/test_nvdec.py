@@ -4,7 +4,6 @@ CPU path, or the CPU path itself where NVDEC cannot serve, said in the record.""
 import importlib.util
 from pathlib import Path
 
-import av
 import numpy as np
 import pytest
 from nvdec_standin import nv12_of
