@@ -64,7 +64,8 @@ time.sleep(3600)
 """
 # The caption command's arguments of each run of ours that `--runs` may name.
 OUR_RUNS = {"defaults": [], "no_graphs": ["--no-graphs"], "frames_model": ["--max-frame-tokens", "model"],
-            "keyframes": ["--video-sampling", "keyframes"], "nvdec": ["--video-decoder", "nvdec"], "no_prefetch": [], "cold": [],
+            "keyframes": ["--video-sampling", "keyframes"], "nvdec": ["--video-decoder", "nvdec"],
+            "cpu_decoder": ["--video-decoder", "cpu"], "no_prefetch": [], "cold": [],
             "no_compile": ["--no-compile"], "shards": [],
             # Three captions a file in one pass (issue 43: at most 1.5x the loop time of `defaults`).
             "prompts_3": ["--prompt", "short=Describe this in one sentence.", "--prompt", "tags=List tags for this image.",
@@ -149,7 +150,8 @@ def run_ours(folder: Path, work: Path, name: str, args: argparse.Namespace, extr
         "peak_gpu_memory_gib": pipeline.get("peak_gpu_memory_bytes", 0) / 2**30,
         "peak_host_memory_gib": peak_host / 2**30,
         "batch_size": pipeline["batch_size"],
-        "video_batch_size": pipeline.get("video_batch_size"),  # videos batch apart, by limits of their own
+        "video_batch_size": pipeline.get("video_batch_size"),
+        "video_decoder": pipeline.get("video_decoder"),  # `--video-decoder auto` decides by the job's size  # videos batch apart, by limits of their own
         "retried_batches": pipeline["retried_batches"],
         "generated_tokens": pipeline["generated_tokens"],
         "prompt_tokens_mean": pipeline["prompt_tokens"] / max(1, pipeline["succeeded"]),

@@ -106,6 +106,32 @@ def test_asking_for_nvdec_where_it_cannot_run_is_a_usage_error(tmp_path, capsys)
     assert not (tmp_path / "o").exists()
 
 
+def test_auto_takes_nvdec_where_it_runs_for_jobs_that_repay_its_start(tmp_path, capsys):
+    """`--video-decoder auto` (the default): NVDEC from `NVDEC_FROM_VIDEOS` videos a GPU where it
+    can run, else the CPU; the flag's own choices pass; a dry run says which and why."""
+    from test_cli import good_images
+
+    from encoder_graphs.app.cli import build_parser, main
+    from encoder_graphs.app.config import NVDEC_FROM_VIDEOS
+    from encoder_graphs.app.nvdec import chosen
+
+    assert build_parser().parse_args(["caption", "x"]).video_decoder == "auto"
+    assert chosen("auto", True, NVDEC_FROM_VIDEOS, 1) == "nvdec"
+    assert chosen("auto", True, NVDEC_FROM_VIDEOS - 1, 1) == "cpu"
+    assert chosen("auto", True, 2 * NVDEC_FROM_VIDEOS - 1, 2) == "cpu"  # a GPU's share
+    assert chosen("auto", False, 10**6, 1) == "cpu"
+    assert chosen("nvdec", True, 1, 1) == "nvdec" and chosen("cpu", True, 10**6, 1) == "cpu"
+
+    good_images(tmp_path / "media", 1)
+    write_h264(tmp_path / "media" / "clip.mp4", frames=4, size=(64, 48))
+    out = tmp_path / "caps.jsonl"
+    assert main(["caption", str(tmp_path / "media"), "--device", "cpu", "--dry-run", "--out", str(out)]) == 0
+    assert "video decoder: cpu (--video-decoder auto: NVDEC needs a CUDA device" in capsys.readouterr().out
+    (tmp_path / "media" / "clip.mp4").unlink()
+    assert main(["caption", str(tmp_path / "media"), "--device", "cpu", "--dry-run", "--out", str(out)]) == 0
+    assert "video decoder" not in capsys.readouterr().out  # no videos: nothing to say
+
+
 def encode(path: Path, codec: str, options: dict, frames: int, size: tuple[int, int], container: str | None = None) -> None:
     """`frames` of `test_video.scene` at `size`, 30 fps, coded by `codec` with `options`."""
     from test_video import scene

@@ -17,6 +17,7 @@ from encoder_graphs.app.config import (
     DEFAULT_FRAME_TOKENS,
     DEFAULT_IMAGE_TOKENS,
     DEFAULT_PROMPT,
+    NVDEC_FROM_VIDEOS,
     PROMPT_FIELDS,
 )
 from encoder_graphs.app.errors import EXIT_INTERRUPTED, EXIT_OUTPUT, EXIT_USAGE, OutputError, UsageError, printable
@@ -121,9 +122,11 @@ def _model_arguments(parser: argparse.ArgumentParser) -> None:
         "the frames before it (faster, frames up to half an interval off) (default: %(default)s)",
     )
     group.add_argument(
-        "--video-decoder", choices=("cpu", "nvdec"), default="cpu",
+        "--video-decoder", choices=("auto", "cpu", "nvdec"), default="auto",
         help="cpu: FFmpeg on the decoder processes' cores; nvdec: the GPU's video decoder takes H.264 and HEVC "
-        "(needs the nvdec extra, PyNvVideoCodec; the same frames, bit for bit; other clips stay on the CPU) (default: %(default)s)",
+        "(needs the nvdec extra, PyNvVideoCodec; the same frames, bit for bit; other clips stay on the CPU); auto: "
+        f"nvdec where it can run and the job has at least {NVDEC_FROM_VIDEOS} videos per GPU (below that its "
+        "slower start costs more than it saves), else cpu (default: %(default)s)",
     )
     group.add_argument(
         "--video-timeout", type=_positive_float, default=120.0, metavar="SECONDS",

@@ -253,6 +253,7 @@ def caption_files(
         **stats.as_dict(),
         "batch_size": config.batch_size if stats.by_kind.get("image") else None,  # images'
         "video_batch_size": config.video_batch_size,
+        "video_decoder": (job.limits.video_hwaccel or "cpu") if stats.by_kind.get("video") else None,  # `nvdec.chosen`
         "sidecars": outputs.sidecars_written,
         "sidecar_errors": len(outputs.sidecar_errors),
         "setup_s": setup_s,

@@ -20,6 +20,10 @@ MAX_FIELD_WIDTH = 256  # the widths and precisions a prompt's format specs may a
 # Files a GPU from which the command compiles (job.wants_compile): on 4,096 photos (H200) compiling
 # cost 24 s of start and saved 2% of the loop, so it pays from about 32,000 files a GPU.
 COMPILE_FROM_FILES = 40_000
+# Videos a GPU from which `--video-decoder auto` takes NVDEC (`nvdec.chosen`): its 15 workers start
+# slower than the CPU's (64 clips, H200: 0.89x end to end) and decode faster (256: 1.20x); the two
+# runs' walls cross near 120 clips (benchmarks/RESULTS.md).
+NVDEC_FROM_VIDEOS = 128
 # The resolution policy's default: vision tokens an image (or a video frame) may become, the top
 # of the Qwen team's 256-1280 guidance; 1,003,520 pixels for 28-pixel tokens (Qwen2/2.5-VL),
 # 1,310,720 for 32-pixel ones (Qwen3-VL). A token cap rather than a pixel one: the encoder's and

@@ -223,9 +223,9 @@ def caption_shards(settings: Settings) -> int:
     print(f"encoder-graphs: {len(shards)} shards{share}; {len(mine) - len(todo)} complete in {printable(folder)}, "
           f"{len(todo)} to caption", file=sys.stderr)
     if settings.dry_run:
-        from encoder_graphs.app.nvdec import not_here
+        from encoder_graphs.app.nvdec import dry_run_line
 
-        if note := not_here(settings.video_decoder, settings.device):
+        if note := dry_run_line(settings.video_decoder, settings.device, None, 1):
             print(f"encoder-graphs: {note}", file=sys.stderr)
     if settings.dry_run or not todo:
         return EXIT_FAILURES if outputs.failed and not settings.dry_run else EXIT_OK
@@ -268,6 +268,7 @@ def run_shards(settings: Settings, todo: list[InputShard], outputs: ShardOutputs
         outputs.close()
     stats.files = stats.succeeded + stats.failed
     summary = {**stats.as_dict(), "batch_size": job.config.batch_size, "video_batch_size": job.config.video_batch_size,
+               "video_decoder": (job.limits.video_hwaccel or "cpu") if stats.by_kind.get("video") else None,
                "load_s": loaded - STARTED, "setup_s": setup_s, "longest_sequence": job.longest}
     if summary["first_records_s"] is not None:
         summary["first_caption_after_load_s"] = setup_s + summary["first_records_s"]

@@ -61,7 +61,7 @@ def open_job(plan: Plan, source: "ModelSource", device: "torch.device") -> Capti
     settings = plan.settings
     check_resolution_flags(settings, source.inputs)
     config = plan.config.with_prompt_of(source.inputs.default_prompt)  # e.g. an OCR model's
-    limits = load_limits(settings, source, config.load_workers, device)
+    limits = load_limits(plan, source, config.load_workers, device)
     longest, longest_image = check_length(plan, config, source, limits)
     check_seeded_sampling(settings, source)
     return CaptionJob(device=device, model_name=settings.model or "default", config=config, limits=limits,

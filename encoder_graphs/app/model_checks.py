@@ -36,16 +36,18 @@ def check_resolution_flags(settings: Settings, inputs: "CaptionInputs") -> None:
                              f"its resolution flags: {flags}")
 
 
-def load_limits(settings: Settings, source: "ModelSource", load_workers: int, device: "torch.device") -> "LoadLimits":
-    """What the loaders may read, and how (`LoadLimits`); a usage error where --video-decoder
-    nvdec cannot run here."""
+def load_limits(plan: Plan, source: "ModelSource", load_workers: int, device: "torch.device") -> "LoadLimits":
+    """What the loaders may read, and how (`LoadLimits`), with the video decoder the job's size
+    chooses (`nvdec.chosen`); a usage error where --video-decoder nvdec cannot run here."""
     from encoder_graphs.app import nvdec
     from encoder_graphs.app.decoders import default_decoder_threads, video_workers
     from encoder_graphs.app.media import LoadLimits
 
-    inputs = source.inputs
-    if settings.video_decoder == "nvdec" and not nvdec.runs_on(device.type):
+    settings, inputs = plan.settings, source.inputs
+    runs_here = nvdec.runs_on(device.type)
+    if settings.video_decoder == "nvdec" and not runs_here:
         raise UsageError(nvdec.NEEDS)
+    decoder = nvdec.chosen(settings.video_decoder, runs_here, plan.todo_by_kind()["video"], plan.job.world_size)
     return LoadLimits(
         max_frames=settings.max_frames,
         video_fps=settings.video_fps,
@@ -56,7 +58,7 @@ def load_limits(settings: Settings, source: "ModelSource", load_workers: int, de
         frame_size=inputs.frame_size,
         video_timeout_s=settings.video_timeout,
         video_threads=default_decoder_threads(video_workers(load_workers)),
-        video_hwaccel="nvdec" if settings.video_decoder == "nvdec" else None,
+        video_hwaccel="nvdec" if decoder == "nvdec" else None,
         video_device=device.index or 0 if device.type == "cuda" else 0,
     )
 

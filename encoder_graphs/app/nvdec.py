@@ -47,15 +47,34 @@ def runs_on(device_type: str) -> bool:
     return device_type == "cuda" and available()
 
 
-def not_here(video_decoder: str, device: str) -> str | None:
-    """A dry run's line where `--video-decoder nvdec` could not run with `--device` `device` here."""
-    if video_decoder != "nvdec":
+def chosen(asked: str, runs_here: bool, videos: int, world_size: int) -> str:
+    """The decoder a job of `videos` to caption over `world_size` GPUs uses for `--video-decoder
+    asked`: auto takes NVDEC where it `runs_here` and the job is large enough to repay its
+    workers' slower start (`NVDEC_FROM_VIDEOS` a GPU), else the CPU."""
+    from encoder_graphs.app.config import NVDEC_FROM_VIDEOS
+
+    if asked != "auto":
+        return asked
+    return "nvdec" if runs_here and videos >= NVDEC_FROM_VIDEOS * world_size else "cpu"
+
+
+def dry_run_line(asked: str, device: str, videos: int | None, world_size: int) -> str | None:
+    """A dry run's line on the video decoder with `--device` `device` here: that `--video-decoder
+    nvdec` could not run, or which `auto` would take for `videos` to caption (None where unknown,
+    as a dataset's before its shards are read, or none)."""
+    if asked == "cpu" or (asked == "auto" and not videos):
         return None
     import torch
 
-    if runs_on("cpu" if device == "cpu" or not torch.cuda.is_available() else "cuda"):
-        return None
-    return f"not here: {NEEDS}; the run would stop"
+    runs_here = runs_on("cpu" if device == "cpu" or not torch.cuda.is_available() else "cuda")
+    if asked == "nvdec":
+        return None if runs_here else f"not here: {NEEDS}; the run would stop"
+    from encoder_graphs.app.config import NVDEC_FROM_VIDEOS
+
+    decoder = chosen(asked, runs_here, videos, world_size)
+    why = ("NVDEC needs a CUDA device and PyNvVideoCodec" if not runs_here else
+           f"{videos} videos, {'at least' if decoder == 'nvdec' else 'fewer than'} {NVDEC_FROM_VIDEOS} a GPU")
+    return f"video decoder: {decoder} (--video-decoder auto: {why})"
 
 
 def refusal(stream: Any) -> str | None:

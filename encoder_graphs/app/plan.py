@@ -364,9 +364,9 @@ def describe(plan: Plan, model: str) -> str:
                                  for name, value in plan.identity.items() if name != "model"),
         "outputs: " + "; ".join(outputs),
     ]
-    from encoder_graphs.app.nvdec import not_here
+    from encoder_graphs.app.nvdec import dry_run_line
 
-    lines += [line for line in [not_here(settings.video_decoder, settings.device)] if line]
+    lines += [line for line in [dry_run_line(settings.video_decoder, settings.device, to_do["video"], plan.job.world_size)] if line]
     if plan.skipped:
         from encoder_graphs.report import format_not_read
 

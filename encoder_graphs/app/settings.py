@@ -32,7 +32,7 @@ class Settings:
     video_fps: float | None = None  # None: max_frames evenly over the clip
     video_sampling: str = "exact"  # or "keyframes" (`LoadLimits.video_sampling`)
     video_timeout: float = 120.0
-    video_decoder: str = "cpu"  # or "nvdec" (`LoadLimits.video_hwaccel`)
+    video_decoder: str = "auto"  # or "cpu", "nvdec" (`nvdec.chosen`; `LoadLimits.video_hwaccel`)
     # The text.
     # None, without --prompt-file: the model's (`CaptionConfig.with_prompt_of`); several: named
     # (NAME=TEXT each, `app/prompts.py`).
