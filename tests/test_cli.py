@@ -214,7 +214,9 @@ def test_end_to_end_over_every_bad_input(tmp_path, capsys):
     assert stats["pipeline"]["failed"] == sum(failures.values())
     assert stats["pipeline"]["items_per_s"] > 0
     assert stats["pipeline"]["video_decoder"] == "cpu"  # auto, on a CPU
-    assert "(videos decoded by cpu)" in printed
+    videos = sum(r["kind"] == "video" and "caption" in r for r in records)
+    assert videos and stats["pipeline"]["video_decoders"] == {"cpu": videos}
+    assert f"(video decoder cpu: {videos} by cpu)" in printed
     assert stats["encoder"]["items"] == stats["pipeline"]["succeeded"]
     decoder = stats["decoder"]
     assert decoder["sequences"] == stats["pipeline"]["succeeded"] and decoder["calls"] == stats["pipeline"]["batches"]

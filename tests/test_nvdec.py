@@ -12,7 +12,7 @@ from test_video import write_h264
 from encoder_graphs.app.bitstream import avcc_parameter_sets, disposable_h264, interlaced_h264, sps_units
 from encoder_graphs.app.decoders import decode_video
 from encoder_graphs.app.media import LoadLimits
-from encoder_graphs.app.nvdec import annexb_filter, yuv420p
+from encoder_graphs.app.nvdec import annexb_filter, served_by, yuv420p
 
 av = pytest.importorskip("av")
 
@@ -77,6 +77,7 @@ def test_without_nvdec_the_cpu_decodes_the_same_frames_and_says_why(tmp_path, mo
     cpu = decode_video(tmp_path / "clip.mp4", limits)
     asked = decode_video(tmp_path / "clip.mp4", LoadLimits(max_frames=8, frame_size=(48, 32), video_hwaccel="nvdec"))
     assert asked.sampling == "seek, cpu (PyNvVideoCodec is not installed)"
+    assert served_by(asked.sampling) == "cpu: PyNvVideoCodec is not installed" and served_by(cpu.sampling) == "cpu"
     assert asked.times == cpu.times and np.array_equal(asked.frames, cpu.frames)
     with pytest.raises(ValueError, match="video_hwaccel"):
         LoadLimits(video_hwaccel="cuda")
@@ -180,6 +181,7 @@ def test_nvdec_gives_the_cpu_paths_frames_bit_for_bit(tmp_path):
             gpu = decode_video(tmp_path / name, LoadLimits(**{**limits.__dict__, "video_hwaccel": "nvdec"}))
             expected = f"{cpu.sampling}, cpu ({refused[name]})" if name in refused else f"{cpu.sampling}, nvdec"
             assert gpu.sampling == expected, name
+            assert served_by(gpu.sampling) == ("cpu: " + refused[name].replace("96x64", "WxH") if name in refused else "nvdec")
             assert gpu.times == cpu.times and gpu.size == cpu.size, name
             assert np.array_equal(gpu.frames, cpu.frames), (name, np.abs(gpu.frames.astype(int) - cpu.frames).max())
 

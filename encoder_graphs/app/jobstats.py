@@ -17,8 +17,8 @@ def combined_stats(ranks: dict[int, dict]) -> dict:
     counts = ("succeeded", "failed", "generated_tokens", "batches", "retried_batches", "sidecars", "sidecar_errors",
               "input_wait_s", "prompt_tokens", "padded_prompt_tokens")
     combined = {key: sum(r[key] for r in runs) for key in counts}
-    for key in ("by_kind", "failures"):
-        combined[key] = dict(sum((Counter(r[key]) for r in runs), Counter()))
+    for key in ("by_kind", "failures", "video_decoders"):
+        combined[key] = dict(sum((Counter(r.get(key, {})) for r in runs), Counter()))
     busiest = max(runs, key=lambda r: r["succeeded"] + r["failed"])  # its latencies stand for the job's
     return {
         **busiest,

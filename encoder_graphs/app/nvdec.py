@@ -16,6 +16,7 @@ the CPU path instead, and the record's `sampling` says which decoder served.
 """
 
 import importlib.util
+import re
 from collections import deque
 from typing import Any
 
@@ -312,6 +313,19 @@ class NvdecSampler(Sampler):
                     raise RuntimeError(f"NVDEC gave {len(frames)} pictures for one packet")
                 return _NvFrame(host_nv12(frames[0], codec.width, codec.height), pts, codec.width, codec.height, self._rotation, codec)
         raise RuntimeError("the packet shown was not among those ahead")
+
+
+def served_by(sampling: str) -> str:
+    """The decoder that served a video, from its record's `sampling` (`sampled`, `decoders._full_pass`):
+    "nvdec", "cpu", or "cpu: <why NVDEC did not>" in a bounded set of words (no sizes, no error texts),
+    for the run's statistics."""
+    if sampling.endswith(", nvdec"):
+        return "nvdec"
+    at = sampling.rfind(", cpu (")
+    if at < 0:
+        return "cpu"
+    why = sampling[at + len(", cpu ("):].removesuffix(")").split(":")[0]
+    return "cpu: " + re.sub(r"\d+x\d+", "WxH", why)
 
 
 def sampled(sampler: Sampler) -> DecodedVideo:

@@ -351,7 +351,7 @@ class Captioner:
             counts.append(len(tokens))
             truncated.append(not ended and len(tokens) >= self.config.max_new_tokens)
         stats.succeeded += 1
-        stats.by_kind[pending.file.kind] += 1
+        stats.captioned(pending.file.kind, pending.video)
         stats.generated_tokens += sum(counts)
         stats.item_ms.append(pending.load_ms + batch_ms / batch_size)
         width, height = pending.size
