@@ -150,8 +150,8 @@ def run_ours(folder: Path, work: Path, name: str, args: argparse.Namespace, extr
         "peak_gpu_memory_gib": pipeline.get("peak_gpu_memory_bytes", 0) / 2**30,
         "peak_host_memory_gib": peak_host / 2**30,
         "batch_size": pipeline["batch_size"],
-        "video_batch_size": pipeline.get("video_batch_size"),
-        "video_decoder": pipeline.get("video_decoder"),  # `--video-decoder auto` decides by the job's size  # videos batch apart, by limits of their own
+        "video_batch_size": pipeline.get("video_batch_size"),  # videos batch apart, by limits of their own
+        "video_decoder": pipeline.get("video_decoder"),  # `--video-decoder auto` decides by the job's size
         "retried_batches": pipeline["retried_batches"],
         "generated_tokens": pipeline["generated_tokens"],
         "prompt_tokens_mean": pipeline["prompt_tokens"] / max(1, pipeline["succeeded"]),

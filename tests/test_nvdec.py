@@ -127,10 +127,45 @@ def test_auto_takes_nvdec_where_it_runs_for_jobs_that_repay_its_start(tmp_path, 
     write_h264(tmp_path / "media" / "clip.mp4", frames=4, size=(64, 48))
     out = tmp_path / "caps.jsonl"
     assert main(["caption", str(tmp_path / "media"), "--device", "cpu", "--dry-run", "--out", str(out)]) == 0
+    assert f"video decoder: cpu (--video-decoder auto: 1 video, fewer than {NVDEC_FROM_VIDEOS} a GPU)" in capsys.readouterr().out
+    for n in range(NVDEC_FROM_VIDEOS):  # a dry run reads names only
+        (tmp_path / "media" / f"more{n}.mp4").write_bytes(b"x")
+    assert main(["caption", str(tmp_path / "media"), "--device", "cpu", "--dry-run", "--out", str(out)]) == 0
     assert "video decoder: cpu (--video-decoder auto: NVDEC needs a CUDA device" in capsys.readouterr().out
+    for n in range(NVDEC_FROM_VIDEOS):
+        (tmp_path / "media" / f"more{n}.mp4").unlink()
     (tmp_path / "media" / "clip.mp4").unlink()
     assert main(["caption", str(tmp_path / "media"), "--device", "cpu", "--dry-run", "--out", str(out)]) == 0
     assert "video decoder" not in capsys.readouterr().out  # no videos: nothing to say
+
+
+def test_auto_is_decided_by_the_videos_a_gpu_where_the_limits_are_made(monkeypatch):
+    """`load_limits` reads the job's videos (a dataset's foretold) and its GPUs for `auto`."""
+    from collections import Counter
+    from types import SimpleNamespace
+
+    import torch
+
+    from encoder_graphs.app.cli import build_parser
+    from encoder_graphs.app.config import NVDEC_FROM_VIDEOS, CaptionConfig
+    from encoder_graphs.app.distributed import Job
+    from encoder_graphs.app.model_checks import load_limits
+    from encoder_graphs.app.plan import Plan
+    from encoder_graphs.app.settings import Settings
+
+    monkeypatch.setattr("encoder_graphs.app.nvdec.available", lambda: True)  # as where the extra is installed
+    source = SimpleNamespace(inputs=SimpleNamespace(min_side=28, max_image_pixels=1280 * 784, max_frame_pixels=256 * 784, frame_size=None))
+    settings = Settings.from_arguments(build_parser().parse_args(["caption", "x"]))
+
+    def decoder(videos: int, world_size: int = 1, device: str = "cuda", expected: int | None = None) -> str | None:
+        plan = Plan(settings, [], [], [], CaptionConfig(), None, None, Job(world_size=world_size),
+                    counted=Counter(video=videos), videos_expected=expected)
+        return load_limits(plan, source, 4, torch.device(device, 0)).video_hwaccel
+
+    assert decoder(NVDEC_FROM_VIDEOS) == "nvdec" and decoder(NVDEC_FROM_VIDEOS - 1) is None
+    assert decoder(2 * NVDEC_FROM_VIDEOS, 2) == "nvdec" and decoder(2 * NVDEC_FROM_VIDEOS - 1, 2) is None
+    assert decoder(64, expected=NVDEC_FROM_VIDEOS) == "nvdec"  # a dataset: its foretold videos
+    assert decoder(10**6, device="cpu") is None
 
 
 def encode(path: Path, codec: str, options: dict, frames: int, size: tuple[int, int], container: str | None = None) -> None:

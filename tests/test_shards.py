@@ -277,6 +277,19 @@ def test_the_job_is_sized_for_the_samples_the_shards_hold(tmp_path):
     assert plan.todo_by_kind() == {"image": 15} and not plan.todo  # counted: no stand-in file a sample
 
 
+def test_a_datasets_videos_are_foretold_by_its_first_samples(tmp_path, clip):
+    """A batch of videos sizes the job (the rest of the samples, the photos' batches); the video
+    decoder's choice (`--video-decoder auto`) reads the first samples' share of videos instead."""
+    from encoder_graphs.app.dataset_run import stand_in_plan
+    from encoder_graphs.app.datasets import find_shards
+    from encoder_graphs.app.settings import Settings
+
+    write_shards(tmp_path / "wds", 40, 5, clip)  # a clip in every shard: a fifth of the samples
+    shards = find_shards([str(tmp_path / "wds" / "*.tar")])
+    plan = stand_in_plan(Settings(paths=(str(tmp_path / "wds"),)), shards, None, {})
+    assert plan.todo_by_kind() == {"image": 136, "video": 64} and plan.videos_to_do() == 40
+
+
 def test_an_unreadable_shard_is_reported_and_the_others_complete(tmp_path, capsys):
     write_shards(tmp_path / "wds", 2, 3)
     (tmp_path / "wds" / "00002.tar").write_bytes(b"")

@@ -35,6 +35,9 @@ def loaded_after(code: str) -> set[str]:
         ("from encoder_graphs.app.cli import main; main(['--help'])", set()),
         ("from encoder_graphs.app.cli import main; main(['caption'])", set()),
         ("from encoder_graphs.app.cli import main; main(['caption', '/no/such/path'])", set()),
+        # a dry run over a clip says which video decoder `auto` takes, without torch where it is the CPU's
+        (("import tempfile, pathlib; d = pathlib.Path(tempfile.mkdtemp()); (d / 'a.mp4').write_bytes(b'x'); "
+          "from encoder_graphs.app.cli import main; main(['caption', str(d), '--dry-run', '--out', str(d / 'o.jsonl')])"), set()),
     ],
 )
 def test_imports_stay_light(code, heavy):

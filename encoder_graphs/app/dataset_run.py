@@ -297,16 +297,17 @@ def stand_in_plan(settings: Settings, todo: list[InputShard], config: Any, ident
 
     first = samples(todo[0], settings.image_column, settings.key_column)
     try:
-        kinds = {sample.kind for sample in islice(first, 64)}
+        kinds = [sample.kind for sample in islice(first, 64)]
     except unreadable():  # the run reads it again, and reports it
-        kinds = {"image"}
+        kinds = ["image"]
     finally:
         first.close()
     counted = todo[:COUNTED_SHARDS]  # a thousand shards' headers would take minutes: the rest alike
     count = round(sum(table_rows(shard) for shard in counted) * len(todo) / len(counted))
     videos = min(count, 64) if "video" in kinds else 0  # enough to size the videos' batch
     return Plan(settings, [], [], [], config, sidecars=None, results=None, identity=identity,
-                counted=Counter(image=count - videos, video=videos))
+                counted=Counter(image=count - videos, video=videos),
+                videos_expected=round(count * kinds.count("video") / max(1, len(kinds))))
 
 
 def table_rows(shard: InputShard) -> int:

@@ -47,7 +47,7 @@ def load_limits(plan: Plan, source: "ModelSource", load_workers: int, device: "t
     runs_here = nvdec.runs_on(device.type)
     if settings.video_decoder == "nvdec" and not runs_here:
         raise UsageError(nvdec.NEEDS)
-    decoder = nvdec.chosen(settings.video_decoder, runs_here, plan.todo_by_kind()["video"], plan.job.world_size)
+    decoder = nvdec.chosen(settings.video_decoder, runs_here, plan.videos_to_do(), plan.job.world_size)
     return LoadLimits(
         max_frames=settings.max_frames,
         video_fps=settings.video_fps,

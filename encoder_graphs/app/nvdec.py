@@ -63,19 +63,24 @@ def dry_run_line(asked: str, device: str, videos: int | None, world_size: int) -
     """A dry run's line on the video decoder with `--device` `device` here: that `--video-decoder
     nvdec` could not run, or which `auto` would take for `videos` to caption (None where unknown,
     as a dataset's before its shards are read, or none)."""
-    if asked == "cpu" or (asked == "auto" and not videos):
-        return None
-    import torch
-
-    runs_here = runs_on("cpu" if device == "cpu" or not torch.cuda.is_available() else "cuda")
-    if asked == "nvdec":
-        return None if runs_here else f"not here: {NEEDS}; the run would stop"
     from encoder_graphs.app.config import NVDEC_FROM_VIDEOS
 
-    decoder = chosen(asked, runs_here, videos, world_size)
-    why = ("NVDEC needs a CUDA device and PyNvVideoCodec" if not runs_here else
-           f"{videos} videos, {'at least' if decoder == 'nvdec' else 'fewer than'} {NVDEC_FROM_VIDEOS} a GPU")
-    return f"video decoder: {decoder} (--video-decoder auto: {why})"
+    if asked == "cpu" or (asked == "auto" and not videos):
+        return None
+    few = asked == "auto" and videos < NVDEC_FROM_VIDEOS * world_size
+    runs_here = not few and device != "cpu" and available() and _cuda_here()  # torch only where it decides
+    if asked == "nvdec":
+        return None if runs_here else f"not here: {NEEDS}; the run would stop"
+    share = f"{videos} video{'s' * (videos != 1)}" + (f" over {world_size} GPUs ({videos // world_size} a GPU)" if world_size > 1 else "")
+    why = (f"{share}, fewer than {NVDEC_FROM_VIDEOS} a GPU" if few else
+           f"{share}, at least {NVDEC_FROM_VIDEOS} a GPU" if runs_here else "NVDEC needs a CUDA device and PyNvVideoCodec")
+    return f"video decoder: {'nvdec' if runs_here else 'cpu'} (--video-decoder auto: {why})"
+
+
+def _cuda_here() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def refusal(stream: Any) -> str | None:

@@ -49,10 +49,17 @@ class Plan:
     # Files to do by kind, where there is no list of them: a dataset run's or a Ray actor's plan,
     # which sizes the job (a million stand-in files would be a million objects).
     counted: Counter | None = None
+    # A dataset's videos to do as its first samples' share of videos foretells them (`counted`
+    # holds at most a batch of videos: the photos' batches are sized by the rest); None: counted.
+    videos_expected: int | None = None
 
     def todo_by_kind(self) -> Counter:
         """The files still to do by kind ("image", "video")."""
         return +Counter(self.counted) if self.counted is not None else Counter(f.kind for f in self.todo)
+
+    def videos_to_do(self) -> int:
+        """The videos still to do, or a dataset's estimate of them (`videos_expected`)."""
+        return self.videos_expected if self.videos_expected is not None else self.todo_by_kind()["video"]
 
 
 def make_plan(settings: Settings, job: Job) -> Plan:
