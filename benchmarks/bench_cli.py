@@ -65,8 +65,7 @@ time.sleep(3600)
 # The caption command's arguments of each run of ours that `--runs` may name.
 OUR_RUNS = {"defaults": [], "no_graphs": ["--no-graphs"], "frames_model": ["--max-frame-tokens", "model"],
             "keyframes": ["--video-sampling", "keyframes"], "nvdec": ["--video-decoder", "nvdec"],
-            "cpu_decoder": ["--video-decoder", "cpu"], "no_prefetch": [], "cold": [],
-            "no_compile": ["--no-compile"], "shards": [],
+            "cpu_decoder": ["--video-decoder", "cpu"], "no_prefetch": [], "cold": [], "no_compile": ["--no-compile"], "shards": [],
             # Three captions a file in one pass (issue 43: at most 1.5x the loop time of `defaults`).
             "prompts_3": ["--prompt", "short=Describe this in one sentence.", "--prompt", "tags=List tags for this image.",
                           "--prompt", "long=Describe this image in detail."]}
@@ -138,8 +137,7 @@ def run_ours(folder: Path, work: Path, name: str, args: argparse.Namespace, extr
         "by_kind": pipeline.get("by_kind"),
         # Files a second of each kind's generate calls: a mixed folder's photos against a photo-only folder's.
         "items_per_batch_s_by_kind": pipeline.get("items_per_batch_s_by_kind"),
-        "failed": pipeline.get("failed"),
-        "failures": pipeline.get("failures"),
+        "failed": pipeline.get("failed"), "failures": pipeline.get("failures"),
         "loop_s": pipeline["wall_s"],
         "start_s": wall_s - pipeline["wall_s"],
         "load_s": pipeline.get("load_s"),
@@ -150,8 +148,8 @@ def run_ours(folder: Path, work: Path, name: str, args: argparse.Namespace, extr
         "peak_gpu_memory_gib": pipeline.get("peak_gpu_memory_bytes", 0) / 2**30,
         "peak_host_memory_gib": peak_host / 2**30,
         "batch_size": pipeline["batch_size"],
-        "video_batch_size": pipeline.get("video_batch_size"),  # videos batch apart, by limits of their own
-        "video_decoder": pipeline.get("video_decoder"),  # `--video-decoder auto` decides by the job's size
+        # videos batch apart, by limits of their own; `--video-decoder auto` decides by the job's size
+        "video_batch_size": pipeline.get("video_batch_size"), "video_decoder": pipeline.get("video_decoder"),
         "retried_batches": pipeline["retried_batches"],
         "generated_tokens": pipeline["generated_tokens"],
         "prompt_tokens_mean": pipeline["prompt_tokens"] / max(1, pipeline["succeeded"]),
