@@ -28,7 +28,8 @@ def combined_stats(ranks: dict[int, dict]) -> dict:
         "tokens_per_s": combined["generated_tokens"] / wall_s if wall_s else 0.0,
         "prompt_padding_pct": padding_pct(combined["prompt_tokens"], combined["padded_prompt_tokens"]),
         "interrupted": any(r["interrupted"] for r in runs),
-        "video_decoder": next((r["video_decoder"] for r in runs if r.get("video_decoder")), None),  # the same on every rank
+        # the same on every rank that decoded videos (`nvdec.chosen`)
+        "video_decoder": next((r["video_decoder"] for r in runs if r.get("video_decoder")), None),
         "world_size": len(runs),
         "ranks": [
             {"rank": rank, "files": r["succeeded"] + r["failed"], "items_per_s": r["items_per_s"],

@@ -71,7 +71,8 @@ def dry_run_line(asked: str, device: str, videos: int | None, world_size: int) -
     runs_here = not few and device != "cpu" and available() and _cuda_here()  # torch only where it decides
     if asked == "nvdec":
         return None if runs_here else f"not here: {NEEDS}; the run would stop"
-    share = f"{videos} video{'s' * (videos != 1)}" + (f" over {world_size} GPUs ({videos // world_size} a GPU)" if world_size > 1 else "")
+    share = f"{videos} video{'s' * (videos != 1)}"
+    share += f" over {world_size} GPUs ({videos // world_size} a GPU)" if world_size > 1 else ""
     why = (f"{share}, fewer than {NVDEC_FROM_VIDEOS} a GPU" if few else
            f"{share}, at least {NVDEC_FROM_VIDEOS} a GPU" if runs_here else "NVDEC needs a CUDA device and PyNvVideoCodec")
     return f"video decoder: {'nvdec' if runs_here else 'cpu'} (--video-decoder auto: {why})"

@@ -373,7 +373,8 @@ def describe(plan: Plan, model: str) -> str:
     ]
     from encoder_graphs.app.nvdec import dry_run_line
 
-    lines += [line for line in [dry_run_line(settings.video_decoder, settings.device, to_do["video"], plan.job.world_size)] if line]
+    decoder = dry_run_line(settings.video_decoder, settings.device, to_do["video"], plan.job.world_size)
+    lines += [decoder] if decoder else []
     if plan.skipped:
         from encoder_graphs.report import format_not_read
 
