@@ -168,6 +168,27 @@ def test_auto_is_decided_by_the_videos_a_gpu_where_the_limits_are_made(monkeypat
     assert decoder(10**6, device="cpu") is None
 
 
+def test_batches_leave_room_for_nvdec_workers_that_start_after_the_sizing():
+    """NVDEC's workers hold GPU memory (a CUDA context and a decoder each): where they start after
+    `--batch-size auto` measures the free memory (a torchrun rank's, a dataset run's), the sizing
+    leaves theirs out; where they decoded while the model loaded, the measure counted them."""
+    from dataclasses import replace
+
+    import torch
+
+    from encoder_graphs.app.config import CaptionConfig
+    from encoder_graphs.app.decoders import video_workers
+    from encoder_graphs.app.job import CaptionJob, nvdec_contexts_later
+    from encoder_graphs.app.nvdec import WORKER_GPU_BYTES
+
+    job = CaptionJob(device=torch.device("cuda", 0), model_name="m", config=CaptionConfig(load_workers=4),
+                     limits=LoadLimits(video_hwaccel="nvdec"), longest=100, longest_image=50)
+    assert nvdec_contexts_later(job, 10, decoders_on_gpu=False) == WORKER_GPU_BYTES * video_workers(4) > 0
+    assert nvdec_contexts_later(job, 10, decoders_on_gpu=True) == 0
+    assert nvdec_contexts_later(job, 0, decoders_on_gpu=False) == 0  # no videos: no workers
+    assert nvdec_contexts_later(replace(job, limits=LoadLimits()), 10, decoders_on_gpu=False) == 0  # the CPU's
+
+
 def encode(path: Path, codec: str, options: dict, frames: int, size: tuple[int, int], container: str | None = None) -> None:
     """`frames` of `test_video.scene` at `size`, 30 fps, coded by `codec` with `options`."""
     from test_video import scene

@@ -214,7 +214,7 @@ def caption_files(
     from encoder_graphs.decoder.layers.stack import warm_up_language_model
 
     setup_started = time.perf_counter()
-    job = sized_job(job, plan, model)
+    job = sized_job(job, plan, model, decoders_on_gpu=videos is not None and videos.prefetched > 0)
     config = job.config
     try:
         handle = enable_cuda_graphs(model, job.options)

@@ -68,12 +68,13 @@ def open_job(plan: Plan, source: "ModelSource", device: "torch.device") -> Capti
                       longest=longest, longest_image=longest_image)
 
 
-def sized_job(job: CaptionJob, plan: Plan, model: "PreTrainedModel") -> CaptionJob:
+def sized_job(job: CaptionJob, plan: Plan, model: "PreTrainedModel", decoders_on_gpu: bool = False) -> CaptionJob:
     """The job with what the weights' memory decides: its batches (`batched_config`) and the
-    graphs' options."""
+    graphs' options. `decoders_on_gpu`: the video decoders already hold their GPU memory (they
+    decoded while the model loaded)."""
     from encoder_graphs import GraphOptions
 
-    config = batched_config(job, plan, model)
+    config = batched_config(job, plan, model, decoders_on_gpu)
     settings = plan.settings
     options = GraphOptions(
         budgets=settings.budgets,
@@ -89,7 +90,19 @@ def sized_job(job: CaptionJob, plan: Plan, model: "PreTrainedModel") -> CaptionJ
     return replace(job, config=config, options=options)
 
 
-def batched_config(job: CaptionJob, plan: Plan, model: "PreTrainedModel") -> CaptionConfig:
+def nvdec_contexts_later(job: CaptionJob, videos: int, decoders_on_gpu: bool) -> int:
+    """GPU bytes NVDEC's decoder workers will take after the batches are sized: a CUDA context and
+    a decoder each, where they decode this job's videos and have not started on the GPU yet (a
+    torchrun rank's and a dataset run's start at their first video)."""
+    from encoder_graphs.app.decoders import video_workers
+    from encoder_graphs.app.nvdec import WORKER_GPU_BYTES
+
+    if job.limits.video_hwaccel != "nvdec" or not videos or decoders_on_gpu:
+        return 0
+    return WORKER_GPU_BYTES * video_workers(job.config.load_workers)
+
+
+def batched_config(job: CaptionJob, plan: Plan, model: "PreTrainedModel", decoders_on_gpu: bool = False) -> CaptionConfig:
     """The job's CaptionConfig with its batches: per kind of file, at most what the GPU memory free
     holds beside the one cache `job.longest` sizes, and never more than the job's files of that
     kind (the decoder then captures no larger bucket). Images and videos batch apart: a video's
@@ -109,7 +122,8 @@ def batched_config(job: CaptionJob, plan: Plan, model: "PreTrainedModel") -> Cap
     per = len(job.config.named) or 1
     most = {kind: max(1, counts[kind]) for kind in prompts}
     rows = fitting_batch_sizes(requested and requested * per, model, job.longest, prompts,
-                               {kind: n * per for kind, n in most.items()}, job.device)
+                               {kind: n * per for kind, n in most.items()}, job.device,
+                               held_later=nvdec_contexts_later(job, counts["video"], decoders_on_gpu))
     sizes = {kind: max(1, n // per) for kind, n in rows.items()}
     for kind, fit in rows.items():
         if fit < per:  # one file is the least a batch holds: its prompts' rows may not fit

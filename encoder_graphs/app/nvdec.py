@@ -31,6 +31,9 @@ from encoder_graphs.app.video import CannotSeek, DecodedVideo, Sampler
 CODECS = {"h264": ("H264", "h264_mp4toannexb", 48, 16), "hevc": ("HEVC", "hevc_mp4toannexb", 144, 144)}
 PIXEL_FORMATS = frozenset({"yuv420p", "yuvj420p"})
 MAX_SIDE = 4096  # NVDEC's H.264 limit
+# GPU memory a decoder worker holds: its CUDA context and decoder (nvidia-smi: about 560 MiB, H200;
+# benchmarks/RESULTS.md); batch sizing leaves it free where the workers start after it.
+WORKER_GPU_BYTES = 600 << 20
 
 _process_decoder: dict[str, Any] = {}  # this worker's decoder: "key" ((codec, GPU), width, height), "decoder"
 

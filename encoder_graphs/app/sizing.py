@@ -159,18 +159,20 @@ def batch_sizes_for(
 
 def fitting_batch_sizes(
     requested: int | None, model: "PreTrainedModel", longest: int, prompts: dict[str, int], files: dict[str, int],
-    device: "torch.device",
+    device: "torch.device", held_later: int = 0,
 ) -> dict[str, int]:
     """Per kind of file (its longest prompt in `prompts`, its count in `files`, which no batch
     exceeds): `--batch-size N`, capped on a GPU at the most sequences its free memory holds beside
     the cache of `longest` slots (a batch whose cache cannot be allocated would fail every file);
     `auto` (`requested` None): that most, up to 64 (`batch_sizes_for`), as throughput grows with the
-    batch (RESULTS.md). Without CUDA, N or 8."""
+    batch (RESULTS.md). Without CUDA, N or 8. `held_later`: bytes of the GPU that other processes
+    take after this measurement (NVDEC's decoder workers), left out of the free memory."""
     if device.type != "cuda":
         return {kind: min(requested or AUTO_BATCH_DEFAULT, files[kind]) for kind in prompts}
     import torch
 
     sizes = model_sizes(model.config, model.dtype.itemsize)
     free, _ = torch.cuda.mem_get_info(device)
+    free = max(0, free - held_later)
     most = {kind: min(requested or AUTO_BATCH_MAX, files[kind]) for kind in prompts}
     return batch_sizes_for(free, sizes, longest, prompts, most, multiple=1 if requested else 8)
