@@ -109,7 +109,7 @@ def format_run_stats(stats: dict) -> str:
         + (", interrupted" if stats.get("interrupted") else "")
         + (f"; {stats['world_size']} ranks" if stats.get("world_size", 1) > 1 else ""),
         "  kinds: " + (", ".join(f"{kind} {n}" for kind, n in sorted(stats["by_kind"].items())) or "-")
-        + (f" (video decoder {stats['video_decoder']}: " + "; ".join(
+        + (f" (video decoder {stats['video_decoder']}: " + ", ".join(
             f"{n} by {decoder}" for decoder, n in stats["video_decoders"].items()) + ")" if stats.get("video_decoders") else ""),
         f"  throughput: {stats['items_per_s']:.2f} files/s, {stats['tokens_per_s']:.1f} tokens/s "
         f"({stats['generated_tokens']} tokens in {stats['wall_s']:.2f} s, {plural(stats['batches'], 'batch')}"

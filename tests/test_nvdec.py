@@ -12,7 +12,7 @@ from test_video import write_h264
 from encoder_graphs.app.bitstream import avcc_parameter_sets, disposable_h264, interlaced_h264, sps_units
 from encoder_graphs.app.decoders import decode_video
 from encoder_graphs.app.media import LoadLimits
-from encoder_graphs.app.nvdec import annexb_filter, served_by, yuv420p
+from encoder_graphs.app.nvdec import annexb_filter, yuv420p
 
 av = pytest.importorskip("av")
 
@@ -77,7 +77,8 @@ def test_without_nvdec_the_cpu_decodes_the_same_frames_and_says_why(tmp_path, mo
     cpu = decode_video(tmp_path / "clip.mp4", limits)
     asked = decode_video(tmp_path / "clip.mp4", LoadLimits(max_frames=8, frame_size=(48, 32), video_hwaccel="nvdec"))
     assert asked.sampling == "seek, cpu (PyNvVideoCodec is not installed)"
-    assert served_by(asked.sampling) == "cpu: PyNvVideoCodec is not installed" and served_by(cpu.sampling) == "cpu"
+    assert asked.decoder == "cpu: PyNvVideoCodec is not installed" and cpu.decoder == "cpu"
+    assert asked.record()["decoder"] == asked.decoder
     assert asked.times == cpu.times and np.array_equal(asked.frames, cpu.frames)
     with pytest.raises(ValueError, match="video_hwaccel"):
         LoadLimits(video_hwaccel="cuda")
@@ -154,7 +155,8 @@ def test_auto_is_decided_by_the_videos_a_gpu_where_the_limits_are_made(monkeypat
     from encoder_graphs.app.settings import Settings
 
     monkeypatch.setattr("encoder_graphs.app.nvdec.available", lambda: True)  # as where the extra is installed
-    source = SimpleNamespace(inputs=SimpleNamespace(min_side=28, max_image_pixels=1280 * 784, max_frame_pixels=256 * 784, frame_size=None))
+    source = SimpleNamespace(inputs=SimpleNamespace(min_side=28, max_image_pixels=1280 * 784, max_frame_pixels=256 * 784, frame_size=None,
+                                                     reads_videos=True))
     settings = Settings.from_arguments(build_parser().parse_args(["caption", "x"]))
 
     def decoder(videos: int, world_size: int = 1, device: str = "cuda", expected: int | None = None) -> str | None:
@@ -166,6 +168,14 @@ def test_auto_is_decided_by_the_videos_a_gpu_where_the_limits_are_made(monkeypat
     assert decoder(2 * NVDEC_FROM_VIDEOS, 2) == "nvdec" and decoder(2 * NVDEC_FROM_VIDEOS - 1, 2) is None
     assert decoder(64, expected=NVDEC_FROM_VIDEOS) == "nvdec"  # a dataset: its foretold videos
     assert decoder(10**6, device="cpu") is None
+
+
+def test_the_reasons_the_statistics_count_are_a_few_words():
+    """`DecodedVideo.decoder` keys the run's counts: NVDEC's reasons without sizes or error texts."""
+    from encoder_graphs.app.nvdec import reason
+
+    assert reason("size 96x64") == "size WxH" and reason("codec vp9") == "codec vp9"
+    assert reason("nvdec failed: CUDA_ERROR_INVALID_VALUE at 1920x1080, cpu (oops)") == "nvdec failed"
 
 
 def test_batches_leave_room_for_nvdec_workers_that_start_after_the_sizing():
@@ -237,7 +247,7 @@ def test_nvdec_gives_the_cpu_paths_frames_bit_for_bit(tmp_path):
             gpu = decode_video(tmp_path / name, LoadLimits(**{**limits.__dict__, "video_hwaccel": "nvdec"}))
             expected = f"{cpu.sampling}, cpu ({refused[name]})" if name in refused else f"{cpu.sampling}, nvdec"
             assert gpu.sampling == expected, name
-            assert served_by(gpu.sampling) == ("cpu: " + refused[name].replace("96x64", "WxH") if name in refused else "nvdec")
+            assert gpu.decoder == ("cpu: " + refused[name].replace("96x64", "WxH") if name in refused else "nvdec")
             assert gpu.times == cpu.times and gpu.size == cpu.size, name
             assert np.array_equal(gpu.frames, cpu.frames), (name, np.abs(gpu.frames.astype(int) - cpu.frames).max())
 
@@ -295,6 +305,7 @@ def test_the_frames_nvdec_is_asked_for_are_the_cpu_paths(tmp_path, monkeypatch, 
         cpu = decode_video(tmp_path / name, limits)
         gpu = decode_video(tmp_path / name, LoadLimits(**{**limits.__dict__, "video_hwaccel": "nvdec"}))
         assert gpu.sampling == f"{cpu.sampling}, nvdec", gpu.sampling
+        assert gpu.decoder == "nvdec" and cpu.decoder == "cpu"
         assert gpu.times == cpu.times
         assert np.array_equal(gpu.frames, cpu.frames)
 
@@ -421,6 +432,7 @@ def test_a_full_pass_keeps_why_nvdec_left_the_clip_to_the_cpu(tmp_path, monkeypa
     cpu = decode_video(tmp_path / "liar.webm", limits)
     gpu = decode_video(tmp_path / "liar.webm", LoadLimits(**{**limits.__dict__, "video_hwaccel": "nvdec"}))
     assert cpu.sampling.startswith("full pass: ") and gpu.sampling == f"{cpu.sampling}, cpu (codec vp9; a full pass)"
+    assert gpu.decoder == "cpu: codec vp9; a full pass" and cpu.decoder == "cpu"
     assert np.array_equal(gpu.frames, cpu.frames)
 
 

@@ -214,7 +214,8 @@ def caption_files(
     from encoder_graphs.decoder.layers.stack import warm_up_language_model
 
     setup_started = time.perf_counter()
-    job = sized_job(job, plan, model, decoders_on_gpu=videos is not None and videos.prefetched > 0)
+    # Each worker takes its GPU memory at its first clip: all have, where each was given one while the model loaded.
+    job = sized_job(job, plan, model, decoders_on_gpu=videos is not None and videos.prefetched >= videos.workers)
     config = job.config
     try:
         handle = enable_cuda_graphs(model, job.options)

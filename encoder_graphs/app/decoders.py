@@ -68,7 +68,9 @@ def _full_pass(sampler: Sampler, why: CannotSeek) -> DecodedVideo:
     (and why NVDEC had left the file to the CPU's seeking first, where it had)."""
     decoded = sampler.full_pass(str(why))
     if sampler.limits.video_hwaccel == "nvdec":
-        decoded.sampling += f", cpu ({why.cpu_because + '; ' if why.cpu_because else ''}a full pass)"
+        because = why.cpu_because + "; " if why.cpu_because else ""
+        decoded.sampling += f", cpu ({because}a full pass)"
+        decoded.decoder = "cpu: " + (f"{nvdec.reason(why.cpu_because)}; " if why.cpu_because else "") + "a full pass"
     return decoded
 
 

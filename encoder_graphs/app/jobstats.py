@@ -18,7 +18,7 @@ def combined_stats(ranks: dict[int, dict]) -> dict:
               "input_wait_s", "prompt_tokens", "padded_prompt_tokens")
     combined = {key: sum(r[key] for r in runs) for key in counts}
     for key in ("by_kind", "failures", "video_decoders"):
-        combined[key] = dict(sum((Counter(r.get(key, {})) for r in runs), Counter()))
+        combined[key] = dict(sorted(sum((Counter(r.get(key, {})) for r in runs), Counter()).items()))
     busiest = max(runs, key=lambda r: r["succeeded"] + r["failed"])  # its latencies stand for the job's
     return {
         **busiest,

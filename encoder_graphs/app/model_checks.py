@@ -47,7 +47,8 @@ def load_limits(plan: Plan, source: "ModelSource", load_workers: int, device: "t
     runs_here = nvdec.runs_on(device.type)
     if settings.video_decoder == "nvdec" and not runs_here:
         raise UsageError(nvdec.NEEDS)
-    decoder = nvdec.chosen(settings.video_decoder, runs_here, plan.videos_to_do(), plan.job.world_size)
+    videos = plan.videos_to_do() if inputs.reads_videos else 0  # a model of images refuses them undecoded
+    decoder = nvdec.chosen(settings.video_decoder, runs_here, videos, plan.job.world_size)
     return LoadLimits(
         max_frames=settings.max_frames,
         video_fps=settings.video_fps,

@@ -31,8 +31,9 @@ from encoder_graphs.app.video import CannotSeek, DecodedVideo, Sampler
 CODECS = {"h264": ("H264", "h264_mp4toannexb", 48, 16), "hevc": ("HEVC", "hevc_mp4toannexb", 144, 144)}
 PIXEL_FORMATS = frozenset({"yuv420p", "yuvj420p"})
 MAX_SIDE = 4096  # NVDEC's H.264 limit
-# GPU memory a decoder worker holds: its CUDA context and decoder (nvidia-smi: about 560 MiB, H200;
-# benchmarks/RESULTS.md); batch sizing leaves it free where the workers start after it.
+# GPU memory a decoder worker holds: its CUDA context and a decoder of frames up to 1080p
+# (nvidia-smi: about 560 MiB, H200; benchmarks/COMPONENTS.md); batch sizing leaves it free where
+# the workers start after it. Larger frames take larger surfaces.
 WORKER_GPU_BYTES = 600 << 20
 
 _process_decoder: dict[str, Any] = {}  # this worker's decoder: "key" ((codec, GPU), width, height), "decoder"
@@ -324,17 +325,10 @@ class NvdecSampler(Sampler):
         raise RuntimeError("the packet shown was not among those ahead")
 
 
-def served_by(sampling: str) -> str:
-    """The decoder that served a video, from its record's `sampling` (`sampled`, `decoders._full_pass`):
-    "nvdec", "cpu", or "cpu: <why NVDEC did not>" in a bounded set of words (no sizes, no error texts),
-    for the run's statistics."""
-    if sampling.endswith(", nvdec"):
-        return "nvdec"
-    at = sampling.rfind(", cpu (")
-    if at < 0:
-        return "cpu"
-    why = sampling[at + len(", cpu ("):].removesuffix(")").split(":")[0]
-    return "cpu: " + re.sub(r"\d+x\d+", "WxH", why)
+def reason(why: str) -> str:
+    """Why NVDEC left a file to the CPU (`refusal`, `Refused`, "nvdec failed: <error>") in a bounded
+    set of words, for the run's statistics: no sizes, no error texts."""
+    return re.sub(r"\d+x\d+", "WxH", why.split(":")[0])
 
 
 def sampled(sampler: Sampler) -> DecodedVideo:
@@ -346,7 +340,7 @@ def sampled(sampler: Sampler) -> DecodedVideo:
     if why is None:
         try:
             decoded = NvdecSampler(sampler.path, sampler.container, sampler.stream, sampler.limits).by_seeking()
-            decoded.sampling += ", nvdec"
+            decoded.sampling, decoded.decoder = decoded.sampling + ", nvdec", "nvdec"
             return decoded
         except (MediaError, MemoryError, CannotSeek):  # the container's, not NVDEC's: the CPU's seeking fails too
             raise
@@ -360,5 +354,5 @@ def sampled(sampler: Sampler) -> DecodedVideo:
     except CannotSeek as cannot:
         cannot.cpu_because = why  # the full pass's record keeps it
         raise
-    decoded.sampling += f", cpu ({why})"
+    decoded.sampling, decoded.decoder = decoded.sampling + f", cpu ({why})", f"cpu: {reason(why)}"
     return decoded

@@ -38,16 +38,14 @@ class RunStats:
     # With named prompts: batches by how their prompts ran ("shared prefix": prefilled once an
     # item; "whole prompts": each prompt an item whole, a row each, where nothing could be shared).
     prompt_batches: Counter = field(default_factory=Counter)
-    # Videos captioned by the decoder that served them (`nvdec.served_by`): NVDEC's fallbacks counted.
+    # Videos captioned by the decoder that served them (`DecodedVideo.decoder`): NVDEC's fallbacks counted.
     video_decoders: Counter = field(default_factory=Counter)
 
     def captioned(self, kind: str, video: dict | None) -> None:
         """A file of `kind` captioned; `video`, its record's `video` (how its frames were taken)."""
-        from encoder_graphs.app.nvdec import served_by
-
         self.by_kind[kind] += 1
         if video is not None:
-            self.video_decoders[served_by(video["sampling"])] += 1
+            self.video_decoders[video["decoder"]] += 1
 
     def as_dict(self) -> dict:
         done = self.succeeded + self.failed

@@ -40,7 +40,9 @@ class DecodedVideo:
     size, upright; `metadata` in the keys of transformers' `VideoMetadata` (`fps` of the stream,
     `frames_indices` of these frames in it, `total_num_frames`), which the inputs time the video
     by; `size`, the stream's (width, height) as displayed; `times`, each frame's time in seconds
-    from the stream's start; `sampling`: "seek", or "full pass: <why>"."""
+    from the stream's start; `sampling`: "seek", or "full pass: <why>"; `decoder`: which served,
+    "cpu", "nvdec", or where NVDEC was asked for and left the file to the CPU "cpu: <why>" in a
+    bounded set of words (`nvdec.reason`), which the run's statistics count."""
 
     frames: np.ndarray
     metadata: dict
@@ -48,6 +50,7 @@ class DecodedVideo:
     times: tuple[float, ...]
     duration_s: float
     sampling: str
+    decoder: str = "cpu"
 
     def record(self) -> dict:
         """What the caption record says of how the frames were taken."""
@@ -57,6 +60,7 @@ class DecodedVideo:
             "duration_s": round(self.duration_s, 3),
             "fps": round(self.metadata["fps"], 3) if self.metadata["fps"] else None,
             "sampling": self.sampling,
+            "decoder": self.decoder,
         }
 
 
