@@ -290,6 +290,14 @@ def test_a_datasets_videos_are_foretold_by_its_first_samples(tmp_path, clip):
     assert plan.todo_by_kind() == {"image": 136, "video": 64} and plan.videos_to_do() == 40
 
 
+def test_a_dry_run_of_shards_says_which_video_decoder_auto_takes(tmp_path, capsys, clip):
+    write_shards(tmp_path / "wds", 2, 5, clip)
+    assert main(["caption", str(tmp_path / "wds" / "*.tar"), "--out", str(tmp_path / "o"), "--device", "cpu",
+                 "--dry-run"]) == 0
+    assert "video decoder: cpu (--video-decoder auto: 2 videos, fewer than 128 a GPU)" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
 def test_an_unreadable_shard_is_reported_and_the_others_complete(tmp_path, capsys):
     write_shards(tmp_path / "wds", 2, 3)
     (tmp_path / "wds" / "00002.tar").write_bytes(b"")

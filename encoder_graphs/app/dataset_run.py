@@ -225,7 +225,8 @@ def caption_shards(settings: Settings) -> int:
     if settings.dry_run:
         from encoder_graphs.app.nvdec import dry_run_line
 
-        if note := dry_run_line(settings.video_decoder, settings.device, None, 1):
+        videos = stand_in_plan(settings, todo, config, identity).videos_to_do() if todo else 0  # foretold, as a run's
+        if note := dry_run_line(settings.video_decoder, settings.device, videos, 1):
             print(f"encoder-graphs: {note}", file=sys.stderr)
     if settings.dry_run or not todo:
         return EXIT_FAILURES if outputs.failed and not settings.dry_run else EXIT_OK
