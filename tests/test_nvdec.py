@@ -178,25 +178,73 @@ def test_the_reasons_the_statistics_count_are_a_few_words():
     assert reason("nvdec failed: CUDA_ERROR_INVALID_VALUE at 1920x1080, cpu (oops)") == "nvdec failed"
 
 
-def test_batches_leave_room_for_nvdec_workers_that_start_after_the_sizing():
-    """NVDEC's workers hold GPU memory (a CUDA context and a decoder each): where they start after
-    `--batch-size auto` measures the free memory (a torchrun rank's, a dataset run's), the sizing
-    leaves theirs out; where they decoded while the model loaded, the measure counted them."""
+def test_batches_leave_room_for_what_nvdec_workers_take_after_the_sizing():
+    """NVDEC's workers hold GPU memory (a CUDA context each from their start, a decoder from their
+    first clip): the sizing leaves out the decoders, and the contexts of workers that start after
+    it (a pool the Captioner starts at its first video)."""
     from dataclasses import replace
 
     import torch
 
     from encoder_graphs.app.config import CaptionConfig
-    from encoder_graphs.app.decoders import video_workers
-    from encoder_graphs.app.job import CaptionJob, nvdec_contexts_later
-    from encoder_graphs.app.nvdec import WORKER_GPU_BYTES
+    from encoder_graphs.app.job import CaptionJob, nvdec_bytes_later
+    from encoder_graphs.app.nvdec import CONTEXT_GPU_BYTES, DECODER_GPU_BYTES, WORKER_GPU_BYTES
 
-    job = CaptionJob(device=torch.device("cuda", 0), model_name="m", config=CaptionConfig(load_workers=4),
+    job = CaptionJob(device=torch.device("cuda", 0), model_name="m", config=CaptionConfig(load_workers=20),
                      limits=LoadLimits(video_hwaccel="nvdec"), longest=100, longest_image=50)
-    assert nvdec_contexts_later(job, 10, decoders_on_gpu=False) == WORKER_GPU_BYTES * video_workers(4) > 0
-    assert nvdec_contexts_later(job, 10, decoders_on_gpu=True) == 0
-    assert nvdec_contexts_later(job, 0, decoders_on_gpu=False) == 0  # no videos: no workers
-    assert nvdec_contexts_later(replace(job, limits=LoadLimits()), 10, decoders_on_gpu=False) == 0  # the CPU's
+    assert WORKER_GPU_BYTES == CONTEXT_GPU_BYTES + DECODER_GPU_BYTES
+    assert nvdec_bytes_later(job, 10, worker_contexts=False) == 20 * WORKER_GPU_BYTES  # NVDEC's: a worker a loader
+    assert nvdec_bytes_later(job, 10, worker_contexts=True) == 20 * DECODER_GPU_BYTES
+    assert nvdec_bytes_later(job, 0, worker_contexts=False) == 0  # no videos: no workers
+    assert nvdec_bytes_later(replace(job, limits=LoadLimits()), 10, worker_contexts=False) == 0  # the CPU's
+
+
+def test_nvdec_runs_more_workers_than_cores_within_a_share_of_the_gpu():
+    """NVDEC's workers wait on the GPU's decoder: 1.5 a core, at most 24 (the most measured to
+    gain), their contexts and decoders within 15% of the GPU's memory."""
+    from encoder_graphs.app.decoders import video_workers
+    from encoder_graphs.app.nvdec import WORKER_GPU_BYTES, workers
+
+    h200, h100, small = 143 << 30, 80 << 30, 24 << 30
+    assert workers(16, h200) == 24 and workers(8, h200) == 12 and workers(64, h200) == 24
+    assert workers(16, h100) == 20  # 15% of 80 GiB
+    assert workers(16, small) == 6 and workers(1, 1 << 30) == 1
+    assert workers(16, h100) * WORKER_GPU_BYTES <= 0.15 * h100
+    assert video_workers(24, "nvdec") == 24  # the job set its loaders for NVDEC
+    assert video_workers(10**4) < 10**4  # the CPU's: no more than the cores
+
+
+def test_the_job_sets_its_loaders_for_nvdec(monkeypatch):
+    """Where the job's videos go to NVDEC, `open_job` sets a loader thread (and a worker) for each
+    of NVDEC's workers; on the CPU's decoder the loaders stay as configured."""
+    from collections import Counter
+    from types import SimpleNamespace
+
+    import torch
+
+    from encoder_graphs.app import job as job_module
+    from encoder_graphs.app.cli import build_parser
+    from encoder_graphs.app.config import NVDEC_FROM_VIDEOS, CaptionConfig
+    from encoder_graphs.app.distributed import Job
+    from encoder_graphs.app.plan import Plan
+    from encoder_graphs.app.settings import Settings
+
+    monkeypatch.setattr("encoder_graphs.app.nvdec.available", lambda: True)
+    monkeypatch.setattr(job_module, "nvdec_workers", lambda device: 23)  # the GPU's memory is read there
+    monkeypatch.setattr(job_module, "check_length", lambda *args: (4000, 1000))
+    source = SimpleNamespace(inputs=SimpleNamespace(min_side=28, max_image_pixels=1280 * 784, max_frame_pixels=256 * 784,
+                                                     frame_size=None, reads_videos=True, default_prompt=None))
+    monkeypatch.setattr(job_module, "check_resolution_flags", lambda *args: None)
+    monkeypatch.setattr(job_module, "check_seeded_sampling", lambda *args: None)
+    settings = Settings.from_arguments(build_parser().parse_args(["caption", "x"]))
+
+    def loaders(videos: int) -> int:
+        plan = Plan(settings, [], [], [], CaptionConfig(load_workers=7), None, None, Job(), counted=Counter(video=videos))
+        job = job_module.open_job(plan, source, torch.device("cuda", 0))
+        return job.config.load_workers, job.limits.video_hwaccel
+
+    assert loaders(NVDEC_FROM_VIDEOS) == (23, "nvdec")
+    assert loaders(1) == (7, None)
 
 
 def encode(path: Path, codec: str, options: dict, frames: int, size: tuple[int, int], container: str | None = None) -> None:
@@ -216,6 +264,31 @@ def encode(path: Path, codec: str, options: dict, frames: int, size: tuple[int, 
 
 def write_vp9(path: Path, frames: int, size: tuple[int, int] = (96, 64)) -> None:
     encode(path, "libvpx-vp9", {}, frames, size)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(importlib.util.find_spec("PyNvVideoCodec") is None, reason="needs PyNvVideoCodec (benchmarks/run_gpu.sh carries it)")
+def test_nvdec_workers_hold_their_cuda_context_once_started():
+    """An NVDEC pool's workers make their CUDA contexts as they start, so that once `wait_started`
+    returns the GPU's free memory (what the batch sizing reads) has them taken; a CPU pool's take none."""
+    import torch
+
+    from encoder_graphs.app.decoders import VideoDecoders
+    from encoder_graphs.app.nvdec import CONTEXT_GPU_BYTES
+
+    torch.cuda.init()
+    for hwaccel, least in (("nvdec", 2 * CONTEXT_GPU_BYTES // 2), (None, None)):
+        free = torch.cuda.mem_get_info()[0]
+        videos = VideoDecoders(2, LoadLimits(video_hwaccel=hwaccel)).start()
+        try:
+            videos.wait_started()
+            taken = free - torch.cuda.mem_get_info()[0]
+            if least is None:
+                assert taken < 64 << 20, taken
+            else:
+                assert least <= taken <= 2 * CONTEXT_GPU_BYTES, taken  # two contexts, each about CONTEXT_GPU_BYTES
+        finally:
+            videos.close()
 
 
 @pytest.mark.gpu
@@ -464,3 +537,39 @@ def test_a_unit_holding_a_parameter_set_or_a_reference_field_is_not_disposable()
     assert not disposable_h264(aud + pps + nonref_slice)
     assert not disposable_h264(nonref_slice + ref_slice)
     assert not disposable_h264(aud)
+
+
+def test_the_video_decoders_start_before_the_model_for_folders_and_datasets(tmp_path):
+    """`start_video_decoders` (called before the weights load) starts the pool where the job has
+    videos the model reads: a folder's first clips decode meanwhile; a dataset's, foretold by its
+    first samples, are in its shards, so none is prefetched; a model of images starts none."""
+    from collections import Counter
+    from types import SimpleNamespace
+
+    import torch
+
+    from encoder_graphs.app.cli import build_parser
+    from encoder_graphs.app.command import start_video_decoders
+    from encoder_graphs.app.config import CaptionConfig
+    from encoder_graphs.app.distributed import Job
+    from encoder_graphs.app.job import CaptionJob
+    from encoder_graphs.app.plan import Plan
+    from encoder_graphs.app.settings import Settings
+    from encoder_graphs.app.walk import MediaFile
+
+    write_h264(tmp_path / "clip.mp4", frames=8, size=(64, 48))
+    settings = Settings.from_arguments(build_parser().parse_args(["caption", str(tmp_path)]))
+    job = CaptionJob(device=torch.device("cpu"), model_name="m", config=CaptionConfig(load_workers=2),
+                     limits=LoadLimits(max_frames=4, frame_size=(64, 48)), longest=100, longest_image=50)
+    clip = MediaFile(tmp_path / "clip.mp4", "video")
+    folder = Plan(settings, [tmp_path], [clip], [clip], CaptionConfig(), None, None, Job())
+    dataset = Plan(settings, [], [], [], CaptionConfig(), None, None, Job(), counted=Counter(video=1), videos_expected=500)
+    reads, reads_not = SimpleNamespace(reads_videos=True), SimpleNamespace(reads_videos=False)
+    for plan, prefetched in ((folder, 1), (dataset, 0)):
+        videos = start_video_decoders(plan, job, reads)
+        try:
+            assert videos is not None and videos.prefetched == prefetched
+        finally:
+            videos.close()
+    assert start_video_decoders(dataset, job, reads_not) is None
+    assert start_video_decoders(Plan(settings, [], [], [], CaptionConfig(), None, None, Job()), job, reads) is None

@@ -214,8 +214,9 @@ def caption_files(
     from encoder_graphs.decoder.layers.stack import warm_up_language_model
 
     setup_started = time.perf_counter()
-    # Each worker takes its GPU memory at its first clip: all have, where each was given one while the model loaded.
-    job = sized_job(job, plan, model, decoders_on_gpu=videos is not None and videos.prefetched >= videos.workers)
+    if videos is not None:  # its workers' CUDA contexts (NVDEC's) are made, so the sizing counts them
+        videos.wait_started()
+    job = sized_job(job, plan, model, worker_contexts=videos is not None)
     config = job.config
     try:
         handle = enable_cuda_graphs(model, job.options)
@@ -254,7 +255,7 @@ def caption_files(
         **stats.as_dict(),
         "batch_size": config.batch_size if stats.by_kind.get("image") else None,  # images'
         "video_batch_size": config.video_batch_size,
-        "video_decoder": (job.limits.video_hwaccel or "cpu") if stats.by_kind.get("video") else None,  # `nvdec.chosen`
+        "video_decoder": stats.video_decoder(job.limits.video_hwaccel),
         "sidecars": outputs.sidecars_written,
         "sidecar_errors": len(outputs.sidecar_errors),
         "setup_s": setup_s,
@@ -270,15 +271,16 @@ def caption_files(
 
 
 def start_video_decoders(plan: Plan, job: "CaptionJob", inputs: "CaptionInputs") -> "VideoDecoders | None":
-    """The video decoder processes, started now where the job has videos the model reads (the
-    run stops them), decoding the first videos the run will ask for (in its order: a torchrun
-    rank's files are claimed later, so it starts none)."""
+    """The video decoder processes, started now where the job has (or a dataset expects) videos
+    the model reads (the run stops them), decoding the first videos the run will ask for (in its
+    order: a torchrun rank's files are claimed later, and a dataset's are in its shards, so those
+    start none)."""
     from encoder_graphs.app.decoders import VideoDecoders, video_workers
 
-    if not inputs.reads_videos or not any(f.kind == "video" for f in plan.todo):
+    if not inputs.reads_videos or not plan.videos_to_do():
         return None
-    videos = VideoDecoders(video_workers(job.config.load_workers), job.limits).start()
-    if not plan.job.distributed:
+    videos = VideoDecoders(video_workers(job.config.load_workers, job.limits.video_hwaccel), job.limits).start()
+    if not plan.job.distributed and plan.videos_expected is None:
         videos.prefetch(f.path for f in plan.todo if f.kind == "video" and not f.reason)  # not what the walk refused
     return videos
 

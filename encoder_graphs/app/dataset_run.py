@@ -234,26 +234,44 @@ def caption_shards(settings: Settings) -> int:
 
 
 def run_shards(settings: Settings, todo: list[InputShard], outputs: ShardOutputs, config: Any, identity: dict) -> int:
-    from encoder_graphs import enable_cuda_graphs
-    from encoder_graphs.app.command import STARTED, stop_on_interrupt, write_stats_json
-    from encoder_graphs.app.job import open_job, sized_job
-    from encoder_graphs.app.loading import load_model, open_model, pick_device
-    from encoder_graphs.app.runstats import progress_bar
-    from encoder_graphs.report import format_graph_stats, format_run_stats
+    from encoder_graphs.app.command import start_video_decoders
+    from encoder_graphs.app.job import open_job
+    from encoder_graphs.app.loading import open_model, pick_device
 
     plan = stand_in_plan(settings, todo, config, identity)
     device = pick_device(settings.device, int(os.environ.get("LOCAL_RANK", "0")))
     source = open_model(settings.model, max_tiles=settings.max_tiles, max_image_tokens=settings.max_image_tokens,
                         max_frame_tokens=settings.max_frame_tokens)
     job = open_job(plan, source, device)
+    videos = start_video_decoders(plan, job, source.inputs)  # they start while the model loads
+    try:
+        return run_loaded(settings, todo, outputs, plan, job, source, videos)
+    finally:
+        if videos is not None:
+            videos.close()
+
+
+def run_loaded(settings: Settings, todo: list[InputShard], outputs: ShardOutputs, plan: Any, job: Any,
+               source: Any, videos: Any) -> int:
+    """`run_shards` once the job is open: the model loaded (the video decoders, where any, start
+    meanwhile), the graphs enabled, the shards captioned; the exit status."""
+    from encoder_graphs import enable_cuda_graphs
+    from encoder_graphs.app.command import STARTED, stop_on_interrupt, write_stats_json
+    from encoder_graphs.app.job import sized_job
+    from encoder_graphs.app.loading import load_model
+    from encoder_graphs.app.runstats import progress_bar
+    from encoder_graphs.report import format_graph_stats, format_run_stats
+
     model = load_model(source, job.device)
     loaded = time.perf_counter()
-    job = sized_job(job, plan, model)
+    if videos is not None:  # its workers' CUDA contexts (NVDEC's) are made, so the sizing counts them
+        videos.wait_started()
+    job = sized_job(job, plan, model, worker_contexts=videos is not None)
     handle = enable_cuda_graphs(model, job.options)
     setup_s = time.perf_counter() - loaded
     in_flight = InFlight()
     captioner = SampleCaptioner(model, source.inputs, job.config, job.limits, model_name=job.model_name,
-                                run_settings=identity, in_flight=in_flight)
+                                run_settings=plan.identity, in_flight=in_flight, videos=videos)
     # Samples by the count the job was sized for (the first shards' counts standing for the rest).
     quiet = settings.quiet or os.environ.get("WORLD_SIZE", "1") != "1"
     progress = None if quiet else progress_bar(plan.todo_by_kind().total())
@@ -269,7 +287,7 @@ def run_shards(settings: Settings, todo: list[InputShard], outputs: ShardOutputs
         outputs.close()
     stats.files = stats.succeeded + stats.failed
     summary = {**stats.as_dict(), "batch_size": job.config.batch_size, "video_batch_size": job.config.video_batch_size,
-               "video_decoder": (job.limits.video_hwaccel or "cpu") if stats.by_kind.get("video") else None,
+               "video_decoder": stats.video_decoder(job.limits.video_hwaccel),
                "load_s": loaded - STARTED, "setup_s": setup_s, "longest_sequence": job.longest}
     if summary["first_records_s"] is not None:
         summary["first_caption_after_load_s"] = setup_s + summary["first_records_s"]

@@ -68,9 +68,8 @@ def _full_pass(sampler: Sampler, why: CannotSeek) -> DecodedVideo:
     (and why NVDEC had left the file to the CPU's seeking first, where it had)."""
     decoded = sampler.full_pass(str(why))
     if sampler.limits.video_hwaccel == "nvdec":
-        because = why.cpu_because + "; " if why.cpu_because else ""
-        decoded.sampling += f", cpu ({because}a full pass)"
-        decoded.decoder = "cpu: " + (f"{nvdec.reason(why.cpu_because)}; " if why.cpu_because else "") + "a full pass"
+        because, reason = (f"{why.cpu_because}; ", f"{nvdec.reason(why.cpu_because)}; ") if why.cpu_because else ("", "")
+        decoded.sampling, decoded.decoder = decoded.sampling + f", cpu ({because}a full pass)", f"cpu: {reason}a full pass"
     return decoded
 
 
@@ -86,9 +85,11 @@ def _decode_in_worker(path: Path, limits: LoadLimits, data: bytes | None = None)
     return decode_video(path, limits, data)
 
 
-def _worker_setup(data_bytes: int, threads: int) -> None:
+def _worker_setup(data_bytes: int, threads: int, gpu: int | None = None) -> None:
     """A worker ignores Ctrl-C (the parent decides when the run stops and stops its workers),
-    resizes on `threads` threads and allocates at most `data_bytes` (libraries mapped not counted)."""
+    resizes on `threads` threads and allocates at most `data_bytes` (libraries mapped not counted).
+    An NVDEC worker makes its CUDA context on GPU `gpu` now (about a second): while the model
+    loads, not at its first clip, and before the batches are sized by the memory left."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     import torch
 
@@ -98,22 +99,25 @@ def _worker_setup(data_bytes: int, threads: int) -> None:
             resource.setrlimit(resource.RLIMIT_DATA, (data_bytes, data_bytes))
         except (ValueError, OSError):
             pass  # a hard limit below it stays
+    if gpu is not None:
+        torch.empty(1, device=torch.device("cuda", gpu))  # the primary context, which NVDEC's decoder shares
 
 
-def _cores_of_this_process() -> int:
+def cores_of_this_process() -> int:
     """The cores this process may use, shared with the other processes torchrun started here."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(1, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
 
 
-def video_workers(load_workers: int) -> int:
-    """Decoder processes: one a loader thread, no more than this process's share of the cores."""
-    return max(1, min(load_workers, _cores_of_this_process()))
+def video_workers(load_workers: int, hwaccel: str | None = None) -> int:
+    """Decoder processes: one a loader thread, no more than this process's share of the cores;
+    NVDEC's, one a loader thread (the job set them for it: `job.open_job`, `nvdec.workers`)."""
+    return max(1, load_workers if hwaccel == "nvdec" else min(load_workers, cores_of_this_process()))
 
 
 def default_decoder_threads(workers: int) -> int:
     """FFmpeg threads a worker's decoder takes: this process's cores shared among its workers."""
-    return max(1, _cores_of_this_process() // max(1, workers))
+    return max(1, cores_of_this_process() // max(1, workers))
 
 
 class VideoDecoders:
@@ -135,16 +139,24 @@ class VideoDecoders:
         self._pending: set = set()  # every decode not ended: `close` ends them (pebble's stop may not)
         self._closed = False
         self.prefetched = 0
+        gpu = limits.video_device if limits.video_hwaccel == "nvdec" else None
         self._pool = pebble.ProcessPool(
-            max_workers=workers, initializer=_worker_setup, initargs=(data_bytes, limits.video_threads), context=context
+            max_workers=workers, initializer=_worker_setup, initargs=(data_bytes, limits.video_threads, gpu), context=context
         )
+        self._started: list = []
 
     def start(self) -> "VideoDecoders":
         """Start the fork server and the workers now (a no-op task each), not at the first video:
         the caption command does it before the model loads, so the two overlap."""
-        for _ in range(self.workers):
-            self._pool.schedule(os.getpid)
+        self._started = [self._pool.schedule(os.getpid) for _ in range(self.workers)]
         return self
+
+    def wait_started(self, timeout_s: float = 60.0) -> None:
+        """Wait (at most `timeout_s`) until the workers `start` began have run their first task:
+        an NVDEC worker then holds its GPU memory, which the batch sizing reads as taken."""
+        from concurrent.futures import wait
+
+        wait(self._started, timeout=timeout_s)
 
     def prefetch(self, paths: Iterable[Path]) -> int:
         """Start decoding the first of `paths` now, in their order, as many as `PREFETCH_BYTES` of

@@ -62,19 +62,21 @@ def open_job(plan: Plan, source: "ModelSource", device: "torch.device") -> Capti
     check_resolution_flags(settings, source.inputs)
     config = plan.config.with_prompt_of(source.inputs.default_prompt)  # e.g. an OCR model's
     limits = load_limits(plan, source, config.load_workers, device)
+    if limits.video_hwaccel == "nvdec":  # its workers wait on the GPU's decoder: more loaders than cores
+        config = replace(config, load_workers=nvdec_workers(device))
     longest, longest_image = check_length(plan, config, source, limits)
     check_seeded_sampling(settings, source)
     return CaptionJob(device=device, model_name=settings.model or "default", config=config, limits=limits,
                       longest=longest, longest_image=longest_image)
 
 
-def sized_job(job: CaptionJob, plan: Plan, model: "PreTrainedModel", decoders_on_gpu: bool = False) -> CaptionJob:
+def sized_job(job: CaptionJob, plan: Plan, model: "PreTrainedModel", worker_contexts: bool = False) -> CaptionJob:
     """The job with what the weights' memory decides: its batches (`batched_config`) and the
-    graphs' options. `decoders_on_gpu`: the video decoders already hold their GPU memory (they
-    decoded while the model loaded)."""
+    graphs' options. `worker_contexts`: the video decoders' workers hold their CUDA contexts (they
+    started while the model loaded: `VideoDecoders.wait_started`)."""
     from encoder_graphs import GraphOptions
 
-    config = batched_config(job, plan, model, decoders_on_gpu)
+    config = batched_config(job, plan, model, worker_contexts)
     settings = plan.settings
     options = GraphOptions(
         budgets=settings.budgets,
@@ -90,19 +92,30 @@ def sized_job(job: CaptionJob, plan: Plan, model: "PreTrainedModel", decoders_on
     return replace(job, config=config, options=options)
 
 
-def nvdec_contexts_later(job: CaptionJob, videos: int, decoders_on_gpu: bool) -> int:
-    """GPU bytes NVDEC's decoder workers will take after the batches are sized: a CUDA context and
-    a decoder each, where they decode this job's videos and have not started on the GPU yet (a
-    torchrun rank's and a dataset run's start at their first video)."""
+def nvdec_workers(device: "torch.device") -> int:
+    """NVDEC's decoder workers for this process's cores and `device`'s memory (`nvdec.workers`)."""
+    import torch
+
+    from encoder_graphs.app.decoders import cores_of_this_process
+    from encoder_graphs.app.nvdec import workers
+
+    return workers(cores_of_this_process(), torch.cuda.get_device_properties(device).total_memory)
+
+
+def nvdec_bytes_later(job: CaptionJob, videos: int, worker_contexts: bool) -> int:
+    """GPU bytes NVDEC's decoder workers will take after the batches are sized, where they decode
+    this job's videos: a decoder each, and a CUDA context each unless `worker_contexts` (a pool
+    started after the sizing: a Ray actor's, one the API's Captioner starts at its first video)."""
     from encoder_graphs.app.decoders import video_workers
-    from encoder_graphs.app.nvdec import WORKER_GPU_BYTES
+    from encoder_graphs.app.nvdec import CONTEXT_GPU_BYTES, DECODER_GPU_BYTES
 
-    if job.limits.video_hwaccel != "nvdec" or not videos or decoders_on_gpu:
+    if job.limits.video_hwaccel != "nvdec" or not videos:
         return 0
-    return WORKER_GPU_BYTES * video_workers(job.config.load_workers)
+    each = DECODER_GPU_BYTES + (0 if worker_contexts else CONTEXT_GPU_BYTES)
+    return each * video_workers(job.config.load_workers, job.limits.video_hwaccel)
 
 
-def batched_config(job: CaptionJob, plan: Plan, model: "PreTrainedModel", decoders_on_gpu: bool = False) -> CaptionConfig:
+def batched_config(job: CaptionJob, plan: Plan, model: "PreTrainedModel", worker_contexts: bool = False) -> CaptionConfig:
     """The job's CaptionConfig with its batches: per kind of file, at most what the GPU memory free
     holds beside the one cache `job.longest` sizes, and never more than the job's files of that
     kind (the decoder then captures no larger bucket). Images and videos batch apart: a video's
@@ -123,7 +136,7 @@ def batched_config(job: CaptionJob, plan: Plan, model: "PreTrainedModel", decode
     most = {kind: max(1, counts[kind]) for kind in prompts}
     rows = fitting_batch_sizes(requested and requested * per, model, job.longest, prompts,
                                {kind: n * per for kind, n in most.items()}, job.device,
-                               held_later=nvdec_contexts_later(job, counts["video"], decoders_on_gpu))
+                               held_later=nvdec_bytes_later(job, counts["video"], worker_contexts))
     sizes = {kind: max(1, n // per) for kind, n in rows.items()}
     for kind, fit in rows.items():
         if fit < per:  # one file is the least a batch holds: its prompts' rows may not fit

@@ -31,10 +31,20 @@ from encoder_graphs.app.video import CannotSeek, DecodedVideo, Sampler
 CODECS = {"h264": ("H264", "h264_mp4toannexb", 48, 16), "hevc": ("HEVC", "hevc_mp4toannexb", 144, 144)}
 PIXEL_FORMATS = frozenset({"yuv420p", "yuvj420p"})
 MAX_SIDE = 4096  # NVDEC's H.264 limit
-# GPU memory a decoder worker holds: its CUDA context and a decoder of frames up to 1080p
-# (nvidia-smi: about 560 MiB, H200; benchmarks/COMPONENTS.md); batch sizing leaves it free where
-# the workers start after it. Larger frames take larger surfaces.
-WORKER_GPU_BYTES = 600 << 20
+# GPU memory a decoder worker holds: its CUDA context (made as the worker starts) and a decoder of
+# frames up to 1080p (made at its first clip); nvidia-smi, H200: benchmarks/COMPONENTS.md. Batch
+# sizing leaves free what the workers will take after it (`job.nvdec_bytes_later`). Larger frames
+# take larger surfaces.
+CONTEXT_GPU_BYTES = 512 << 20
+DECODER_GPU_BYTES = 88 << 20
+WORKER_GPU_BYTES = CONTEXT_GPU_BYTES + DECODER_GPU_BYTES
+# Decoder workers a core where NVDEC decodes: each waits on the GPU's decoder much of its time, so
+# more workers than cores keep it fed (128 clips beside a busy GPU, 16 cores: 15 workers 12.0
+# clips/s, 24 15.7, 32 14.8; benchmarks/COMPONENTS.md), up to MOST_WORKERS (the most measured to
+# gain) and GPU_SHARE of the GPU's memory (`WORKER_GPU_BYTES` each).
+WORKERS_PER_CORE = 1.5
+MOST_WORKERS = 24
+GPU_SHARE = 0.15
 
 _process_decoder: dict[str, Any] = {}  # this worker's decoder: "key" ((codec, GPU), width, height), "decoder"
 
@@ -63,6 +73,12 @@ def chosen(asked: str, runs_here: bool, videos: int, world_size: int) -> str:
     return "nvdec" if runs_here and videos >= NVDEC_FROM_VIDEOS * world_size else "cpu"
 
 
+def workers(cores: int, gpu_bytes: int) -> int:
+    """NVDEC's decoder workers (and the loader threads waiting on them) for a process of `cores`
+    cores with a GPU of `gpu_bytes`."""
+    return max(1, min(round(WORKERS_PER_CORE * cores), MOST_WORKERS, int(GPU_SHARE * gpu_bytes) // WORKER_GPU_BYTES))
+
+
 def dry_run_line(asked: str, device: str, videos: int | None, world_size: int) -> str | None:
     """A dry run's line on the video decoder with `--device` `device` here: that `--video-decoder
     nvdec` could not run, or which `auto` would take for `videos` to caption (None where unknown,
@@ -71,7 +87,7 @@ def dry_run_line(asked: str, device: str, videos: int | None, world_size: int) -
 
     if asked == "cpu" or (asked == "auto" and not videos):
         return None
-    few = asked == "auto" and videos < NVDEC_FROM_VIDEOS * world_size
+    few = chosen(asked, True, videos or 0, world_size) == "cpu"  # auto, too few to repay NVDEC's start
     runs_here = not few and device != "cpu" and available() and _cuda_here()  # torch only where it decides
     if asked == "nvdec":
         return None if runs_here else f"not here: {NEEDS}; the run would stop"

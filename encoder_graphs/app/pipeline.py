@@ -235,13 +235,13 @@ class Captioner:
         return self.inputs.encode_video(media.frames, media.metadata), media.size, media.record()
 
     def _video_decoders(self, path: Path) -> VideoDecoders:
-        """The run's video decoder processes, started by the first video a loader thread takes,
-        one a loader thread (each thread waits on one video at a time)."""
+        """The run's video decoder processes, started by the first video a loader thread takes."""
         with self._videos_lock:
             if self._ended:  # a loader thread still at work after the run: no new workers
                 raise MediaError(path, "cancelled", "the run ended before its frames were decoded")
             if self._videos is None:
-                self._videos = VideoDecoders(video_workers(self.config.load_workers), self.limits).start()
+                workers = video_workers(self.config.load_workers, self.limits.video_hwaccel)
+                self._videos = VideoDecoders(workers, self.limits).start()
             return self._videos
 
     def caption_batch(self, batch: list[Pending], stats: RunStats,

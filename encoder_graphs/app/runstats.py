@@ -47,6 +47,10 @@ class RunStats:
         if video is not None:
             self.video_decoders[video["decoder"]] += 1
 
+    def video_decoder(self, hwaccel: str | None) -> str | None:
+        """The summary's `video_decoder`: the one the job chose (`LoadLimits.video_hwaccel`), where it captioned videos."""
+        return (hwaccel or "cpu") if self.by_kind.get("video") else None
+
     def as_dict(self) -> dict:
         done = self.succeeded + self.failed
         return {
