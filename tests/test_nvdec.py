@@ -187,64 +187,18 @@ def test_batches_leave_room_for_what_nvdec_workers_take_after_the_sizing():
     import torch
 
     from encoder_graphs.app.config import CaptionConfig
+    from encoder_graphs.app.decoders import video_workers
     from encoder_graphs.app.job import CaptionJob, nvdec_bytes_later
     from encoder_graphs.app.nvdec import CONTEXT_GPU_BYTES, DECODER_GPU_BYTES, WORKER_GPU_BYTES
 
     job = CaptionJob(device=torch.device("cuda", 0), model_name="m", config=CaptionConfig(load_workers=20),
                      limits=LoadLimits(video_hwaccel="nvdec"), longest=100, longest_image=50)
     assert WORKER_GPU_BYTES == CONTEXT_GPU_BYTES + DECODER_GPU_BYTES
-    assert nvdec_bytes_later(job, 10, worker_contexts=False) == 20 * WORKER_GPU_BYTES  # NVDEC's: a worker a loader
-    assert nvdec_bytes_later(job, 10, worker_contexts=True) == 20 * DECODER_GPU_BYTES
+    workers = video_workers(20)
+    assert nvdec_bytes_later(job, 10, worker_contexts=False) == workers * WORKER_GPU_BYTES > 0
+    assert nvdec_bytes_later(job, 10, worker_contexts=True) == workers * DECODER_GPU_BYTES > 0
     assert nvdec_bytes_later(job, 0, worker_contexts=False) == 0  # no videos: no workers
     assert nvdec_bytes_later(replace(job, limits=LoadLimits()), 10, worker_contexts=False) == 0  # the CPU's
-
-
-def test_nvdec_runs_more_workers_than_cores_within_a_share_of_the_gpu():
-    """NVDEC's workers wait on the GPU's decoder: 1.5 a core, at most 24 (the most measured to
-    gain), their contexts and decoders within 15% of the GPU's memory."""
-    from encoder_graphs.app.decoders import video_workers
-    from encoder_graphs.app.nvdec import WORKER_GPU_BYTES, workers
-
-    h200, h100, small = 143 << 30, 80 << 30, 24 << 30
-    assert workers(16, h200) == 24 and workers(8, h200) == 12 and workers(64, h200) == 24
-    assert workers(16, h100) == 20  # 15% of 80 GiB
-    assert workers(16, small) == 6 and workers(1, 1 << 30) == 1
-    assert workers(16, h100) * WORKER_GPU_BYTES <= 0.15 * h100
-    assert video_workers(24, "nvdec") == 24  # the job set its loaders for NVDEC
-    assert video_workers(10**4) < 10**4  # the CPU's: no more than the cores
-
-
-def test_the_job_sets_its_loaders_for_nvdec(monkeypatch):
-    """Where the job's videos go to NVDEC, `open_job` sets a loader thread (and a worker) for each
-    of NVDEC's workers; on the CPU's decoder the loaders stay as configured."""
-    from collections import Counter
-    from types import SimpleNamespace
-
-    import torch
-
-    from encoder_graphs.app import job as job_module
-    from encoder_graphs.app.cli import build_parser
-    from encoder_graphs.app.config import NVDEC_FROM_VIDEOS, CaptionConfig
-    from encoder_graphs.app.distributed import Job
-    from encoder_graphs.app.plan import Plan
-    from encoder_graphs.app.settings import Settings
-
-    monkeypatch.setattr("encoder_graphs.app.nvdec.available", lambda: True)
-    monkeypatch.setattr(job_module, "nvdec_workers", lambda device: 23)  # the GPU's memory is read there
-    monkeypatch.setattr(job_module, "check_length", lambda *args: (4000, 1000))
-    source = SimpleNamespace(inputs=SimpleNamespace(min_side=28, max_image_pixels=1280 * 784, max_frame_pixels=256 * 784,
-                                                     frame_size=None, reads_videos=True, default_prompt=None))
-    monkeypatch.setattr(job_module, "check_resolution_flags", lambda *args: None)
-    monkeypatch.setattr(job_module, "check_seeded_sampling", lambda *args: None)
-    settings = Settings.from_arguments(build_parser().parse_args(["caption", "x"]))
-
-    def loaders(videos: int) -> int:
-        plan = Plan(settings, [], [], [], CaptionConfig(load_workers=7), None, None, Job(), counted=Counter(video=videos))
-        job = job_module.open_job(plan, source, torch.device("cuda", 0))
-        return job.config.load_workers, job.limits.video_hwaccel
-
-    assert loaders(NVDEC_FROM_VIDEOS) == (23, "nvdec")
-    assert loaders(1) == (7, None)
 
 
 def encode(path: Path, codec: str, options: dict, frames: int, size: tuple[int, int], container: str | None = None) -> None:

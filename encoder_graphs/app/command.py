@@ -279,7 +279,7 @@ def start_video_decoders(plan: Plan, job: "CaptionJob", inputs: "CaptionInputs")
 
     if not inputs.reads_videos or not plan.videos_to_do():
         return None
-    videos = VideoDecoders(video_workers(job.config.load_workers, job.limits.video_hwaccel), job.limits).start()
+    videos = VideoDecoders(video_workers(job.config.load_workers), job.limits).start()
     if not plan.job.distributed and plan.videos_expected is None:
         videos.prefetch(f.path for f in plan.todo if f.kind == "video" and not f.reason)  # not what the walk refused
     return videos

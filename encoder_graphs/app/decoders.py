@@ -103,21 +103,20 @@ def _worker_setup(data_bytes: int, threads: int, gpu: int | None = None) -> None
         torch.empty(1, device=torch.device("cuda", gpu))  # the primary context, which NVDEC's decoder shares
 
 
-def cores_of_this_process() -> int:
+def _cores_of_this_process() -> int:
     """The cores this process may use, shared with the other processes torchrun started here."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(1, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
 
 
-def video_workers(load_workers: int, hwaccel: str | None = None) -> int:
-    """Decoder processes: one a loader thread, no more than this process's share of the cores;
-    NVDEC's, one a loader thread (the job set them for it: `job.open_job`, `nvdec.workers`)."""
-    return max(1, load_workers if hwaccel == "nvdec" else min(load_workers, cores_of_this_process()))
+def video_workers(load_workers: int) -> int:
+    """Decoder processes: one a loader thread, no more than this process's share of the cores."""
+    return max(1, min(load_workers, _cores_of_this_process()))
 
 
 def default_decoder_threads(workers: int) -> int:
     """FFmpeg threads a worker's decoder takes: this process's cores shared among its workers."""
-    return max(1, cores_of_this_process() // max(1, workers))
+    return max(1, _cores_of_this_process() // max(1, workers))
 
 
 class VideoDecoders:

@@ -62,8 +62,6 @@ def open_job(plan: Plan, source: "ModelSource", device: "torch.device") -> Capti
     check_resolution_flags(settings, source.inputs)
     config = plan.config.with_prompt_of(source.inputs.default_prompt)  # e.g. an OCR model's
     limits = load_limits(plan, source, config.load_workers, device)
-    if limits.video_hwaccel == "nvdec":  # its workers wait on the GPU's decoder: more loaders than cores
-        config = replace(config, load_workers=nvdec_workers(device))
     longest, longest_image = check_length(plan, config, source, limits)
     check_seeded_sampling(settings, source)
     return CaptionJob(device=device, model_name=settings.model or "default", config=config, limits=limits,
@@ -92,16 +90,6 @@ def sized_job(job: CaptionJob, plan: Plan, model: "PreTrainedModel", worker_cont
     return replace(job, config=config, options=options)
 
 
-def nvdec_workers(device: "torch.device") -> int:
-    """NVDEC's decoder workers for this process's cores and `device`'s memory (`nvdec.workers`)."""
-    import torch
-
-    from encoder_graphs.app.decoders import cores_of_this_process
-    from encoder_graphs.app.nvdec import workers
-
-    return workers(cores_of_this_process(), torch.cuda.get_device_properties(device).total_memory)
-
-
 def nvdec_bytes_later(job: CaptionJob, videos: int, worker_contexts: bool) -> int:
     """GPU bytes NVDEC's decoder workers will take after the batches are sized, where they decode
     this job's videos: a decoder each, and a CUDA context each unless `worker_contexts` (a pool
@@ -112,7 +100,7 @@ def nvdec_bytes_later(job: CaptionJob, videos: int, worker_contexts: bool) -> in
     if job.limits.video_hwaccel != "nvdec" or not videos:
         return 0
     each = DECODER_GPU_BYTES + (0 if worker_contexts else CONTEXT_GPU_BYTES)
-    return each * video_workers(job.config.load_workers, job.limits.video_hwaccel)
+    return each * video_workers(job.config.load_workers)
 
 
 def batched_config(job: CaptionJob, plan: Plan, model: "PreTrainedModel", worker_contexts: bool = False) -> CaptionConfig:

@@ -32,19 +32,12 @@ CODECS = {"h264": ("H264", "h264_mp4toannexb", 48, 16), "hevc": ("HEVC", "hevc_m
 PIXEL_FORMATS = frozenset({"yuv420p", "yuvj420p"})
 MAX_SIDE = 4096  # NVDEC's H.264 limit
 # GPU memory a decoder worker holds: its CUDA context (made as the worker starts) and a decoder of
-# frames up to 1080p (made at its first clip); nvidia-smi, H200: benchmarks/COMPONENTS.md. Batch
-# sizing leaves free what the workers will take after it (`job.nvdec_bytes_later`). Larger frames
-# take larger surfaces.
-CONTEXT_GPU_BYTES = 512 << 20
-DECODER_GPU_BYTES = 88 << 20
+# frames up to 1080p (made at its first clip): nvidia-smi, H200, 529 and 42 MiB (COMPONENTS.md).
+# Batch sizing leaves free what the workers will take after it (`job.nvdec_bytes_later`). Larger
+# frames take larger surfaces.
+CONTEXT_GPU_BYTES = 544 << 20
+DECODER_GPU_BYTES = 56 << 20
 WORKER_GPU_BYTES = CONTEXT_GPU_BYTES + DECODER_GPU_BYTES
-# Decoder workers a core where NVDEC decodes: each waits on the GPU's decoder much of its time, so
-# more workers than cores keep it fed (128 clips beside a busy GPU, 16 cores: 15 workers 12.0
-# clips/s, 24 15.7, 32 14.8; benchmarks/COMPONENTS.md), up to MOST_WORKERS (the most measured to
-# gain) and GPU_SHARE of the GPU's memory (`WORKER_GPU_BYTES` each).
-WORKERS_PER_CORE = 1.5
-MOST_WORKERS = 24
-GPU_SHARE = 0.15
 
 _process_decoder: dict[str, Any] = {}  # this worker's decoder: "key" ((codec, GPU), width, height), "decoder"
 
@@ -71,12 +64,6 @@ def chosen(asked: str, runs_here: bool, videos: int, world_size: int) -> str:
     if asked != "auto":
         return asked
     return "nvdec" if runs_here and videos >= NVDEC_FROM_VIDEOS * world_size else "cpu"
-
-
-def workers(cores: int, gpu_bytes: int) -> int:
-    """NVDEC's decoder workers (and the loader threads waiting on them) for a process of `cores`
-    cores with a GPU of `gpu_bytes`."""
-    return max(1, min(round(WORKERS_PER_CORE * cores), MOST_WORKERS, int(GPU_SHARE * gpu_bytes) // WORKER_GPU_BYTES))
 
 
 def dry_run_line(asked: str, device: str, videos: int | None, world_size: int) -> str | None:

@@ -240,7 +240,7 @@ class Captioner:
             if self._ended:  # a loader thread still at work after the run: no new workers
                 raise MediaError(path, "cancelled", "the run ended before its frames were decoded")
             if self._videos is None:
-                workers = video_workers(self.config.load_workers, self.limits.video_hwaccel)
+                workers = video_workers(self.config.load_workers)
                 self._videos = VideoDecoders(workers, self.limits).start()
             return self._videos
 
