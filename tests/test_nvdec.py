@@ -527,3 +527,19 @@ def test_the_video_decoders_start_before_the_model_for_folders_and_datasets(tmp_
             videos.close()
     assert start_video_decoders(dataset, job, reads_not) is None
     assert start_video_decoders(Plan(settings, [], [], [], CaptionConfig(), None, None, Job()), job, reads) is None
+
+
+def test_a_pool_for_nvdec_whose_workers_cannot_reach_their_gpu_still_decodes(tmp_path):
+    """An NVDEC worker makes its CUDA context as it starts; where that fails (here: a GPU that no
+    machine has) the pool is not broken: the clip is decoded by the CPU, and its record says why."""
+    from encoder_graphs.app.decoders import VideoDecoders
+
+    write_h264(tmp_path / "clip.mp4", frames=8, size=(64, 48))
+    limits = LoadLimits(max_frames=4, frame_size=(64, 48), video_hwaccel="nvdec", video_device=99)
+    videos = VideoDecoders(1, limits).start()
+    try:
+        videos.wait_started()
+        decoded = videos.decode(tmp_path / "clip.mp4")
+    finally:
+        videos.close()
+    assert decoded.frames.shape[0] == 4 and decoded.decoder.startswith("cpu: ")

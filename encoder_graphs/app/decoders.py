@@ -9,6 +9,7 @@ starts at once, and inherit no CUDA state or threads of the caption process. `lo
 file's media for the Captioner's loader threads: an image there, a video's frames here.
 """
 
+import contextlib
 import io
 import math
 import multiprocessing
@@ -89,7 +90,9 @@ def _worker_setup(data_bytes: int, threads: int, gpu: int | None = None) -> None
     """A worker ignores Ctrl-C (the parent decides when the run stops and stops its workers),
     resizes on `threads` threads and allocates at most `data_bytes` (libraries mapped not counted).
     An NVDEC worker makes its CUDA context on GPU `gpu` now (about a second): while the model
-    loads, not at its first clip, and before the batches are sized by the memory left."""
+    loads, not at its first clip, and before the batches are sized by the memory left. Where it
+    cannot (a GPU out of memory), its first clip tries again and the CPU decodes what NVDEC does
+    not: a failed initializer would break the whole pool."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     import torch
 
@@ -100,7 +103,8 @@ def _worker_setup(data_bytes: int, threads: int, gpu: int | None = None) -> None
         except (ValueError, OSError):
             pass  # a hard limit below it stays
     if gpu is not None:
-        torch.empty(1, device=torch.device("cuda", gpu))  # the primary context, which NVDEC's decoder shares
+        with contextlib.suppress(Exception):  # CUDA's, of any type: the first clip meets it, counted in its record
+            torch.empty(1, device=torch.device("cuda", gpu))  # the primary context, which NVDEC's decoder shares
 
 
 def _cores_of_this_process() -> int:
