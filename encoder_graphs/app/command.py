@@ -214,9 +214,8 @@ def caption_files(
     from encoder_graphs.decoder.layers.stack import warm_up_language_model
 
     setup_started = time.perf_counter()
-    if videos is not None:  # its workers' CUDA contexts (NVDEC's) are made, so the sizing counts them
-        videos.wait_started()
-    job = sized_job(job, plan, model, worker_contexts=videos is not None)
+    contexts = videos.wait_started() if videos is not None else 0  # NVDEC's, made: the sizing sees them
+    job = sized_job(job, plan, model, worker_contexts=contexts)
     config = job.config
     try:
         handle = enable_cuda_graphs(model, job.options)

@@ -264,9 +264,8 @@ def run_loaded(settings: Settings, todo: list[InputShard], outputs: ShardOutputs
 
     model = load_model(source, job.device)
     loaded = time.perf_counter()
-    if videos is not None:  # its workers' CUDA contexts (NVDEC's) are made, so the sizing counts them
-        videos.wait_started()
-    job = sized_job(job, plan, model, worker_contexts=videos is not None)
+    contexts = videos.wait_started() if videos is not None else 0  # NVDEC's, made: the sizing sees them
+    job = sized_job(job, plan, model, worker_contexts=contexts)
     handle = enable_cuda_graphs(model, job.options)
     setup_s = time.perf_counter() - loaded
     in_flight = InFlight()

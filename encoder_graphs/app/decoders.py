@@ -16,8 +16,10 @@ import multiprocessing
 import os
 import resource
 import signal
+import time
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 from PIL import Image
 
@@ -86,13 +88,14 @@ def _decode_in_worker(path: Path, limits: LoadLimits, data: bytes | None = None)
     return decode_video(path, limits, data)
 
 
-def _worker_setup(data_bytes: int, threads: int, gpu: int | None = None) -> None:
+def _worker_setup(data_bytes: int, threads: int, gpu: int | None = None, contexts: Any = None) -> None:
     """A worker ignores Ctrl-C (the parent decides when the run stops and stops its workers),
     resizes on `threads` threads and allocates at most `data_bytes` (libraries mapped not counted).
     An NVDEC worker makes its CUDA context on GPU `gpu` now (about a second): while the model
     loads, not at its first clip, and before the batches are sized by the memory left. Where it
     cannot (a GPU out of memory), its first clip tries again and the CPU decodes what NVDEC does
-    not: a failed initializer would break the whole pool."""
+    not: a failed initializer would break the whole pool. `contexts` counts the workers that
+    tried [0] and that hold one [1] (`VideoDecoders.wait_started`)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     import torch
 
@@ -103,8 +106,13 @@ def _worker_setup(data_bytes: int, threads: int, gpu: int | None = None) -> None
         except (ValueError, OSError):
             pass  # a hard limit below it stays
     if gpu is not None:
+        held = False
         with contextlib.suppress(Exception):  # CUDA's, of any type: the first clip meets it, counted in its record
             torch.empty(1, device=torch.device("cuda", gpu))  # the primary context, which NVDEC's decoder shares
+            held = True
+        with contexts.get_lock():
+            contexts[0] += 1
+            contexts[1] += held
 
 
 def _cores_of_this_process() -> int:
@@ -142,24 +150,31 @@ class VideoDecoders:
         self._pending: set = set()  # every decode not ended: `close` ends them (pebble's stop may not)
         self._closed = False
         self.prefetched = 0
-        gpu = limits.video_device if limits.video_hwaccel == "nvdec" else None
+        self._gpu = limits.video_device if limits.video_hwaccel == "nvdec" else None
+        self._contexts = context.Array("i", 2)  # NVDEC's workers that tried to make their context, that hold one
         self._pool = pebble.ProcessPool(
-            max_workers=workers, initializer=_worker_setup, initargs=(data_bytes, limits.video_threads, gpu), context=context
+            max_workers=workers, initializer=_worker_setup, context=context,
+            initargs=(data_bytes, limits.video_threads, self._gpu, self._contexts),
         )
-        self._started: list = []
 
     def start(self) -> "VideoDecoders":
         """Start the fork server and the workers now (a no-op task each), not at the first video:
         the caption command does it before the model loads, so the two overlap."""
-        self._started = [self._pool.schedule(os.getpid) for _ in range(self.workers)]
+        for _ in range(self.workers):
+            self._pool.schedule(os.getpid)
         return self
 
-    def wait_started(self, timeout_s: float = 60.0) -> None:
-        """Wait (at most `timeout_s`) until the workers `start` began have run their first task:
-        an NVDEC worker then holds its GPU memory, which the batch sizing reads as taken."""
-        from concurrent.futures import wait
-
-        wait(self._started, timeout=timeout_s)
+    def wait_started(self, timeout_s: float = 60.0) -> int:
+        """How many workers hold their CUDA context (NVDEC's; the CPU's: 0, at once), once each
+        has made it or failed to, or `timeout_s` passed: GPU memory the batch sizing then reads
+        as taken (`job.nvdec_bytes_later` reserves the rest). Counted by the workers themselves:
+        one worker may run every start task while the others still make theirs."""
+        if self._gpu is None:
+            return 0
+        deadline = time.monotonic() + timeout_s
+        while self._contexts[0] < self.workers and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return min(self._contexts[1], self.workers)
 
     def prefetch(self, paths: Iterable[Path]) -> int:
         """Start decoding the first of `paths` now, in their order, as many as `PREFETCH_BYTES` of

@@ -68,10 +68,10 @@ def open_job(plan: Plan, source: "ModelSource", device: "torch.device") -> Capti
                       longest=longest, longest_image=longest_image)
 
 
-def sized_job(job: CaptionJob, plan: Plan, model: "PreTrainedModel", worker_contexts: bool = False) -> CaptionJob:
+def sized_job(job: CaptionJob, plan: Plan, model: "PreTrainedModel", worker_contexts: int = 0) -> CaptionJob:
     """The job with what the weights' memory decides: its batches (`batched_config`) and the
-    graphs' options. `worker_contexts`: the video decoders' workers hold their CUDA contexts (they
-    started while the model loaded: `VideoDecoders.wait_started`)."""
+    graphs' options. `worker_contexts`: how many video decoder workers hold their CUDA contexts
+    already (they started while the model loaded: `VideoDecoders.wait_started`)."""
     from encoder_graphs import GraphOptions
 
     config = batched_config(job, plan, model, worker_contexts)
@@ -90,20 +90,21 @@ def sized_job(job: CaptionJob, plan: Plan, model: "PreTrainedModel", worker_cont
     return replace(job, config=config, options=options)
 
 
-def nvdec_bytes_later(job: CaptionJob, videos: int, worker_contexts: bool) -> int:
+def nvdec_bytes_later(job: CaptionJob, videos: int, worker_contexts: int) -> int:
     """GPU bytes NVDEC's decoder workers will take after the batches are sized, where they decode
-    this job's videos: a decoder each, and a CUDA context each unless `worker_contexts` (a pool
-    started after the sizing: a Ray actor's, one the API's Captioner starts at its first video)."""
+    this job's videos: a decoder each, and a CUDA context each but the `worker_contexts` made
+    already (none where the pool starts after the sizing: a Ray actor's, one the API's Captioner
+    starts at its first video)."""
     from encoder_graphs.app.decoders import video_workers
     from encoder_graphs.app.nvdec import CONTEXT_GPU_BYTES, DECODER_GPU_BYTES
 
     if job.limits.video_hwaccel != "nvdec" or not videos:
         return 0
-    each = DECODER_GPU_BYTES + (0 if worker_contexts else CONTEXT_GPU_BYTES)
-    return each * video_workers(job.config.load_workers)
+    workers = video_workers(job.config.load_workers)
+    return workers * DECODER_GPU_BYTES + max(0, workers - worker_contexts) * CONTEXT_GPU_BYTES
 
 
-def batched_config(job: CaptionJob, plan: Plan, model: "PreTrainedModel", worker_contexts: bool = False) -> CaptionConfig:
+def batched_config(job: CaptionJob, plan: Plan, model: "PreTrainedModel", worker_contexts: int = 0) -> CaptionConfig:
     """The job's CaptionConfig with its batches: per kind of file, at most what the GPU memory free
     holds beside the one cache `job.longest` sizes, and never more than the job's files of that
     kind (the decoder then captures no larger bucket). Images and videos batch apart: a video's

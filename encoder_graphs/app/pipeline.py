@@ -50,8 +50,8 @@ class Captioner:
         videos: VideoDecoders | None = None,
         run_settings: dict | None = None,
     ) -> None:
-        """`videos`: the run's video decoder processes, started ahead by the caller (None: started
-        by the first video, and stopped with the run either way)."""
+        """`videos`: the run's video decoder processes, started ahead and stopped by the caller
+        (None: started by the first video and stopped with the run)."""
         self.model = model
         self.inputs = inputs
         self.config = config
