@@ -9,7 +9,9 @@ files with the same number of workers:
     python3 benchmarks/bench_video_decode.py FOLDER [--workers 16] [--frames 16] [--frame-tokens 256]
         [--beside-gpu-work] [--json out.json]
 Each run gives clips a second over all (the workers' start included) and `steady` (from the
-quarter of the files done on: the workers running).
+quarter of the files done on: the workers running); with `--beside-gpu-work`, also the matmul
+rate the GPU work kept beside the decoders (`gpu_work_tflops`), against its rate alone: what the
+decoders' CUDA contexts take from a model sharing the GPU.
 """
 
 import argparse
@@ -18,6 +20,7 @@ import os
 import queue
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -32,15 +35,27 @@ from encoder_graphs.app.walk import VIDEO_EXTENSIONS
 from encoder_graphs.models.qwen.geometry import VIDEO_DEFAULTS, PixelSettings, QwenFrameSize
 
 # The GPU kept busy beside the decoders: the model's loop runs kernels back to back in its own CUDA
-# context, which NVDEC's workers (each their own context) share the GPU with.
+# context, which NVDEC's workers (each their own context) share the GPU with. It writes the time of
+# each round of 50 matmuls to the file it is given, so each run reports how much of the GPU the
+# decoders left it (`gpu_work_tflops`, against `gpu_work_alone_tflops` before the first run).
 GPU_WORK = (
-    "import torch\n"
+    "import sys, time, torch\n"
     "a = torch.randn(4096, 4096, device='cuda', dtype=torch.bfloat16)\n"
+    "log = open(sys.argv[1], 'w', buffering=1)\n"
     "while True:\n"
     "    for _ in range(50):\n"
     "        b = a @ a\n"
     "    torch.cuda.synchronize()\n"
+    "    log.write(f'{time.time()}\\n')\n"
 )
+ROUND_FLOP = 50 * 2 * 4096**3
+
+
+def gpu_work_tflops(log: Path, start: float, end: float) -> float | None:
+    """The busy process's matmul rate between `start` and `end` (wall clock), from its log."""
+    times = [float(line) for line in log.read_text().split()] if log.exists() else []
+    inside = [t for t in times if start <= t <= end]
+    return len(inside) * ROUND_FLOP / (end - start) / 1e12 if inside and end > start else None
 
 
 def full_pass(path: Path, limits: LoadLimits):
@@ -130,7 +145,16 @@ def main() -> None:
                         help="a process keeps the GPU's cores busy meanwhile (bf16 matmuls), as the model does in the caption loop")
     parser.add_argument("--json")
     args = parser.parse_args()
-    busy = subprocess.Popen([sys.executable, "-c", GPU_WORK]) if args.beside_gpu_work else None
+    busy_log = Path(tempfile.mkdtemp()) / "gpu_work.log"
+    busy = subprocess.Popen([sys.executable, "-c", GPU_WORK, str(busy_log)]) if args.beside_gpu_work else None
+    alone = None
+    if busy is not None:  # its rate with no decoder beside it: 5 s once it runs
+        while not busy_log.exists() or not busy_log.read_text().strip():
+            if busy.poll() is not None:
+                raise SystemExit("--beside-gpu-work: the GPU work's process ended (no CUDA device?)")
+            time.sleep(0.2)
+        time.sleep(5)
+        alone = gpu_work_tflops(busy_log, time.time() - 5, time.time())
     files = sorted(p for p in args.folder.rglob("*") if p.suffix.lower() in VIDEO_EXTENSIONS)
     settings = PixelSettings.from_config({}, VIDEO_DEFAULTS["Qwen2VLVideoProcessor"], clip_budget=False)
     if args.frame_tokens:
@@ -140,14 +164,18 @@ def main() -> None:
     results = {}
     for name in args.runs.split(","):
         chosen = replace(limits, video_hwaccel="nvdec") if name.startswith("processes_nvdec") else limits
+        started = time.time()
         results[name] = run(name, files, chosen, args.workers)
+        if busy is not None:
+            results[name]["gpu_work_tflops"] = gpu_work_tflops(busy_log, started, time.time())
         print(f"{name}: {results[name]['clips_per_s']:.2f} clips/s, {results[name]['steady_clips_per_s']:.2f} "
               f"steady, first after {results[name]['first_clip_s']:.1f} s ({results[name]['clips']} clips, "
-              f"{results[name]['errors']} errors, {results[name]['seconds']:.1f} s) {results[name]['sampling']} "
+              f"{results[name]['errors']} errors, {results[name]['seconds']:.1f} s; GPU work beside "
+              f"{results[name].get('gpu_work_tflops')} of {alone} TFLOP/s alone) {results[name]['sampling']} "
               f"{results[name]['first_errors'][:1]}", file=sys.stderr, flush=True)
     if busy is not None:
         busy.kill()
-    payload = {"beside_gpu_work": args.beside_gpu_work, "folder": str(args.folder), "files": len(files), "workers": args.workers, "frames": args.frames,
+    payload = {"beside_gpu_work": args.beside_gpu_work, "gpu_work_alone_tflops": alone, "folder": str(args.folder), "files": len(files), "workers": args.workers, "frames": args.frames,
                "frame_tokens": args.frame_tokens, "cpus": os.cpu_count(), "runs": results,
                "environment": environment()}
     if args.json:
