@@ -214,8 +214,7 @@ def caption_files(
     from encoder_graphs.decoder.layers.stack import warm_up_language_model
 
     setup_started = time.perf_counter()
-    contexts = videos.wait_started() if videos is not None else 0  # NVDEC's, made: the sizing sees them
-    job = sized_job(job, plan, model, worker_contexts=contexts)
+    job = sized_job(job, plan, model, videos)
     config = job.config
     try:
         handle = enable_cuda_graphs(model, job.options)

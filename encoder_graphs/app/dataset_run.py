@@ -264,8 +264,7 @@ def run_loaded(settings: Settings, todo: list[InputShard], outputs: ShardOutputs
 
     model = load_model(source, job.device)
     loaded = time.perf_counter()
-    contexts = videos.wait_started() if videos is not None else 0  # NVDEC's, made: the sizing sees them
-    job = sized_job(job, plan, model, worker_contexts=contexts)
+    job = sized_job(job, plan, model, videos)
     handle = enable_cuda_graphs(model, job.options)
     setup_s = time.perf_counter() - loaded
     in_flight = InFlight()

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
     from encoder_graphs import GraphOptions
+    from encoder_graphs.app.decoders import VideoDecoders
     from encoder_graphs.app.loading import ModelSource
     from encoder_graphs.app.media import LoadLimits
 
@@ -68,13 +69,13 @@ def open_job(plan: Plan, source: "ModelSource", device: "torch.device") -> Capti
                       longest=longest, longest_image=longest_image)
 
 
-def sized_job(job: CaptionJob, plan: Plan, model: "PreTrainedModel", worker_contexts: int = 0) -> CaptionJob:
+def sized_job(job: CaptionJob, plan: Plan, model: "PreTrainedModel", videos: "VideoDecoders | None" = None) -> CaptionJob:
     """The job with what the weights' memory decides: its batches (`batched_config`) and the
-    graphs' options. `worker_contexts`: how many video decoder workers hold their CUDA contexts
-    already (they started while the model loaded: `VideoDecoders.wait_started`)."""
+    graphs' options. `videos`: the video decoders started while the model loaded; the sizing
+    waits for their workers' CUDA contexts (NVDEC's) and counts those made (`wait_started`)."""
     from encoder_graphs import GraphOptions
 
-    config = batched_config(job, plan, model, worker_contexts)
+    config = batched_config(job, plan, model, videos.wait_started() if videos is not None else 0)
     settings = plan.settings
     options = GraphOptions(
         budgets=settings.budgets,
