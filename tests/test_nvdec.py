@@ -548,3 +548,57 @@ def test_a_pool_for_nvdec_whose_workers_cannot_reach_their_gpu_still_decodes(tmp
     finally:
         videos.close()
     assert decoded.frames.shape[0] == 4 and decoded.decoder.startswith("cpu: ")
+
+
+def test_a_pool_whose_nvdec_takes_too_few_clips_hands_the_rest_to_cpu_workers(tmp_path, monkeypatch):
+    """NVDEC's workers cost the model GPU time whether or not NVDEC takes the clips: where it took
+    fewer than a quarter of the first `NVDEC_TRIAL` (here it takes none: no GPU 99), the rest go
+    to a pool of CPU workers, each record saying why; NVDEC's workers end; clips scheduled as the
+    pools change hands are not lost; the summary names both decoders."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from encoder_graphs.app import decoders
+    from encoder_graphs.app.runstats import RunStats
+
+    monkeypatch.setattr(decoders, "NVDEC_TRIAL", 3)
+    clips = []
+    for index in range(10):
+        clips.append(tmp_path / f"clip{index}.mp4")
+        write_h264(clips[-1], frames=8, size=(64, 48))
+    limits = LoadLimits(max_frames=4, frame_size=(64, 48), video_hwaccel="nvdec", video_device=99)
+    videos = decoders.VideoDecoders(2, limits).start()
+    try:
+        first = [videos.decode(clip) for clip in clips[:3]]
+        assert videos.nvdec_off == "NVDEC turned off: it took 0 of the first 3 clips"
+        nvdec_pool = videos._retired[0]
+        with ThreadPoolExecutor(4) as threads:  # the rest, side by side
+            rest = list(threads.map(videos.decode, clips[3:]))
+        nvdec_pool.join(timeout=30)
+        assert not nvdec_pool.active  # its workers ended
+    finally:
+        videos.close()
+    assert all(decoded.decoder.startswith("cpu: ") and decoded.decoder != "cpu: nvdec off" for decoded in first)
+    assert [decoded.decoder for decoded in rest] == ["cpu: nvdec off"] * 7
+    assert all(decoded.sampling.endswith(", cpu (NVDEC turned off: it took 0 of the first 3 clips)") for decoded in rest)
+    assert all(decoded.frames.shape == (4, 48, 64, 3) for decoded in first + rest)
+    stats = RunStats()
+    for decoded in first + rest:
+        stats.captioned("video", decoded.record())
+    assert stats.video_decoder("nvdec") == "nvdec, then cpu"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(importlib.util.find_spec("PyNvVideoCodec") is None, reason="needs PyNvVideoCodec (benchmarks/run_gpu.sh carries it)")
+def test_a_pool_whose_nvdec_takes_the_clips_keeps_it(tmp_path, monkeypatch):
+    """On a GPU, NVDEC takes H.264 clips, and its pool stays NVDEC's past the trial."""
+    from encoder_graphs.app import decoders
+
+    monkeypatch.setattr(decoders, "NVDEC_TRIAL", 2)
+    for index in range(4):
+        write_h264(tmp_path / f"clip{index}.mp4", frames=16, size=(320, 240))
+    videos = decoders.VideoDecoders(2, LoadLimits(max_frames=4, frame_size=(160, 120), video_hwaccel="nvdec")).start()
+    try:
+        decoded = [videos.decode(tmp_path / f"clip{index}.mp4") for index in range(4)]
+    finally:
+        videos.close()
+    assert videos.nvdec_off is None and [d.decoder for d in decoded] == ["nvdec"] * 4

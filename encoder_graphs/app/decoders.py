@@ -16,8 +16,11 @@ import multiprocessing
 import os
 import resource
 import signal
+import sys
+import threading
 import time
 from collections.abc import Iterable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +39,12 @@ WORKER_DATA_BYTES = 6 << 30
 # the load takes tens of seconds that the decoders would otherwise spend idle. The environment's
 # ENCODER_GRAPHS_VIDEO_PREFETCH_BYTES overrides it (0: none; benchmarks compare the two).
 PREFETCH_BYTES = int(os.environ.get("ENCODER_GRAPHS_VIDEO_PREFETCH_BYTES", str(2 << 30)))
+# NVDEC's workers take a share of the GPU from the model whether NVDEC takes the clips or not (each
+# worker is a CUDA context, which the GPU time-slices with the model's: benchmarks/RESULTS.md). Where
+# NVDEC took fewer than NVDEC_MIN_SHARE of the first NVDEC_TRIAL clips (another codec, 10-bit,
+# interlaced, failing), the rest go to CPU workers, and NVDEC's workers end with their contexts.
+NVDEC_TRIAL = 32
+NVDEC_MIN_SHARE = 0.25
 
 
 def decode_video(path: Path | str, limits: LoadLimits, data: bytes | None = None) -> DecodedVideo:
@@ -139,22 +148,29 @@ class VideoDecoders:
     CUDA state or threads of the parent."""
 
     def __init__(self, workers: int, limits: LoadLimits, data_bytes: int = WORKER_DATA_BYTES) -> None:
-        import pebble
-
         methods = multiprocessing.get_all_start_methods()
-        context = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
-        if context.get_start_method() == "forkserver":
-            context.set_forkserver_preload([__name__, "encoder_graphs.app.video", "torch", "av"])
-        self.limits, self.workers = limits, workers
+        self._context = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
+        if self._context.get_start_method() == "forkserver":
+            self._context.set_forkserver_preload([__name__, "encoder_graphs.app.video", "torch", "av"])
+        self.limits, self.workers, self._data_bytes = limits, workers, data_bytes
         self._ahead: dict[Path, object] = {}  # path -> the future of its decode, started by `prefetch`
         self._pending: set = set()  # every decode not ended: `close` ends them (pebble's stop may not)
         self._closed = False
         self.prefetched = 0
         self._gpu = limits.video_device if limits.video_hwaccel == "nvdec" else None
-        self._contexts = context.Array("i", 2)  # NVDEC's workers that tried to make their context, that hold one
-        self._pool = pebble.ProcessPool(
-            max_workers=workers, initializer=_worker_setup, context=context,
-            initargs=(data_bytes, limits.video_threads, self._gpu, self._contexts),
+        self._contexts = self._context.Array("i", 2)  # NVDEC's workers that tried to make their context, that hold one
+        self._lock = threading.Lock()  # the pool a decode is scheduled on, NVDEC's count of the clips
+        self._nvdec_asked = self._nvdec_took = 0
+        self.nvdec_off: str | None = None  # why NVDEC's workers were ended, where they were
+        self._retired: list = []  # NVDEC's pool once ended: its decodes under way finish
+        self._pool = self._new_pool()
+
+    def _new_pool(self) -> Any:
+        import pebble
+
+        return pebble.ProcessPool(
+            max_workers=self.workers, initializer=_worker_setup, context=self._context,
+            initargs=(self._data_bytes, self.limits.video_threads, self._gpu, self._contexts),
         )
 
     def start(self) -> "VideoDecoders":
@@ -194,7 +210,8 @@ class VideoDecoders:
 
     def _schedule(self, path: Path, data: bytes | None = None) -> object:
         try:
-            future = self._pool.schedule(_decode_in_worker, (path, self.limits, data), timeout=self.limits.video_timeout_s)
+            with self._lock:  # not onto NVDEC's pool as `_to_cpu` ends it
+                future = self._pool.schedule(_decode_in_worker, (path, self.limits, data), timeout=self.limits.video_timeout_s)
         except RuntimeError as error:  # the pool was stopped: the run is ending
             raise MediaError(path, "cancelled", "the run ended before its frames were decoded") from error
         self._pending.add(future)
@@ -213,7 +230,7 @@ class VideoDecoders:
 
         future = self._schedule(path, data) if data is not None else self._ahead.pop(path, None) or self._schedule(path)
         try:
-            return future.result()
+            return self._judged(future.result())
         except FutureTimeout as error:
             raise MediaError(path, "timeout", f"decoding took longer than {self.limits.video_timeout_s:g} s "
                              "(--video-timeout); its worker was stopped") from error
@@ -227,6 +244,33 @@ class VideoDecoders:
         except CancelledError as error:  # the pool stopped mid-decode: the run is ending
             raise MediaError(path, "cancelled", "the run ended before its frames were decoded") from error
 
+    def _judged(self, decoded: DecodedVideo) -> DecodedVideo:
+        """`decoded`, counted in NVDEC's take of the clips asked of it (a full pass is the CPU's
+        anyway); the CPU pool's, once NVDEC's ended, saying why the CPU decoded it."""
+        if self.nvdec_off is not None and decoded.decoder == "cpu":  # the CPU pool's: NVDEC's say "nvdec" or "cpu: why"
+            decoded.sampling += f", cpu ({self.nvdec_off})"
+            decoded.decoder = "cpu: nvdec off"
+            return decoded
+        if self._gpu is None or self._closed or decoded.decoder == "cpu: a full pass":
+            return decoded
+        with self._lock:
+            self._nvdec_asked += 1
+            self._nvdec_took += decoded.decoder == "nvdec"
+            if self._nvdec_asked >= NVDEC_TRIAL and self._nvdec_took < NVDEC_MIN_SHARE * self._nvdec_asked:
+                self._to_cpu()
+        return decoded
+
+    def _to_cpu(self) -> None:
+        """The rest of the run's clips to a pool of CPU workers; NVDEC's pool ends once the decodes
+        it holds are done (prefetched clips among them), and its workers' CUDA contexts with them."""
+        self.nvdec_off = f"NVDEC turned off: it took {self._nvdec_took} of the first {self._nvdec_asked} clips"
+        print(f"encoder-graphs: video decoder: {self.nvdec_off}; the CPU decodes the rest", file=sys.stderr)
+        self.limits, self._gpu = replace(self.limits, video_hwaccel=None), None
+        self._retired.append(self._pool)
+        self._pool.close()
+        self._pool = self._new_pool()
+        self.start()
+
     def close(self) -> None:
         """Stop the workers now (files still queued are dropped: their run is ending). A decode
         under way when pebble's loops stop would never end, and a loader thread waiting on it
@@ -235,8 +279,9 @@ class VideoDecoders:
         from concurrent.futures import CancelledError, InvalidStateError
 
         self._closed = True
-        self._pool.stop()
-        self._pool.join(timeout=10)
+        for pool in (self._pool, *self._retired):
+            pool.stop()
+            pool.join(timeout=10)
         self._ahead.clear()
         for future in list(self._pending):
             if not future.done():

@@ -48,8 +48,11 @@ class RunStats:
             self.video_decoders[video["decoder"]] += 1
 
     def video_decoder(self, hwaccel: str | None) -> str | None:
-        """The summary's `video_decoder`: the one the job chose (`LoadLimits.video_hwaccel`), where it captioned videos."""
-        return (hwaccel or "cpu") if self.by_kind.get("video") else None
+        """The summary's `video_decoder`: the one the job chose (`LoadLimits.video_hwaccel`), where it
+        captioned videos; "nvdec, then cpu" where NVDEC took too few to keep (`VideoDecoders._to_cpu`)."""
+        if not self.by_kind.get("video"):
+            return None
+        return "nvdec, then cpu" if self.video_decoders.get("cpu: nvdec off") else hwaccel or "cpu"
 
     def as_dict(self) -> dict:
         done = self.succeeded + self.failed
