@@ -573,8 +573,10 @@ def test_a_pool_whose_nvdec_takes_too_few_clips_hands_the_rest_to_cpu_workers(tm
         nvdec_pool = videos._retired[0]
         with ThreadPoolExecutor(4) as threads:  # the rest, side by side
             rest = list(threads.map(videos.decode, clips[3:]))
-        nvdec_pool.join(timeout=30)
-        assert not nvdec_pool.active  # its workers ended
+        deadline = time.monotonic() + 30  # its workers end by themselves once its decodes are done
+        while nvdec_pool.active and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not nvdec_pool.active
     finally:
         videos.close()
     assert all(decoded.decoder.startswith("cpu: ") and decoded.decoder != "cpu: nvdec off" for decoded in first)
@@ -602,3 +604,66 @@ def test_a_pool_whose_nvdec_takes_the_clips_keeps_it(tmp_path, monkeypatch):
     finally:
         videos.close()
     assert videos.nvdec_off is None and [d.decoder for d in decoded] == ["nvdec"] * 4
+
+
+def test_a_torchrun_jobs_summary_says_where_a_rank_ended_nvdec():
+    """Each rank's pool decides for itself: the job's summary names NVDEC then the CPU where any
+    rank's did, whichever rank it was, and the decoders' counts are summed."""
+    from encoder_graphs.app.jobstats import combined_stats
+    from encoder_graphs.app.runstats import RunStats
+
+    def rank(decoders: list[str]) -> dict:
+        stats = RunStats(wall_s=1.0)
+        for decoder in decoders:
+            stats.captioned("video", {"decoder": decoder})
+            stats.succeeded += 1
+        return {**stats.as_dict(), "video_decoder": stats.video_decoder("nvdec"), "interrupted": False,
+                "sidecars": 0, "sidecar_errors": 0}  # the command's summary adds these
+
+    kept, ended = rank(["nvdec"] * 3), rank(["cpu: codec"] * 2 + ["cpu: nvdec off"] * 4)
+    assert (kept["video_decoder"], ended["video_decoder"]) == ("nvdec", "nvdec, then cpu")
+    for ranks in ({0: kept, 1: ended}, {0: ended, 1: kept}):
+        job = combined_stats(ranks)
+        assert job["video_decoder"] == "nvdec, then cpu"
+        assert job["video_decoders"] == {"cpu: codec": 2, "cpu: nvdec off": 4, "nvdec": 3}
+    assert combined_stats({0: kept, 1: rank(["nvdec"])})["video_decoder"] == "nvdec"
+
+
+def test_nvdecs_trial_is_decided_once_and_switches_once(monkeypatch):
+    """The first `NVDEC_TRIAL` clips decide, once: a pool kept at the trial's end stays NVDEC's
+    whatever follows; one that switches does it once, though the trial's last clips come back on
+    several loader threads at the same time, and the pool ended meanwhile is not joined by it."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from encoder_graphs.app import decoders
+    from encoder_graphs.app.video import DecodedVideo
+
+    monkeypatch.setattr(decoders, "NVDEC_TRIAL", 4)
+
+    def clip(decoder: str) -> DecodedVideo:
+        return DecodedVideo(np.zeros((2, 2, 2, 3), np.uint8), {}, (2, 2), (0.0, 0.5), 1.0, "seek", decoder)
+
+    kept = decoders.VideoDecoders(1, LoadLimits(video_hwaccel="nvdec", video_device=99))
+    try:
+        for decoder in ["nvdec"] + ["cpu: codec"] * 12:  # 1 of the first 4: a quarter, kept
+            kept._judged(clip(decoder))
+        assert kept.nvdec_off is None and not kept._retired
+    finally:
+        kept.close()
+    switched = decoders.VideoDecoders(1, LoadLimits(video_hwaccel="nvdec", video_device=99))
+    together = threading.Barrier(8)
+
+    def judged(_) -> str:
+        together.wait()
+        return switched._judged(clip("cpu: codec")).decoder
+
+    try:
+        with ThreadPoolExecutor(8) as threads:
+            assert list(threads.map(judged, range(8))) == ["cpu: codec"] * 8
+        assert len(switched._retired) == 1
+        assert switched.nvdec_off == "NVDEC turned off: it took 0 of the first 4 clips"
+        assert switched._judged(clip("cpu")).decoder == "cpu: nvdec off"  # the CPU pool's
+    finally:
+        switched.close()
+    assert not switched._pool.active and not switched._retired[0].active

@@ -42,7 +42,8 @@ PREFETCH_BYTES = int(os.environ.get("ENCODER_GRAPHS_VIDEO_PREFETCH_BYTES", str(2
 # NVDEC's workers take a share of the GPU from the model whether NVDEC takes the clips or not (each
 # worker is a CUDA context, which the GPU time-slices with the model's: benchmarks/RESULTS.md). Where
 # NVDEC took fewer than NVDEC_MIN_SHARE of the first NVDEC_TRIAL clips (another codec, 10-bit,
-# interlaced, failing), the rest go to CPU workers, and NVDEC's workers end with their contexts.
+# interlaced, failing), the rest go to CPU workers, and NVDEC's workers end with their contexts
+# once the decodes given them are done (prefetched clips among them). Decided once.
 NVDEC_TRIAL = 32
 NVDEC_MIN_SHARE = 0.25
 
@@ -163,6 +164,7 @@ class VideoDecoders:
         self._nvdec_asked = self._nvdec_took = 0
         self.nvdec_off: str | None = None  # why NVDEC's workers were ended, where they were
         self._retired: list = []  # NVDEC's pool once ended: its decodes under way finish
+        self._reapers: list[threading.Thread] = []  # each joins a retired pool once its decodes are done
         self._pool = self._new_pool()
 
     def _new_pool(self) -> Any:
@@ -245,8 +247,10 @@ class VideoDecoders:
             raise MediaError(path, "cancelled", "the run ended before its frames were decoded") from error
 
     def _judged(self, decoded: DecodedVideo) -> DecodedVideo:
-        """`decoded`, counted in NVDEC's take of the clips asked of it (a full pass is the CPU's
-        anyway); the CPU pool's, once NVDEC's ended, saying why the CPU decoded it."""
+        """`decoded`, counted in NVDEC's take of the first `NVDEC_TRIAL` clips asked of it (not a
+        full pass of a clip NVDEC had not refused: that is the CPU's anyway), which decides, once
+        they are in, whether NVDEC's pool stays; the CPU pool's, once NVDEC's ended, saying why
+        the CPU decoded it."""
         if self.nvdec_off is not None and decoded.decoder == "cpu":  # the CPU pool's: NVDEC's say "nvdec" or "cpu: why"
             decoded.sampling += f", cpu ({self.nvdec_off})"
             decoded.decoder = "cpu: nvdec off"
@@ -254,9 +258,11 @@ class VideoDecoders:
         if self._gpu is None or self._closed or decoded.decoder == "cpu: a full pass":
             return decoded
         with self._lock:
+            if self._gpu is None or self._closed or self._nvdec_asked >= NVDEC_TRIAL:  # switched, ended or decided meanwhile
+                return decoded
             self._nvdec_asked += 1
             self._nvdec_took += decoded.decoder == "nvdec"
-            if self._nvdec_asked >= NVDEC_TRIAL and self._nvdec_took < NVDEC_MIN_SHARE * self._nvdec_asked:
+            if self._nvdec_asked == NVDEC_TRIAL and self._nvdec_took < NVDEC_MIN_SHARE * NVDEC_TRIAL:
                 self._to_cpu()
         return decoded
 
@@ -266,8 +272,12 @@ class VideoDecoders:
         self.nvdec_off = f"NVDEC turned off: it took {self._nvdec_took} of the first {self._nvdec_asked} clips"
         print(f"encoder-graphs: video decoder: {self.nvdec_off}; the CPU decodes the rest", file=sys.stderr)
         self.limits, self._gpu = replace(self.limits, video_hwaccel=None), None
-        self._retired.append(self._pool)
-        self._pool.close()
+        retired = self._pool
+        retired.close()  # pebble's close alone leaves the workers alive: its join ends them
+        reaper = threading.Thread(target=retired.join, name="nvdec-pool-end", daemon=True)
+        reaper.start()
+        self._retired.append(retired)
+        self._reapers.append(reaper)
         self._pool = self._new_pool()
         self.start()
 
@@ -278,10 +288,14 @@ class VideoDecoders:
         here, cancelled."""
         from concurrent.futures import CancelledError, InvalidStateError
 
-        self._closed = True
-        for pool in (self._pool, *self._retired):
+        with self._lock:  # no swap between reading the pools and stopping them
+            self._closed = True
+            pools = (self._pool, *self._retired)
+        for pool in pools:
             pool.stop()
-            pool.join(timeout=10)
+        for reaper in self._reapers:  # a retired pool, stopped, is joined by its reaper
+            reaper.join(timeout=10)
+        self._pool.join(timeout=10)
         self._ahead.clear()
         for future in list(self._pending):
             if not future.done():

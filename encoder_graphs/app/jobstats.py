@@ -9,7 +9,7 @@ from collections import Counter
 def combined_stats(ranks: dict[int, dict]) -> dict:
     """One run's statistics (`RunStats.as_dict()`) from every rank's: sums, the slowest rank's
     wall time, throughput."""
-    from encoder_graphs.app.runstats import padding_pct  # torch: not at import (the CLI's fast paths)
+    from encoder_graphs.app.runstats import NVDEC_THEN_CPU, padding_pct  # torch: not at import (the CLI's fast paths)
 
     runs = list(ranks.values())
     wall_s = max(r["wall_s"] for r in runs)
@@ -28,8 +28,9 @@ def combined_stats(ranks: dict[int, dict]) -> dict:
         "tokens_per_s": combined["generated_tokens"] / wall_s if wall_s else 0.0,
         "prompt_padding_pct": padding_pct(combined["prompt_tokens"], combined["padded_prompt_tokens"]),
         "interrupted": any(r["interrupted"] for r in runs),
-        # the same on every rank that decoded videos (`nvdec.chosen`)
-        "video_decoder": next((r["video_decoder"] for r in runs if r.get("video_decoder")), None),
+        # chosen alike on every rank (`nvdec.chosen`); a rank's pool may then end NVDEC's workers
+        "video_decoder": NVDEC_THEN_CPU if any(r.get("video_decoder") == NVDEC_THEN_CPU for r in runs)
+        else next((r["video_decoder"] for r in runs if r.get("video_decoder")), None),
         "world_size": len(runs),
         "ranks": [
             {"rank": rank, "files": r["succeeded"] + r["failed"], "items_per_s": r["items_per_s"],

@@ -10,6 +10,9 @@ from encoder_graphs.engine.stats import latency_summary
 if TYPE_CHECKING:
     from tqdm import tqdm
 
+# The summary's `video_decoder` where NVDEC's workers were ended for the CPU's (`VideoDecoders._to_cpu`).
+NVDEC_THEN_CPU = "nvdec, then cpu"
+
 
 @dataclass
 class RunStats:
@@ -49,10 +52,10 @@ class RunStats:
 
     def video_decoder(self, hwaccel: str | None) -> str | None:
         """The summary's `video_decoder`: the one the job chose (`LoadLimits.video_hwaccel`), where it
-        captioned videos; "nvdec, then cpu" where NVDEC took too few to keep (`VideoDecoders._to_cpu`)."""
+        captioned videos; `NVDEC_THEN_CPU` where NVDEC took too few to keep (`VideoDecoders._to_cpu`)."""
         if not self.by_kind.get("video"):
             return None
-        return "nvdec, then cpu" if self.video_decoders.get("cpu: nvdec off") else hwaccel or "cpu"
+        return NVDEC_THEN_CPU if self.video_decoders.get("cpu: nvdec off") else hwaccel or "cpu"
 
     def as_dict(self) -> dict:
         done = self.succeeded + self.failed
