@@ -146,7 +146,8 @@ class VideoDecoders:
     takes longer than `limits.video_timeout_s` has its worker killed and replaced, and so has one
     whose worker dies (a decoder crash, the address-space limit): either becomes the file's
     `MediaError`, and the other files go on. Workers start from a fork server, so they inherit no
-    CUDA state or threads of the parent."""
+    CUDA state or threads of the parent. A pool asked for NVDEC hands its clips to CPU workers
+    where NVDEC takes too few of the first (`NVDEC_TRIAL`)."""
 
     def __init__(self, workers: int, limits: LoadLimits, data_bytes: int = WORKER_DATA_BYTES) -> None:
         methods = multiprocessing.get_all_start_methods()
