@@ -667,31 +667,3 @@ def test_nvdecs_trial_is_decided_once_and_switches_once(monkeypatch):
     finally:
         switched.close()
     assert not switched._pool.active and not switched._retired[0].active
-
-
-def test_prefetched_clips_not_begun_move_to_the_cpu_pool(tmp_path, monkeypatch):
-    """Clips prefetched while the model loaded, not yet begun when NVDEC's trial ends, are decoded
-    by the CPU pool (NVDEC's workers need not outlive the prefetch); none is lost or decoded twice."""
-    from encoder_graphs.app import decoders
-
-    monkeypatch.setattr(decoders, "NVDEC_TRIAL", 2)
-    clips = []
-    for index in range(10):
-        clips.append(tmp_path / f"clip{index}.mp4")
-        write_h264(clips[-1], frames=90, size=(320, 240))
-    limits = LoadLimits(max_frames=8, frame_size=(160, 120), video_hwaccel="nvdec", video_device=99)
-    videos = decoders.VideoDecoders(1, limits).start()
-    try:
-        assert videos.prefetch(clips) == 10
-        decoded = [videos.decode(clip) for clip in clips]
-        nvdec_pool = videos._retired[0]
-        deadline = time.monotonic() + 30
-        while nvdec_pool.active and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not nvdec_pool.active and not videos._ahead
-    finally:
-        videos.close()
-    assert all(d.frames.shape == (8, 120, 160, 3) for d in decoded)
-    assert decoded[-1].decoder == "cpu: nvdec off"  # the last had not begun when the trial ended
-    moved = [d.decoder == "cpu: nvdec off" for d in decoded]
-    assert moved == sorted(moved)  # NVDEC's pool decoded the first, the CPU's the rest

@@ -328,7 +328,7 @@ def test_prefetched_decodes_serve_their_files_within_the_memory_bound(tmp_path, 
         assert error.value.kind == "corrupt"
         scheduled = []
         schedule = decoders._schedule
-        decoders._schedule = lambda path, data=None: scheduled.append(path) or schedule(path, data)
+        decoders._schedule = lambda path: scheduled.append(path) or schedule(path)
         video = decoders.decode(paths[1])
         assert scheduled == [] and not decoders._ahead  # the prefetched decode's result, taken once
         fresh = decode_video(paths[1], limits)

@@ -43,7 +43,7 @@ PREFETCH_BYTES = int(os.environ.get("ENCODER_GRAPHS_VIDEO_PREFETCH_BYTES", str(2
 # worker is a CUDA context, which the GPU time-slices with the model's: benchmarks/RESULTS.md). Where
 # NVDEC took fewer than NVDEC_MIN_SHARE of the first NVDEC_TRIAL clips (another codec, 10-bit,
 # interlaced, failing), the rest go to CPU workers, and NVDEC's workers end with their contexts
-# once the decodes they began are done. Decided once.
+# once the decodes given them are done (prefetched clips among them). Decided once.
 NVDEC_TRIAL = 32
 NVDEC_MIN_SHARE = 0.25
 
@@ -161,7 +161,7 @@ class VideoDecoders:
         self.prefetched = 0
         self._gpu = limits.video_device if limits.video_hwaccel == "nvdec" else None
         self._contexts = self._context.Array("i", 2)  # NVDEC's workers that tried to make their context, that hold one
-        self._lock = threading.RLock()  # the pool a decode is scheduled on, `_ahead`, NVDEC's count of the clips
+        self._lock = threading.Lock()  # the pool a decode is scheduled on, NVDEC's count of the clips
         self._nvdec_asked = self._nvdec_took = 0
         self.nvdec_off: str | None = None  # why NVDEC's workers were ended, where they were
         self._retired: list = []  # NVDEC's pool once ended: its decodes under way finish
@@ -205,11 +205,9 @@ class VideoDecoders:
         for path in paths:
             if count * clip_bytes >= PREFETCH_BYTES:
                 break
-            with self._lock:
-                if path in self._ahead:
-                    continue
+            if path not in self._ahead:
                 self._ahead[path] = self._schedule(path)
-            count += 1
+                count += 1
         self.prefetched += count
         return count
 
@@ -233,9 +231,7 @@ class VideoDecoders:
 
         from pebble import ProcessExpired
 
-        with self._lock:  # not a prefetched decode `_to_cpu` moves meanwhile
-            future = self._ahead.pop(path, None) if data is None else None
-        future = future or self._schedule(path, data)
+        future = self._schedule(path, data) if data is not None else self._ahead.pop(path, None) or self._schedule(path)
         try:
             return self._judged(future.result())
         except FutureTimeout as error:
@@ -272,9 +268,8 @@ class VideoDecoders:
         return decoded
 
     def _to_cpu(self) -> None:
-        """The rest of the run's clips to a pool of CPU workers, prefetched ones not yet begun among
-        them; NVDEC's pool ends once the decodes it has begun are done, and its workers' CUDA
-        contexts with them. Holds the lock."""
+        """The rest of the run's clips to a pool of CPU workers; NVDEC's pool ends once the decodes
+        it holds are done (prefetched clips among them), and its workers' CUDA contexts with them."""
         self.nvdec_off = f"NVDEC turned off: it took {self._nvdec_took} of the first {self._nvdec_asked} clips"
         print(f"encoder-graphs: video decoder: {self.nvdec_off}; the CPU decodes the rest", file=sys.stderr)
         self.limits, self._gpu = replace(self.limits, video_hwaccel=None), None
@@ -286,9 +281,6 @@ class VideoDecoders:
         self._reapers.append(reaper)
         self._pool = self._new_pool()
         self.start()
-        for path, future in list(self._ahead.items()):  # prefetched, not begun, and no thread waits on it
-            if not future.running() and future.cancel():
-                self._ahead[path] = self._schedule(path)
 
     def close(self) -> None:
         """Stop the workers now (files still queued are dropped: their run is ending). A decode
