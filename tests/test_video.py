@@ -441,6 +441,43 @@ def test_closing_ends_a_decode_under_way(tmp_path):
         assert outcome and outcome[0] == "cancelled", outcome
 
 
+def test_a_decode_scheduled_as_the_run_closes_ends_too(tmp_path):
+    """A loader thread scheduling its decode as `close` runs (here: held just after pebble took
+    it, behind a backlog of prefetched clips, as a preempted thread would be) is not left waiting
+    forever: its decode is counted where `close` ends them, or refused as cancelled."""
+    import shutil
+    import threading
+
+    write_h264(tmp_path / "clip.mp4", frames=90, size=(320, 240))
+    for index in range(60):
+        shutil.copy(tmp_path / "clip.mp4", tmp_path / f"copy{index}.mp4")
+    decoders = VideoDecoders(1, LoadLimits(max_frames=8, frame_size=(160, 120)))
+    decoders.start()
+    decoders.prefetch([tmp_path / f"copy{index}.mp4" for index in range(60)])  # a backlog in pebble's queue
+    scheduled, closed = threading.Event(), threading.Event()
+
+    class HeldAtAdd(set):
+        def add(self, future) -> None:
+            if threading.current_thread().name == "loader":
+                scheduled.set()
+                closed.wait(3)  # `close` runs meanwhile, where it can
+            super().add(future)
+
+    held = HeldAtAdd()
+    set.update(held, decoders._pending)
+    decoders._pending = held
+    outcome = []
+    loader = threading.Thread(target=lambda: outcome.append(_error_of(decoders, tmp_path / "clip.mp4")), name="loader",
+                              daemon=True)
+    loader.start()
+    scheduled.wait(10)
+    decoders.close()
+    closed.set()
+    loader.join(timeout=20)
+    assert not loader.is_alive(), "the loader thread still waits on its decode"
+    assert outcome == ["cancelled"], outcome
+
+
 def _error_of(decoders: VideoDecoders, path: Path) -> str | None:
     try:
         decoders.decode(path)

@@ -212,12 +212,16 @@ class VideoDecoders:
         return count
 
     def _schedule(self, path: Path, data: bytes | None = None) -> object:
-        try:
-            with self._lock:  # not onto NVDEC's pool as `_to_cpu` ends it
+        """The decode of `path`, scheduled on the pool of the moment and in `_pending` before
+        `close` can read it (else a decode queued as the run ends would never end)."""
+        with self._lock:  # not onto NVDEC's pool as `_to_cpu` ends it, nor past `close`
+            try:
+                if self._closed:
+                    raise RuntimeError("closed")
                 future = self._pool.schedule(_decode_in_worker, (path, self.limits, data), timeout=self.limits.video_timeout_s)
-        except RuntimeError as error:  # the pool was stopped: the run is ending
-            raise MediaError(path, "cancelled", "the run ended before its frames were decoded") from error
-        self._pending.add(future)
+            except RuntimeError as error:  # the pool was stopped: the run is ending
+                raise MediaError(path, "cancelled", "the run ended before its frames were decoded") from error
+            self._pending.add(future)
         future.add_done_callback(self._pending.discard)
         return future
 
