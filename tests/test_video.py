@@ -444,7 +444,8 @@ def test_closing_ends_a_decode_under_way(tmp_path):
 def test_a_decode_scheduled_as_the_run_closes_ends_too(tmp_path):
     """A loader thread scheduling its decode as `close` runs (here: held just after pebble took
     it, behind a backlog of prefetched clips, as a preempted thread would be) is not left waiting
-    forever: its decode is counted where `close` ends them, or refused as cancelled."""
+    forever: its decode is one `close` ends (cancelled), or done where the backlog was decoded
+    while it was held."""
     import shutil
     import threading
 
@@ -475,7 +476,7 @@ def test_a_decode_scheduled_as_the_run_closes_ends_too(tmp_path):
     closed.set()
     loader.join(timeout=20)
     assert not loader.is_alive(), "the loader thread still waits on its decode"
-    assert outcome == ["cancelled"], outcome
+    assert outcome in (["cancelled"], [None]), outcome
 
 
 def _error_of(decoders: VideoDecoders, path: Path) -> str | None:
